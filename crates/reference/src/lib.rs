@@ -1,0 +1,1 @@
+//! arfuse-reference
