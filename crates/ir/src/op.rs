@@ -1,0 +1,431 @@
+//! Operations and their attributes.
+//!
+//! In JSON a node names its op (`"op": "rms_norm"`) and gives the attributes in an
+//! `"attrs"` object. Attributes with a default may be left out; unknown attributes are
+//! an error (a matcher that silently ignores a new argument is a known failure class,
+//! domain.md section 2).
+//!
+//! Input and output conventions (`x` is an activation `[..., H]`, leading dims are tokens):
+//!
+//! | op | inputs | outputs |
+//! |---|---|---|
+//! | `input` | - | 1 (declared) |
+//! | `constant` | - | 1 scalar `[]` float |
+//! | `all_reduce` | x | x's type |
+//! | `add`, `mul` | a, b (same dtype, broadcast) | broadcast type |
+//! | `to_dtype` | x | x's shape, `dtype` |
+//! | `pow`, `rsqrt` | x (float) | x's type |
+//! | `mean` | x (float) | x with `dims` reduced (kept as 1 when `keepdim`) |
+//! | `reshape` | x | declared shape, same element count and dtype |
+//! | `rms_norm` | x, weight `[H]` | x's type |
+//! | `fused_add_rms_norm` | x, residual, weight `[H]` | normed, residual_out (x's type) |
+//! | `quant_fp8_static` | x, scale f32 `[1]` or `[]` | fp8_e4m3 `[..., H]` |
+//! | `quant_fp8_per_token` | x | fp8_e4m3 `[..., H]`, f32 scales `[..., 1]` |
+//! | `quant_fp8_per_token_group` | x | fp8_e4m3 `[..., H]`, scales (see [`GroupScaleLayout`]) |
+//! | `quant_nvfp4` | x, global_scale f32 `[1]` or `[]` | fp4_e2m1x2 `[..., H/2]`, fp8_e4m3 scales `[..., H/16]` |
+//! | `matmul` | x `[..., K]`, w `[K, N]` (`[N, K]` when `transpose_b`) | x's dtype `[..., N]` |
+//! | `embedding` | table `[V, H]`, ids (i32/i64) `[...]` | table dtype `[..., H]` |
+//! | `opaque` | any | any (declared) |
+//! | `fused_allreduce_norm` | see [`FusedAllReduceNorm`] | see [`FusedAllReduceNorm`] |
+//!
+//! Scale outputs are typed by their logical shape; the physical layout (padding,
+//! swizzling) follows the layout attribute and is computed by `arfuse-reference`.
+
+use crate::DType;
+use serde::{Deserialize, Serialize};
+
+/// What a graph input holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InputKind {
+    /// Per-call data that differs across ranks (token ids, hidden states).
+    #[default]
+    Activation,
+    /// Weights, identical on every rank of the group unless sharded.
+    Parameter,
+    /// Persistent non-trainable state.
+    Buffer,
+}
+
+/// The reduction of a collective. Only `sum` exists today; the field keeps the format
+/// honest when others arrive.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReduceOp {
+    /// Element-wise sum over the ranks of the group.
+    #[default]
+    Sum,
+}
+
+/// Scale layout of per-token-group FP8 quantisation (domain.md section 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupScaleLayout {
+    /// fp32 `[..., H / group_size]`, row-major.
+    F32RowMajor,
+    /// ue8m0 exponents, 4 per i32, logical `[..., ceil(H / group_size / 4)]` i32; stored
+    /// column-major with the token dim padded to a multiple of 4, padding zeroed
+    /// (DeepGEMM's layout).
+    PackedUe8m0,
+}
+
+/// Scale layout of NVFP4 quantisation (domain.md section 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Nvfp4ScaleLayout {
+    /// 512-byte tiles of 128 rows x 4 scale columns; `round_up(T,128) * round_up(H/16,4)` bytes.
+    #[serde(rename = "swizzled_128x4")]
+    Swizzled128x4,
+    /// Row-major `[T, H/16]`.
+    Linear,
+}
+
+/// The quantisation epilogue of a fused node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum FusedQuant {
+    /// No quantisation.
+    None,
+    /// Static per-tensor FP8 (extra input: the fp32 dequant scale).
+    Fp8Static,
+    /// Dynamic per-token FP8 (extra output: fp32 scales `[..., 1]`).
+    Fp8PerToken,
+    /// Per-token-group FP8 (extra output: scales in `scale_layout`).
+    Fp8PerTokenGroup {
+        /// Elements per group (128 for DeepSeek-style block quant).
+        group_size: u64,
+        /// Scale layout.
+        scale_layout: GroupScaleLayout,
+    },
+    /// NVFP4 (extra input: fp32 global scale; extra output: e4m3 block scales).
+    Nvfp4 {
+        /// Scale layout.
+        scale_layout: Nvfp4ScaleLayout,
+    },
+}
+
+/// One output a fused node can write (domain.md section 1: write only live outputs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FusedOutput {
+    /// The RMSNorm output, activation dtype.
+    Norm,
+    /// The new residual (all-reduce output plus residual), activation dtype.
+    Residual,
+    /// The quantised norm output.
+    Quant,
+    /// The quantisation scales.
+    Scale,
+}
+
+/// Device algorithm of a fused node (domain.md section 3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// CUDA IPC peer buffers inside one node.
+    Trtllm,
+    /// NVLink multicast buffers.
+    Mnnvl,
+}
+
+/// How a given token count runs (domain.md section 4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// Fused, one-shot Lamport kernel.
+    OneShot,
+    /// Fused, two-shot (reduce-scatter + all-gather) kernel.
+    TwoShot,
+    /// The unfused kernels (all-reduce, add + RMSNorm, quant).
+    Unfused,
+}
+
+/// Tokens `min_tokens..=max_tokens` run with `strategy`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DispatchRange {
+    /// First token count, inclusive.
+    pub min_tokens: u64,
+    /// Last token count, inclusive.
+    pub max_tokens: u64,
+    /// The strategy.
+    pub strategy: Strategy,
+    /// Bytes of ONE Lamport buffer the largest T of the range needs (0 when unfused).
+    #[serde(default)]
+    pub required_bytes: u64,
+}
+
+/// The plan a fused node carries, written by the pass from `arfuse-policy`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FusedPlan {
+    /// Device algorithm.
+    pub backend: Backend,
+    /// FlashInfer's pattern code for the fused kernel (domain.md section 1).
+    pub pattern_code: u32,
+    /// Largest token count the workspace is sized for (M).
+    pub max_token_num: u64,
+    /// Workspace bytes per rank (the whole allocation).
+    pub workspace_bytes: u64,
+    /// Bytes of one Lamport buffer.
+    pub lamport_buffer_bytes: u64,
+    /// Strategy by token range, covering 1..=max batched tokens.
+    pub dispatch: Vec<DispatchRange>,
+}
+
+/// Attributes of the fused all-reduce + (residual add) + RMSNorm (+ quant) node.
+///
+/// Inputs, in order: `x` (the per-rank all-reduce input, `[..., H]`), `residual` (when
+/// `residual` is true), `weight` (`[H]`, activation dtype, or f32 when `weight_bias` is 1),
+/// then `scale` (f32 `[1]`) for static FP8 or `global_scale` (f32 `[1]`) for NVFP4.
+///
+/// Outputs: one per entry of `outputs`, in that order. `norm` and `residual` have x's
+/// type; `quant` and `scale` have the types of the matching quant op's outputs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FusedAllReduceNorm {
+    /// Process group of the all-reduce.
+    pub group: String,
+    /// RMSNorm epsilon (> 0).
+    pub eps: f64,
+    /// Added to the weight before scaling: 0, or 1 for Gemma-style offset weights.
+    #[serde(default)]
+    pub weight_bias: f64,
+    /// Whether a residual input is added after the all-reduce.
+    pub residual: bool,
+    /// Quantisation epilogue.
+    pub quant: FusedQuant,
+    /// The outputs written, in output order (no duplicates).
+    pub outputs: Vec<FusedOutput>,
+    /// The plan, when the pass has one.
+    #[serde(default)]
+    pub plan: Option<FusedPlan>,
+}
+
+/// An operation. See the module documentation for inputs and outputs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// A graph input: activation, parameter or buffer.
+    Input {
+        /// What it holds.
+        #[serde(default)]
+        kind: InputKind,
+    },
+    /// A scalar constant (`[]`), e.g. an RMSNorm eps in a decomposed norm.
+    Constant {
+        /// The value (finite).
+        value: f64,
+    },
+    /// Sum over the ranks of `group`.
+    AllReduce {
+        /// Process-group name (non-empty).
+        group: String,
+        /// Reduction.
+        #[serde(default)]
+        reduce: ReduceOp,
+    },
+    /// Element-wise sum with broadcasting.
+    Add,
+    /// Element-wise product with broadcasting.
+    Mul,
+    /// Cast to `dtype`.
+    ToDtype {
+        /// Target element type.
+        dtype: DType,
+    },
+    /// `x ^ exponent`.
+    Pow {
+        /// The exponent.
+        exponent: f64,
+    },
+    /// Mean over `dims` (negative counts from the end).
+    Mean {
+        /// Reduced dimensions.
+        dims: Vec<i64>,
+        /// Keep reduced dims as size 1.
+        #[serde(default)]
+        keepdim: bool,
+    },
+    /// `1 / sqrt(x)`.
+    Rsqrt,
+    /// Reshape or view to the declared output shape.
+    Reshape,
+    /// RMSNorm over the last dim: `x * rsqrt(mean(x^2) + eps) * (weight + weight_bias)`.
+    RmsNorm {
+        /// Epsilon (> 0).
+        eps: f64,
+        /// 0, or 1 for offset (Gemma-style) weights.
+        #[serde(default)]
+        weight_bias: f64,
+    },
+    /// `h = x + residual; (rms_norm(h), h)`.
+    FusedAddRmsNorm {
+        /// Epsilon (> 0).
+        eps: f64,
+        /// 0, or 1 for offset weights.
+        #[serde(default)]
+        weight_bias: f64,
+    },
+    /// Static per-tensor FP8 quantisation.
+    QuantFp8Static,
+    /// Dynamic per-token FP8 quantisation.
+    QuantFp8PerToken,
+    /// Per-token-group FP8 quantisation.
+    QuantFp8PerTokenGroup {
+        /// Elements per group (must divide H).
+        group_size: u64,
+        /// Scale layout.
+        scale_layout: GroupScaleLayout,
+    },
+    /// NVFP4 quantisation (blocks of 16).
+    QuantNvfp4 {
+        /// Scale layout.
+        #[serde(default = "default_nvfp4_layout")]
+        scale_layout: Nvfp4ScaleLayout,
+    },
+    /// Matrix product.
+    Matmul {
+        /// Whether `w` is stored `[N, K]` (a torch `linear` weight).
+        #[serde(default)]
+        transpose_b: bool,
+    },
+    /// Row lookup.
+    Embedding,
+    /// Any op arfuse does not model, kept with its original name and attributes.
+    Opaque {
+        /// The original op name (e.g. `aten.silu.default`).
+        target: String,
+        /// The original attributes, verbatim.
+        #[serde(default)]
+        attrs: serde_json::Value,
+    },
+    /// The fused all-reduce + residual add + RMSNorm (+ quant) node.
+    FusedAllreduceNorm(FusedAllReduceNorm),
+}
+
+fn default_nvfp4_layout() -> Nvfp4ScaleLayout {
+    Nvfp4ScaleLayout::Swizzled128x4
+}
+
+impl Op {
+    /// The op's name as written in JSON (`"all_reduce"`, ...).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Constant { .. } => "constant",
+            Op::AllReduce { .. } => "all_reduce",
+            Op::Add => "add",
+            Op::Mul => "mul",
+            Op::ToDtype { .. } => "to_dtype",
+            Op::Pow { .. } => "pow",
+            Op::Mean { .. } => "mean",
+            Op::Rsqrt => "rsqrt",
+            Op::Reshape => "reshape",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::FusedAddRmsNorm { .. } => "fused_add_rms_norm",
+            Op::QuantFp8Static => "quant_fp8_static",
+            Op::QuantFp8PerToken => "quant_fp8_per_token",
+            Op::QuantFp8PerTokenGroup { .. } => "quant_fp8_per_token_group",
+            Op::QuantNvfp4 { .. } => "quant_nvfp4",
+            Op::Matmul { .. } => "matmul",
+            Op::Embedding => "embedding",
+            Op::Opaque { .. } => "opaque",
+            Op::FusedAllreduceNorm(_) => "fused_allreduce_norm",
+        }
+    }
+
+    /// The attributes as a JSON object (empty for ops without attributes).
+    pub fn attrs_json(&self) -> serde_json::Map<String, serde_json::Value> {
+        // Serializing our own enum to a Value cannot fail: every field is a plain
+        // number, string, bool, enum or nested struct (f64 NaN becomes null).
+        match serde_json::to_value(self) {
+            Ok(serde_json::Value::Object(mut m)) => {
+                m.remove("op");
+                m
+            }
+            _ => serde_json::Map::new(),
+        }
+    }
+
+    /// Parses an op from its name and attribute object. Unknown attributes, a
+    /// missing required attribute or a wrong type give an error message.
+    pub fn from_name_attrs(
+        name: &str,
+        attrs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Op, String> {
+        if attrs.contains_key("op") {
+            return Err("attribute named \"op\" is not allowed".into());
+        }
+        let mut obj = attrs.clone();
+        obj.insert("op".into(), serde_json::Value::String(name.to_string()));
+        let op: Op = serde_json::from_value(serde_json::Value::Object(obj)).map_err(|e| {
+            let msg = e.to_string();
+            if msg.starts_with("unknown variant") {
+                format!("unknown op {name:?}; use \"opaque\" with a \"target\" for ops arfuse does not model")
+            } else if let Some(field) = msg.strip_prefix("missing field ") {
+                format!("op {name:?} needs attribute {field}")
+            } else {
+                msg
+            }
+        })?;
+        let known = op.attrs_json();
+        let unknown: Vec<&str> = attrs
+            .keys()
+            .filter(|k| !known.contains_key(*k))
+            .map(String::as_str)
+            .collect();
+        if !unknown.is_empty() {
+            return Err(format!("unknown attribute(s) {unknown:?} for op {name:?}"));
+        }
+        Ok(op)
+    }
+
+    /// True for collectives (their identity matters: never merged or duplicated).
+    pub fn is_collective(&self) -> bool {
+        matches!(self, Op::AllReduce { .. } | Op::FusedAllreduceNorm(_))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn obj(v: serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+        v.as_object().cloned().unwrap()
+    }
+
+    #[test]
+    fn parses_with_defaults_and_rejects_unknown_attrs() {
+        let op = Op::from_name_attrs("rms_norm", &obj(json!({"eps": 1e-6}))).unwrap();
+        assert_eq!(
+            op,
+            Op::RmsNorm {
+                eps: 1e-6,
+                weight_bias: 0.0
+            }
+        );
+        let err =
+            Op::from_name_attrs("rms_norm", &obj(json!({"eps": 1e-6, "foo": 1}))).unwrap_err();
+        assert!(err.contains("foo"), "{err}");
+        let err = Op::from_name_attrs("all_reduce", &obj(json!({}))).unwrap_err();
+        assert!(err.contains("group"), "{err}");
+        let err = Op::from_name_attrs("frobnicate", &obj(json!({}))).unwrap_err();
+        assert!(err.contains("opaque"), "{err}");
+        assert_eq!(
+            Op::from_name_attrs("add", &obj(json!({}))).unwrap(),
+            Op::Add
+        );
+    }
+
+    #[test]
+    fn attrs_round_trip() {
+        let op = Op::QuantFp8PerTokenGroup {
+            group_size: 128,
+            scale_layout: GroupScaleLayout::PackedUe8m0,
+        };
+        let back = Op::from_name_attrs(op.name(), &op.attrs_json()).unwrap();
+        assert_eq!(op, back);
+    }
+}

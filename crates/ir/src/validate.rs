@@ -1,0 +1,699 @@
+//! Type checking: arity, dtypes, shapes, attributes and byte-count overflow.
+
+use crate::error::{Problem, ProblemKind, Problems};
+use crate::graph::MAX_RANK;
+use crate::op::{FusedOutput, FusedQuant, GroupScaleLayout};
+use crate::{DType, Dim, Graph, Node, Op, Shape, TensorType};
+
+/// NVFP4 block size in elements (domain.md section 1).
+pub const NVFP4_BLOCK: u64 = 16;
+
+impl Graph {
+    /// Checks every node's arity, element types, shapes and attributes, every symbol
+    /// and every output's largest byte count. Returns all problems found, each naming
+    /// its node.
+    pub fn validate(&self) -> Result<(), Problems> {
+        validate(self)
+    }
+}
+
+pub(crate) fn validate(g: &Graph) -> Result<(), Problems> {
+    let mut p = Problems::new();
+    for (name, r) in g.symbols() {
+        if r.min > r.max {
+            p.push(Problem::new(
+                format!("symbols.{name}"),
+                ProblemKind::Symbol,
+                format!("empty range: min {} > max {}", r.min, r.max),
+            ));
+        }
+    }
+    for (_, n) in g.nodes() {
+        let mut c = Checker { g, n, p: &mut p };
+        c.outputs_well_formed();
+        c.op();
+    }
+    p.into_result()
+}
+
+struct Checker<'a> {
+    g: &'a Graph,
+    n: &'a Node,
+    p: &'a mut Problems,
+}
+
+fn dim(n: u64) -> Dim {
+    Dim::constant(n)
+}
+
+impl Checker<'_> {
+    fn err(&mut self, kind: ProblemKind, msg: impl Into<String>) {
+        self.p.push(Problem::new(&self.n.id, kind, msg));
+    }
+
+    fn input(&self, i: usize) -> &TensorType {
+        // Inputs are valid values by construction of `Graph`.
+        self.g
+            .value_type(self.n.inputs[i])
+            .expect("graph invariant: inputs name existing outputs")
+    }
+
+    fn outputs_well_formed(&mut self) {
+        for (k, t) in self.n.outputs.iter().enumerate() {
+            if t.shape.rank() > MAX_RANK {
+                self.err(
+                    ProblemKind::Limit,
+                    format!("output {k} has rank {} (limit {MAX_RANK})", t.shape.rank()),
+                );
+                continue;
+            }
+            let mut ok = true;
+            for d in t.shape.dims() {
+                for s in d.symbols() {
+                    if !self.g.symbols().contains_key(s) {
+                        self.err(
+                            ProblemKind::Symbol,
+                            format!("output {k} uses symbol {s:?}, which is not declared in \"symbols\""),
+                        );
+                        ok = false;
+                    }
+                }
+            }
+            if ok && t.max_bytes(self.g.symbols()).is_none() {
+                self.err(
+                    ProblemKind::Overflow,
+                    format!(
+                        "output {k} ({t}) has a largest byte count that overflows u64 at the symbols' maxima"
+                    ),
+                );
+            }
+        }
+    }
+
+    fn arity(&mut self, inputs: &[usize], outputs: usize) -> bool {
+        let ni = self.n.inputs.len();
+        let no = self.n.outputs.len();
+        let mut ok = true;
+        if !inputs.contains(&ni) {
+            self.err(
+                ProblemKind::Arity,
+                format!(
+                    "{} takes {} input(s), got {ni}",
+                    self.n.op.name(),
+                    fmt_counts(inputs)
+                ),
+            );
+            ok = false;
+        }
+        if no != outputs {
+            self.err(
+                ProblemKind::Arity,
+                format!(
+                    "{} has {outputs} output(s), {no} declared",
+                    self.n.op.name()
+                ),
+            );
+            ok = false;
+        }
+        ok
+    }
+
+    fn expect_output(&mut self, k: usize, want: &TensorType) {
+        let got = &self.n.outputs[k];
+        if got.dtype != want.dtype {
+            self.err(
+                ProblemKind::DType,
+                format!(
+                    "output {k} is declared {}, the op produces {}",
+                    got.dtype, want.dtype
+                ),
+            );
+        }
+        if got.shape != want.shape {
+            self.err(
+                ProblemKind::Shape,
+                format!(
+                    "output {k} is declared {}, the op produces {}",
+                    got.shape, want.shape
+                ),
+            );
+        }
+    }
+
+    fn float_input(&mut self, i: usize) -> bool {
+        let t = self.input(i).dtype;
+        if !t.is_float() {
+            self.err(
+                ProblemKind::DType,
+                format!("input {i} is {t}; bf16, f16 or f32 expected"),
+            );
+            return false;
+        }
+        true
+    }
+
+    fn finite_attr(&mut self, name: &str, v: f64) {
+        if !v.is_finite() {
+            self.err(
+                ProblemKind::Attribute,
+                format!("{name} must be finite, got {v}"),
+            );
+        }
+    }
+
+    fn eps(&mut self, eps: f64, weight_bias: f64) {
+        if !(eps.is_finite() && eps > 0.0) {
+            self.err(
+                ProblemKind::Attribute,
+                format!("eps must be finite and > 0, got {eps}"),
+            );
+        }
+        self.finite_attr("weight_bias", weight_bias);
+    }
+
+    /// The hidden size of input `i` (its last dim, constant), with a problem if absent.
+    fn hidden(&mut self, i: usize) -> Option<u64> {
+        let t = self.input(i).clone();
+        match t.shape.last().and_then(Dim::as_const) {
+            Some(h) if h > 0 => Some(h),
+            _ => {
+                self.err(
+                    ProblemKind::Shape,
+                    format!("input {i} ({t}) needs a constant, non-zero last (hidden) dim"),
+                );
+                None
+            }
+        }
+    }
+
+    fn weight(&mut self, i: usize, h: u64, x_dtype: DType, weight_bias: f64) {
+        let w = self.input(i).clone();
+        if w.shape != Shape(vec![dim(h)]) {
+            self.err(
+                ProblemKind::Shape,
+                format!("weight (input {i}) is {}, expected [{h}]", w.shape),
+            );
+        }
+        if !w.dtype.is_float() {
+            self.err(
+                ProblemKind::DType,
+                format!("weight (input {i}) is {}", w.dtype),
+            );
+        } else if w.dtype != x_dtype && weight_bias == 0.0 && w.dtype != DType::F32 {
+            self.err(
+                ProblemKind::DType,
+                format!(
+                    "weight (input {i}) is {}, the activation is {x_dtype}",
+                    w.dtype
+                ),
+            );
+        }
+    }
+
+    fn scalar_f32(&mut self, i: usize, what: &str) {
+        let t = self.input(i).clone();
+        let ok_shape = t.shape.rank() == 0 || t.shape == Shape(vec![dim(1)]);
+        if t.dtype != DType::F32 || !ok_shape {
+            self.err(
+                ProblemKind::Shape,
+                format!("{what} (input {i}) is {t}, expected f32[1] or f32[]"),
+            );
+        }
+    }
+
+    /// Shape with the last dim replaced.
+    fn with_last(s: &Shape, last: u64) -> Shape {
+        let mut d = s.0.clone();
+        if let Some(l) = d.last_mut() {
+            *l = dim(last);
+        }
+        Shape(d)
+    }
+
+    /// Output types of a quant epilogue on an activation `x` of hidden size `h`.
+    fn quant_outputs(
+        &mut self,
+        x: &TensorType,
+        h: u64,
+        q: FusedQuant,
+    ) -> Option<(TensorType, Option<TensorType>)> {
+        let fp8 = |s: Shape| TensorType {
+            dtype: DType::Fp8E4m3,
+            shape: s,
+        };
+        match q {
+            FusedQuant::None => None,
+            FusedQuant::Fp8Static => Some((fp8(x.shape.clone()), None)),
+            FusedQuant::Fp8PerToken => Some((
+                fp8(x.shape.clone()),
+                Some(TensorType {
+                    dtype: DType::F32,
+                    shape: Self::with_last(&x.shape, 1),
+                }),
+            )),
+            FusedQuant::Fp8PerTokenGroup {
+                group_size,
+                scale_layout,
+            } => {
+                if group_size == 0 || h % group_size != 0 {
+                    self.err(
+                        ProblemKind::Attribute,
+                        format!("group_size {group_size} does not divide the hidden size {h}"),
+                    );
+                    return None;
+                }
+                let groups = h / group_size;
+                let scale = match scale_layout {
+                    GroupScaleLayout::F32RowMajor => TensorType {
+                        dtype: DType::F32,
+                        shape: Self::with_last(&x.shape, groups),
+                    },
+                    GroupScaleLayout::PackedUe8m0 => TensorType {
+                        dtype: DType::I32,
+                        shape: Self::with_last(&x.shape, groups.div_ceil(4)),
+                    },
+                };
+                Some((fp8(x.shape.clone()), Some(scale)))
+            }
+            FusedQuant::Nvfp4 { .. } => {
+                if h % NVFP4_BLOCK != 0 {
+                    self.err(
+                        ProblemKind::Attribute,
+                        format!(
+                            "hidden size {h} is not a multiple of the NVFP4 block ({NVFP4_BLOCK})"
+                        ),
+                    );
+                    return None;
+                }
+                Some((
+                    TensorType {
+                        dtype: DType::Fp4E2m1x2,
+                        shape: Self::with_last(&x.shape, h / 2),
+                    },
+                    Some(TensorType {
+                        dtype: DType::Fp8E4m3,
+                        shape: Self::with_last(&x.shape, h / NVFP4_BLOCK),
+                    }),
+                ))
+            }
+        }
+    }
+
+    fn op(&mut self) {
+        let n = self.n;
+        match &n.op {
+            Op::Input { .. } => {
+                self.arity(&[0], 1);
+            }
+            Op::Constant { value } => {
+                if self.arity(&[0], 1) {
+                    self.finite_attr("value", *value);
+                    let t = &n.outputs[0];
+                    if t.shape.rank() != 0 || !t.dtype.is_float() {
+                        self.err(
+                            ProblemKind::Shape,
+                            format!("a constant is a float scalar ([]), declared {t}"),
+                        );
+                    }
+                }
+            }
+            Op::AllReduce { group, .. } => {
+                if group.trim().is_empty() {
+                    self.err(
+                        ProblemKind::Attribute,
+                        "all_reduce needs a non-empty process group",
+                    );
+                }
+                if self.arity(&[1], 1) {
+                    self.float_input(0);
+                    let want = self.input(0).clone();
+                    self.expect_output(0, &want);
+                }
+            }
+            Op::Add | Op::Mul => {
+                if self.arity(&[2], 1) {
+                    let (a, b) = (self.input(0).clone(), self.input(1).clone());
+                    if a.dtype != b.dtype {
+                        self.err(
+                            ProblemKind::DType,
+                            format!(
+                                "{} of {} and {}: operands must have one dtype (insert to_dtype)",
+                                n.op.name(),
+                                a.dtype,
+                                b.dtype
+                            ),
+                        );
+                        return;
+                    }
+                    match broadcast(&a.shape, &b.shape) {
+                        Some(s) => self.expect_output(
+                            0,
+                            &TensorType {
+                                dtype: a.dtype,
+                                shape: s,
+                            },
+                        ),
+                        None => self.err(
+                            ProblemKind::Shape,
+                            format!(
+                                "{} of {} and {}: shapes do not broadcast",
+                                n.op.name(),
+                                a.shape,
+                                b.shape
+                            ),
+                        ),
+                    }
+                }
+            }
+            Op::ToDtype { dtype } => {
+                if self.arity(&[1], 1) {
+                    let want = TensorType {
+                        dtype: *dtype,
+                        shape: self.input(0).shape.clone(),
+                    };
+                    self.expect_output(0, &want);
+                }
+            }
+            Op::Pow { exponent } => {
+                self.finite_attr("exponent", *exponent);
+                if self.arity(&[1], 1) && self.float_input(0) {
+                    let want = self.input(0).clone();
+                    self.expect_output(0, &want);
+                }
+            }
+            Op::Rsqrt => {
+                if self.arity(&[1], 1) && self.float_input(0) {
+                    let want = self.input(0).clone();
+                    self.expect_output(0, &want);
+                }
+            }
+            Op::Mean { dims, keepdim } => {
+                if self.arity(&[1], 1) && self.float_input(0) {
+                    let x = self.input(0).clone();
+                    let rank = x.shape.rank() as i64;
+                    let mut reduced = vec![false; x.shape.rank()];
+                    for &d in dims {
+                        let k = if d < 0 { d + rank } else { d };
+                        if k < 0 || k >= rank {
+                            self.err(
+                                ProblemKind::Attribute,
+                                format!("mean dim {d} is out of range for rank {rank}"),
+                            );
+                            return;
+                        }
+                        reduced[k as usize] = true;
+                    }
+                    let mut out = Vec::new();
+                    for (i, d) in x.shape.dims().iter().enumerate() {
+                        if !reduced[i] {
+                            out.push(d.clone());
+                        } else if *keepdim {
+                            out.push(dim(1));
+                        }
+                    }
+                    self.expect_output(
+                        0,
+                        &TensorType {
+                            dtype: x.dtype,
+                            shape: Shape(out),
+                        },
+                    );
+                }
+            }
+            Op::Reshape => {
+                if self.arity(&[1], 1) {
+                    let x = self.input(0).clone();
+                    let y = n.outputs[0].clone();
+                    if x.dtype != y.dtype {
+                        self.err(
+                            ProblemKind::DType,
+                            format!(
+                                "reshape keeps the dtype: input {}, output {}",
+                                x.dtype, y.dtype
+                            ),
+                        );
+                    }
+                    if x.shape.numel() != y.shape.numel() {
+                        self.err(
+                            ProblemKind::Shape,
+                            format!(
+                                "reshape from {} to {} changes the element count",
+                                x.shape, y.shape
+                            ),
+                        );
+                    }
+                }
+            }
+            Op::RmsNorm { eps, weight_bias } => {
+                self.eps(*eps, *weight_bias);
+                if self.arity(&[2], 1) && self.float_input(0) {
+                    let x = self.input(0).clone();
+                    if let Some(h) = self.hidden(0) {
+                        self.weight(1, h, x.dtype, *weight_bias);
+                    }
+                    self.expect_output(0, &x);
+                }
+            }
+            Op::FusedAddRmsNorm { eps, weight_bias } => {
+                self.eps(*eps, *weight_bias);
+                if self.arity(&[3], 2) && self.float_input(0) {
+                    let x = self.input(0).clone();
+                    let r = self.input(1).clone();
+                    if r != x {
+                        self.err(
+                            ProblemKind::Shape,
+                            format!("residual {r} differs from the input {x}"),
+                        );
+                    }
+                    if let Some(h) = self.hidden(0) {
+                        self.weight(2, h, x.dtype, *weight_bias);
+                    }
+                    self.expect_output(0, &x);
+                    self.expect_output(1, &x);
+                }
+            }
+            Op::QuantFp8Static => self.quant_op(&[2], FusedQuant::Fp8Static),
+            Op::QuantFp8PerToken => self.quant_op(&[1], FusedQuant::Fp8PerToken),
+            Op::QuantFp8PerTokenGroup {
+                group_size,
+                scale_layout,
+            } => self.quant_op(
+                &[1],
+                FusedQuant::Fp8PerTokenGroup {
+                    group_size: *group_size,
+                    scale_layout: *scale_layout,
+                },
+            ),
+            Op::QuantNvfp4 { scale_layout } => self.quant_op(
+                &[2],
+                FusedQuant::Nvfp4 {
+                    scale_layout: *scale_layout,
+                },
+            ),
+            Op::Matmul { transpose_b } => {
+                if self.arity(&[2], 1) && self.float_input(0) {
+                    let (x, w) = (self.input(0).clone(), self.input(1).clone());
+                    if w.shape.rank() != 2 || x.shape.rank() == 0 {
+                        self.err(
+                            ProblemKind::Shape,
+                            format!(
+                                "matmul of {} by {}: x needs rank >= 1, w rank 2",
+                                x.shape, w.shape
+                            ),
+                        );
+                        return;
+                    }
+                    let (k, nn) = if *transpose_b {
+                        (&w.shape.0[1], &w.shape.0[0])
+                    } else {
+                        (&w.shape.0[0], &w.shape.0[1])
+                    };
+                    if x.shape.last() != Some(k) {
+                        self.err(
+                            ProblemKind::Shape,
+                            format!("matmul of {} by {}: inner dims differ", x.shape, w.shape),
+                        );
+                        return;
+                    }
+                    if x.dtype != w.dtype {
+                        self.err(
+                            ProblemKind::DType,
+                            format!("matmul of {} by {}", x.dtype, w.dtype),
+                        );
+                    }
+                    let mut s = x.shape.0.clone();
+                    if let Some(l) = s.last_mut() {
+                        *l = nn.clone();
+                    }
+                    self.expect_output(
+                        0,
+                        &TensorType {
+                            dtype: x.dtype,
+                            shape: Shape(s),
+                        },
+                    );
+                }
+            }
+            Op::Embedding => {
+                if self.arity(&[2], 1) {
+                    let (t, ids) = (self.input(0).clone(), self.input(1).clone());
+                    if t.shape.rank() != 2 || !t.dtype.is_float() {
+                        self.err(
+                            ProblemKind::Shape,
+                            format!("embedding table must be a float [V, H], got {t}"),
+                        );
+                        return;
+                    }
+                    if !ids.dtype.is_index() {
+                        self.err(
+                            ProblemKind::DType,
+                            format!("embedding ids must be i32 or i64, got {}", ids.dtype),
+                        );
+                    }
+                    let mut s = ids.shape.0.clone();
+                    s.push(t.shape.0[1].clone());
+                    self.expect_output(
+                        0,
+                        &TensorType {
+                            dtype: t.dtype,
+                            shape: Shape(s),
+                        },
+                    );
+                }
+            }
+            Op::Opaque { target, .. } => {
+                if target.is_empty() {
+                    self.err(
+                        ProblemKind::Attribute,
+                        "opaque op needs its original name in \"target\"",
+                    );
+                }
+            }
+            Op::FusedAllreduceNorm(f) => self.fused(f),
+        }
+    }
+
+    fn quant_op(&mut self, inputs: &[usize], q: FusedQuant) {
+        let outs = if matches!(q, FusedQuant::Fp8Static) {
+            1
+        } else {
+            2
+        };
+        if !self.arity(inputs, outs) || !self.float_input(0) {
+            return;
+        }
+        let x = self.input(0).clone();
+        if inputs[0] == 2 {
+            self.scalar_f32(1, "scale");
+        }
+        let Some(h) = self.hidden(0) else { return };
+        if let Some((q, s)) = self.quant_outputs(&x, h, q) {
+            self.expect_output(0, &q);
+            if let Some(s) = s {
+                self.expect_output(1, &s);
+            }
+        }
+    }
+
+    fn fused(&mut self, f: &crate::op::FusedAllReduceNorm) {
+        if f.group.trim().is_empty() {
+            self.err(
+                ProblemKind::Attribute,
+                "fused_allreduce_norm needs a non-empty process group",
+            );
+        }
+        self.eps(f.eps, f.weight_bias);
+        let mut seen = std::collections::BTreeSet::new();
+        for o in &f.outputs {
+            if !seen.insert(*o) {
+                self.err(
+                    ProblemKind::Attribute,
+                    format!("output {o:?} is listed twice"),
+                );
+            }
+        }
+        let has_quant = !matches!(f.quant, FusedQuant::None);
+        for o in &f.outputs {
+            let bad = match o {
+                FusedOutput::Residual => false,
+                FusedOutput::Quant => !has_quant,
+                FusedOutput::Scale => !has_quant || matches!(f.quant, FusedQuant::Fp8Static),
+                FusedOutput::Norm => false,
+            };
+            if bad {
+                self.err(
+                    ProblemKind::Attribute,
+                    format!("output {o:?} does not exist for quant {:?}", f.quant),
+                );
+            }
+        }
+        if f.outputs.is_empty() {
+            self.err(
+                ProblemKind::Attribute,
+                "a fused node must write at least one output",
+            );
+        }
+        let extra = usize::from(matches!(
+            f.quant,
+            FusedQuant::Fp8Static | FusedQuant::Nvfp4 { .. }
+        ));
+        let n_in = 2 + usize::from(f.residual) + extra;
+        if !self.arity(&[n_in], f.outputs.len()) || !self.float_input(0) {
+            return;
+        }
+        let x = self.input(0).clone();
+        if f.residual {
+            let r = self.input(1).clone();
+            if r != x {
+                self.err(
+                    ProblemKind::Shape,
+                    format!("residual {r} differs from the input {x}"),
+                );
+            }
+        }
+        let w = 1 + usize::from(f.residual);
+        let Some(h) = self.hidden(0) else { return };
+        self.weight(w, h, x.dtype, f.weight_bias);
+        if extra == 1 {
+            self.scalar_f32(w + 1, "scale");
+        }
+        let quant = self.quant_outputs(&x, h, f.quant);
+        for (k, o) in f.outputs.iter().enumerate() {
+            let want = match o {
+                FusedOutput::Norm | FusedOutput::Residual => Some(x.clone()),
+                FusedOutput::Quant => quant.as_ref().map(|q| q.0.clone()),
+                FusedOutput::Scale => quant.as_ref().and_then(|q| q.1.clone()),
+            };
+            if let Some(want) = want {
+                self.expect_output(k, &want);
+            }
+        }
+    }
+}
+
+fn fmt_counts(c: &[usize]) -> String {
+    c.iter()
+        .map(|n| n.to_string())
+        .collect::<Vec<_>>()
+        .join(" or ")
+}
+
+/// NumPy-style broadcast of two shapes: dims align from the right and must be equal
+/// or a constant 1.
+pub fn broadcast(a: &Shape, b: &Shape) -> Option<Shape> {
+    let n = a.rank().max(b.rank());
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let da = (i + a.rank()).checked_sub(n).map(|k| &a.0[k]);
+        let db = (i + b.rank()).checked_sub(n).map(|k| &b.0[k]);
+        let d = match (da, db) {
+            (Some(x), None) | (None, Some(x)) => x.clone(),
+            (Some(x), Some(y)) if x == y => x.clone(),
+            (Some(x), Some(y)) if x.as_const() == Some(1) => y.clone(),
+            (Some(x), Some(y)) if y.as_const() == Some(1) => x.clone(),
+            _ => return None,
+        };
+        out.push(d);
+    }
+    Some(Shape(out))
+}
