@@ -1,1 +1,475 @@
-//! placeholder
+//! # arfuse rounding contract v1
+//!
+//! The one place that states how the fused all-reduce -> residual add ->
+//! RMSNorm (-> quant) op computes, bit for bit. The CPU evaluator
+//! ([`crate::eval`]) calls these functions for the fused node AND for the
+//! unfused ops (`all_reduce`, `add`, `rms_norm`, `fused_add_rms_norm`, the
+//! quant ops), so the two forms agree by construction; the GPU kernels are
+//! checked against the same functions. Every kernel states that it follows
+//! this contract, or which clause it deviates from.
+//!
+//! Notation as in domain.md: `T` is the activation dtype (bf16, f16 or f32),
+//! `round_T` rounds an f32 to T to nearest, ties to even
+//! ([`FloatFormat::round`]), `f32(v)` widens exactly. All arithmetic is IEEE
+//! binary32 with round-to-nearest-even, no fused multiply-add, no
+//! flush-to-zero.
+//!
+//! 1. **All-reduce.** `s = x_0 + x_1 + ... + x_{W-1}`: each `x_r` widened
+//!    exactly to f32, accumulated in f32 left to right in rank order starting
+//!    from `x_0` (`acc = f32(x_0); acc = acc + f32(x_1); ...`); then
+//!    `a = round_T(s)`. This rounding before the residual add matches the
+//!    unfused path (domain.md section 1: a kernel that skips it drifts 1-4
+//!    ulp). [`all_reduce`].
+//! 2. **Residual.** `h = round_T(f32(a) + f32(residual))`, written as
+//!    `residual_out`. Without a residual: `h = a`, and `residual_out` (when
+//!    asked for) is `a`. [`residual_add`].
+//! 3. **RMSNorm.** `ss = sum_i f32(h_i)^2` over the H elements of the token,
+//!    accumulated in f32 sequentially (i = 0, 1, ..., H-1; each square
+//!    rounded to f32, then added); `r = 1 / sqrt(ss / H + eps)` in f32
+//!    (`ss / H` one division, `+ eps` with `eps` the f32 nearest to the f64
+//!    attribute, a correctly rounded `sqrt`, one division);
+//!    `y_i = round_T((f32(h_i) * r) * (f32(gamma_i) + weight_bias))`: ONE
+//!    rounding to T, as FlashInfer's fused kernel. `gamma` is T, or f32 for
+//!    the Gemma form (`weight_bias = 1`). [`rms_norm`].
+//!    Kernels reduce `ss` with a tree and may use an approximate `rsqrt`: the
+//!    contract allows their `norm_out` to differ from this reference by at
+//!    most [`KERNEL_NORM_TOLERANCE_ULP`] ulp of T, and quant outputs derived
+//!    from it accordingly; `residual_out` and the all-reduce output are
+//!    bit-exact.
+//! 4. **Quant epilogues** act on `y` (already rounded to T, widened to f32),
+//!    as domain.md section 1; the exact formulas (division, not reciprocal
+//!    multiplication; NaN handling; satfinite) are in
+//!    [`crate::numerics::quant`]. [`Epilogue`], [`apply_epilogue`].
+//!
+//! The IR's `rms_norm` and `fused_add_rms_norm` ops have this single-rounding
+//! semantics too, so an explicit chain (all_reduce, add, rms_norm, quant) and
+//! the fused node are bit-exact on the CPU. A *decomposed* norm (cast to f32,
+//! pow 2, mean keepdim, add eps, rsqrt, mul, cast back to T, mul by the T
+//! weight) rounds twice (`round_T(round_T(h * r) * gamma)`); rewriting it into
+//! `rms_norm` changes results by at most about 1 ulp of T
+//! ([`DECOMPOSED_NORM_TOLERANCE_ULP`]); `check_equivalent` applies that
+//! tolerance (see [`crate::equiv`]). The Gemma decomposition
+//! (`(h * r) * (1 + f32(w))` in f32, one cast back) rounds once and is
+//! bit-exact.
+
+use crate::error::{ReferenceError, Result};
+use crate::numerics::quant::{
+    dynamic_per_token_fp8_quant, nvfp4_quant, per_token_group_fp8_quant, static_fp8_quant,
+    GroupScaleLayout, GroupScaleRounding, GroupScales, Nvfp4ScaleLayout,
+};
+use crate::numerics::FloatFormat;
+
+/// The name of this contract, as kernels and reports cite it.
+pub const CONTRACT_NAME: &str = "arfuse rounding contract v1";
+
+/// Largest difference, in ulp of T, the contract allows between a kernel's
+/// `norm_out` and [`rms_norm`] (tree-order sum of squares and approximate
+/// rsqrt). The all-reduce output and `residual_out` allow none.
+pub const KERNEL_NORM_TOLERANCE_ULP: u64 = 1;
+
+/// Largest difference, in ulp of T, between a decomposed two-rounding
+/// RMSNorm and the single-rounding `rms_norm` it is rewritten into
+/// (domain.md section 1: "at most about 1 ulp").
+pub const DECOMPOSED_NORM_TOLERANCE_ULP: u64 = 1;
+
+/// Clause 1: the all-reduce of one tensor over `W = ranks.len()` ranks.
+///
+/// `ranks[r]` holds rank r's values (each exactly representable in `t`,
+/// same length for every rank). Returns `a = round_T(((f32(x_0) + f32(x_1))
+/// + ...) + f32(x_{W-1}))` element-wise.
+pub fn all_reduce(ranks: &[&[f32]], t: FloatFormat) -> Result<Vec<f32>> {
+    let first = ranks
+        .first()
+        .ok_or_else(|| ReferenceError::InvalidParameter("all-reduce over zero ranks".into()))?;
+    if let Some((r, bad)) = ranks
+        .iter()
+        .enumerate()
+        .find(|(_, x)| x.len() != first.len())
+    {
+        return Err(ReferenceError::InvalidShape(format!(
+            "all-reduce: rank {r} has {} elements, rank 0 has {}",
+            bad.len(),
+            first.len()
+        )));
+    }
+    let mut acc: Vec<f32> = first.to_vec();
+    for x in &ranks[1..] {
+        for (a, &v) in acc.iter_mut().zip(x.iter()) {
+            *a += v;
+        }
+    }
+    for a in &mut acc {
+        *a = t.round(*a);
+    }
+    Ok(acc)
+}
+
+/// Clause 2: `h = round_T(f32(a) + f32(residual))` element-wise.
+pub fn residual_add(a: &[f32], residual: &[f32], t: FloatFormat) -> Result<Vec<f32>> {
+    if a.len() != residual.len() {
+        return Err(ReferenceError::InvalidShape(format!(
+            "residual add: {} vs {} elements",
+            a.len(),
+            residual.len()
+        )));
+    }
+    Ok(a.iter()
+        .zip(residual)
+        .map(|(&x, &r)| t.round(x + r))
+        .collect())
+}
+
+/// The f32 `eps` of the contract: the f32 nearest to the f64 attribute.
+pub fn eps_f32(eps: f64) -> f32 {
+    eps as f32
+}
+
+/// Clause 3 for one token: `r = 1 / sqrt(ss / H + eps)` with `ss` the
+/// sequential f32 sum of squares of `h`.
+pub fn rms_inv(h: &[f32], eps: f32) -> f32 {
+    let mut ss = 0.0f32;
+    for &v in h {
+        ss += v * v;
+    }
+    1.0 / (ss / h.len() as f32 + eps).sqrt()
+}
+
+/// Clause 3: RMSNorm of `h` (`[tokens, hidden]` row-major, `hidden =
+/// gamma.len()`), `y_i = round_T((h_i * r) * (gamma_i + weight_bias))`.
+///
+/// `gamma` holds the weight values (T or f32). Errors on a shape mismatch,
+/// an empty hidden dim, or `eps` not finite and > 0.
+pub fn rms_norm(
+    h: &[f32],
+    gamma: &[f32],
+    eps: f64,
+    weight_bias: f64,
+    t: FloatFormat,
+) -> Result<Vec<f32>> {
+    let hidden = gamma.len();
+    if hidden == 0 || h.len() % hidden != 0 {
+        return Err(ReferenceError::InvalidShape(format!(
+            "rms_norm: {} input elements do not form rows of the weight's {hidden}",
+            h.len()
+        )));
+    }
+    if !(eps.is_finite() && eps > 0.0) {
+        return Err(ReferenceError::InvalidParameter(format!(
+            "rms_norm eps must be finite and > 0, got {eps}"
+        )));
+    }
+    if !weight_bias.is_finite() {
+        return Err(ReferenceError::InvalidParameter(format!(
+            "weight_bias must be finite, got {weight_bias}"
+        )));
+    }
+    let eps = eps_f32(eps);
+    let wb = weight_bias as f32;
+    let mut out = Vec::with_capacity(h.len());
+    for row in h.chunks_exact(hidden) {
+        let r = rms_inv(row, eps);
+        out.extend(
+            row.iter()
+                .zip(gamma)
+                .map(|(&x, &g)| t.round((x * r) * (g + wb))),
+        );
+    }
+    Ok(out)
+}
+
+/// Clause 4: the quant epilogue of the fused node (or of a standalone quant op).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Epilogue {
+    /// No quantisation.
+    None,
+    /// Static per-tensor FP8 with this dequant scale.
+    Fp8Static {
+        /// The fp32 dequant scale (the 1-element scale tensor).
+        scale: f32,
+    },
+    /// Dynamic per-token FP8.
+    Fp8PerToken,
+    /// Per-token-group FP8. The packed layout uses power-of-two (UE8M0)
+    /// scales; the f32 layout uses `max(amax / 448, 1e-10)` unrounded
+    /// (see [`GroupScaleRounding`]).
+    Fp8PerTokenGroup {
+        /// Elements per group.
+        group_size: usize,
+        /// Scale layout.
+        layout: GroupScaleLayout,
+    },
+    /// NVFP4 with this global scale (multiplied, not inverted).
+    Nvfp4 {
+        /// The fp32 global scale.
+        global_scale: f32,
+        /// Scale layout.
+        layout: Nvfp4ScaleLayout,
+    },
+}
+
+/// The rounding of per-token-group scales for a layout (contract v1): the
+/// packed UE8M0 layout is power-of-two by construction; the plain f32
+/// layout keeps the exact `max(amax / 448, 1e-10)` (vLLM's non-UE8M0 path).
+pub fn group_scale_rounding(layout: GroupScaleLayout) -> GroupScaleRounding {
+    match layout {
+        GroupScaleLayout::PackedUe8m0 => GroupScaleRounding::PowerOfTwo,
+        GroupScaleLayout::Fp32RowMajor => GroupScaleRounding::Exact,
+    }
+}
+
+/// The quant output of an epilogue, logical (un-swizzled) values.
+#[derive(Debug, Clone, PartialEq)]
+pub enum QuantOut {
+    /// e4m3 values (decoded to f32), `[tokens, hidden]`.
+    Fp8 {
+        /// Decoded e4m3 values.
+        values: Vec<f32>,
+    },
+    /// e4m3 values plus f32 scales `[tokens, 1]`.
+    Fp8PerToken {
+        /// Decoded e4m3 values.
+        values: Vec<f32>,
+        /// Per-token scales.
+        scales: Vec<f32>,
+    },
+    /// e4m3 values plus group scales in their layout.
+    Fp8PerTokenGroup {
+        /// Decoded e4m3 values.
+        values: Vec<f32>,
+        /// Scales (packed words or f32).
+        scales: GroupScales,
+    },
+    /// NVFP4 packed data `[tokens, hidden / 2]` bytes and the e4m3 block
+    /// scales as stored (swizzled or linear) bytes.
+    Nvfp4 {
+        /// Packed e2m1 bytes, low nibble first.
+        data: Vec<u8>,
+        /// Scale bytes in the requested layout.
+        scales: Vec<u8>,
+    },
+}
+
+/// Clause 4: apply an epilogue to `y` (`[tokens, hidden]`, values already
+/// rounded to T).
+pub fn apply_epilogue(
+    y: &[f32],
+    tokens: usize,
+    hidden: usize,
+    epilogue: Epilogue,
+) -> Result<Option<QuantOut>> {
+    use crate::numerics::fp8::e4m3_to_f32;
+    let decode = |codes: Vec<u8>| codes.into_iter().map(e4m3_to_f32).collect::<Vec<f32>>();
+    Ok(match epilogue {
+        Epilogue::None => None,
+        Epilogue::Fp8Static { scale } => Some(QuantOut::Fp8 {
+            values: decode(static_fp8_quant(y, scale)?),
+        }),
+        Epilogue::Fp8PerToken => {
+            let (codes, scales) = dynamic_per_token_fp8_quant(y, tokens, hidden)?;
+            Some(QuantOut::Fp8PerToken {
+                values: decode(codes),
+                scales,
+            })
+        }
+        Epilogue::Fp8PerTokenGroup { group_size, layout } => {
+            let g = per_token_group_fp8_quant(
+                y,
+                tokens,
+                hidden,
+                group_size,
+                layout,
+                group_scale_rounding(layout),
+            )?;
+            Some(QuantOut::Fp8PerTokenGroup {
+                values: decode(g.data),
+                scales: g.scales,
+            })
+        }
+        Epilogue::Nvfp4 {
+            global_scale,
+            layout,
+        } => {
+            let q = nvfp4_quant(y, tokens, hidden, global_scale, layout)?;
+            Some(QuantOut::Nvfp4 {
+                data: q.data,
+                scales: q.scales,
+            })
+        }
+    })
+}
+
+/// Everything the fused op computes for one rank (all of it; the node writes
+/// only the live outputs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FusedResult {
+    /// `h` (clauses 1-2): the new residual, `[tokens, hidden]`.
+    pub residual_out: Vec<f32>,
+    /// `y` (clause 3), `[tokens, hidden]`.
+    pub norm_out: Vec<f32>,
+    /// Clause 4, when an epilogue is set.
+    pub quant: Option<QuantOut>,
+}
+
+/// Parameters of [`fused_allreduce_norm`] other than the tensors.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FusedParams {
+    /// Activation dtype T.
+    pub t: FloatFormat,
+    /// RMSNorm epsilon (f64 attribute; used as the nearest f32).
+    pub eps: f64,
+    /// 0, or 1 for Gemma-style offset weights.
+    pub weight_bias: f64,
+    /// Quant epilogue.
+    pub epilogue: Epilogue,
+}
+
+/// The whole fused op for one rank: clauses 1-4 in order.
+///
+/// `ranks[r]`: rank r's all-reduce input `[tokens, hidden]`; `residual`:
+/// this rank's residual `[tokens, hidden]` or `None`; `gamma`: `[hidden]`.
+pub fn fused_allreduce_norm(
+    ranks: &[&[f32]],
+    residual: Option<&[f32]>,
+    gamma: &[f32],
+    params: FusedParams,
+) -> Result<FusedResult> {
+    let a = all_reduce(ranks, params.t)?;
+    let h = match residual {
+        Some(r) => residual_add(&a, r, params.t)?,
+        None => a,
+    };
+    let y = rms_norm(&h, gamma, params.eps, params.weight_bias, params.t)?;
+    let hidden = gamma.len();
+    let tokens = y.len() / hidden;
+    let quant = apply_epilogue(&y, tokens, hidden, params.epilogue)?;
+    Ok(FusedResult {
+        residual_out: h,
+        norm_out: y,
+        quant,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BF: FloatFormat = FloatFormat::Bf16;
+
+    #[test]
+    fn all_reduce_rounds_once_after_fp32_rank_order_sum() {
+        // 1 + 2^-8 + 2^-8: in f32 exactly 1 + 2^-7 (a bf16 value); summing in
+        // bf16 pairwise would give 1 (each 2^-8 addition is a tie to even).
+        let e = 1.0 / 256.0;
+        let (x0, x1, x2) = ([1.0f32], [e], [e]);
+        let a = all_reduce(&[&x0, &x1, &x2], BF).unwrap();
+        assert_eq!(a, vec![1.0 + 1.0 / 128.0]);
+        // Rank order matters in f32: 2^24 + 1 + 1 = 2^24 (each +1 is a tie), 1 + 1 + 2^24 = 2^24 + 2.
+        let big = 16_777_216.0f32;
+        let f = FloatFormat::F32;
+        assert_eq!(all_reduce(&[&[big], &[1.0], &[1.0]], f).unwrap(), vec![big]);
+        assert_eq!(
+            all_reduce(&[&[1.0], &[1.0], &[big]], f).unwrap(),
+            vec![big + 2.0]
+        );
+        assert!(all_reduce(&[], BF).is_err());
+        assert!(all_reduce(&[&[1.0], &[1.0, 2.0]], BF).is_err());
+    }
+
+    #[test]
+    fn residual_is_added_to_the_rounded_all_reduce() {
+        // Ranks 1.0, 2^-8 and 2^-16 (bf16 values): the f32 sum 1 + 2^-8 + 2^-16 rounds
+        // (bf16) up to 1 + 2^-7. Adding the residual -2^-7 then gives exactly 1.0.
+        // Skipping the intermediate rounding would give
+        // round(1 + 2^-8 + 2^-16 - 2^-7) = 1 - 2^-8.
+        let (e8, e16) = (1.0f32 / 256.0, 1.0f32 / 65536.0);
+        let a = all_reduce(&[&[1.0], &[e8], &[e16]], BF).unwrap();
+        assert_eq!(a, vec![1.0 + 1.0 / 128.0]);
+        let h = residual_add(&a, &[-1.0 / 128.0], BF).unwrap();
+        assert_eq!(h, vec![1.0]);
+        let unrounded = BF.round(1.0 + e8 + e16 - 1.0 / 128.0);
+        assert_eq!(unrounded, 1.0 - 1.0 / 256.0);
+        assert!(residual_add(&[1.0], &[1.0, 2.0], BF).is_err());
+    }
+
+    #[test]
+    fn rms_norm_values() {
+        // h = [3, 4]: ss = 25, mean 12.5, eps tiny -> r = 1/sqrt(12.5) = 0.28284273.
+        let h = [3.0f32, 4.0];
+        let y = rms_norm(&h, &[1.0, 1.0], 1e-6, 0.0, FloatFormat::F32).unwrap();
+        let r = 1.0f32 / (12.5f32 + 1e-6f32).sqrt();
+        assert_eq!(y, vec![3.0 * r, 4.0 * r]);
+        assert!((y[0] - 0.848_528_1).abs() < 1e-6);
+        // Gemma form: weight 0 with weight_bias 1 is the same as weight 1.
+        let g = rms_norm(&h, &[0.0, 0.0], 1e-6, 1.0, FloatFormat::F32).unwrap();
+        assert_eq!(g, y);
+        // bf16: one rounding of the f32 product.
+        let b = rms_norm(&h, &[1.0, 2.0], 1e-6, 0.0, BF).unwrap();
+        assert_eq!(b, vec![BF.round(3.0 * r), BF.round((4.0 * r) * 2.0)]);
+        assert_eq!(b, vec![0.847_656_25, 2.265_625]);
+        // Two tokens are normalised independently.
+        let two = rms_norm(
+            &[3.0, 4.0, 6.0, 8.0],
+            &[1.0, 1.0],
+            1e-6,
+            0.0,
+            FloatFormat::F32,
+        )
+        .unwrap();
+        assert_eq!(&two[..2], &y[..]);
+        assert!(rms_norm(&h, &[1.0; 3], 1e-6, 0.0, BF).is_err());
+        assert!(rms_norm(&h, &[1.0; 2], 0.0, 0.0, BF).is_err());
+        assert!(rms_norm(&h, &[], 1e-6, 0.0, BF).is_err());
+    }
+
+    #[test]
+    fn single_rounding_differs_from_double_rounding_somewhere() {
+        // The decomposed (two-rounding) norm differs from the contract by at most 1 ulp,
+        // and does differ for some inputs.
+        let mut differs = 0;
+        for k in 0..2000u32 {
+            let h: Vec<f32> = (0..8)
+                .map(|i| BF.round(((k * 8 + i) as f32 * 0.37).sin() * 3.0))
+                .collect();
+            let gamma: Vec<f32> = (0..8)
+                .map(|i| BF.round(0.5 + ((k + i) as f32 * 0.11).cos()))
+                .collect();
+            let one = rms_norm(&h, &gamma, 1e-5, 0.0, BF).unwrap();
+            let r = rms_inv(&h, eps_f32(1e-5));
+            for i in 0..8 {
+                let two = BF.round(BF.round(h[i] * r) * gamma[i]);
+                let d = BF.ulp_distance(one[i], two);
+                assert!(d <= DECOMPOSED_NORM_TOLERANCE_ULP, "k {k} i {i}: {d} ulp");
+                differs += usize::from(d > 0);
+            }
+        }
+        assert!(differs > 0);
+    }
+
+    #[test]
+    fn fused_without_residual_returns_the_all_reduce_as_residual() {
+        let x0 = [1.0f32, 2.0, 3.0, 4.0];
+        let x1 = [0.5f32, 0.5, 0.5, 0.5];
+        let p = FusedParams {
+            t: BF,
+            eps: 1e-6,
+            weight_bias: 0.0,
+            epilogue: Epilogue::Fp8Static { scale: 0.5 },
+        };
+        let out = fused_allreduce_norm(&[&x0, &x1], None, &[1.0, 1.0], p).unwrap();
+        assert_eq!(out.residual_out, vec![1.5, 2.5, 3.5, 4.5]);
+        let y = rms_norm(&out.residual_out, &[1.0, 1.0], 1e-6, 0.0, BF).unwrap();
+        assert_eq!(out.norm_out, y);
+        let Some(QuantOut::Fp8 { values }) = out.quant else {
+            panic!("static fp8 output expected")
+        };
+        let want: Vec<f32> = y
+            .iter()
+            .map(|&v| crate::numerics::fp8::round_e4m3(v / 0.5))
+            .collect();
+        assert_eq!(values, want);
+
+        let with_res =
+            fused_allreduce_norm(&[&x0, &x1], Some(&[1.0, 1.0, 1.0, 1.0]), &[1.0, 1.0], p).unwrap();
+        assert_eq!(with_res.residual_out, vec![2.5, 3.5, 4.5, 5.5]);
+    }
+}
