@@ -1,0 +1,1 @@
+//! arfuse-import: front ends that turn other tools' graph files into arfuse IR.
