@@ -1,0 +1,476 @@
+//! The machine and engine a plan is made for: [`Target`].
+//!
+//! A target is plain data, loadable from TOML ([`Target::from_toml_str`]) or from a
+//! named preset ([`Target::preset`]). Field names in TOML are the snake_case field
+//! names below; enum values are lower-case / kebab-case (`"nvswitch"`,
+//! `"bridged-nvlink"`, `"bf16"`, `"auto"`).
+//!
+//! ```toml
+//! sm = 90
+//! world_size = 8
+//! gpus_per_node = 8
+//! multicast_all_ranks = true
+//! interconnect = "nvswitch"
+//! max_batched_tokens = 8192
+//! capture_sizes = [1, 2, 4, 8]
+//! ```
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::bytes;
+use crate::error::{PolicyError, Result};
+use crate::presets;
+
+/// Activation dtype of the all-reduce input (the residual stream's dtype).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ActDtype {
+    /// bfloat16, 2 bytes per element.
+    #[default]
+    #[serde(alias = "bfloat16")]
+    Bf16,
+    /// IEEE half, 2 bytes per element.
+    #[serde(alias = "fp16", alias = "float16", alias = "half")]
+    F16,
+    /// IEEE single, 4 bytes per element.
+    #[serde(alias = "fp32", alias = "float32", alias = "float")]
+    F32,
+}
+
+impl ActDtype {
+    /// Bytes per element (`e` in domain.md): 2 for bf16/f16, 4 for f32.
+    pub const fn element_bytes(self) -> u64 {
+        match self {
+            ActDtype::Bf16 | ActDtype::F16 => 2,
+            ActDtype::F32 => 4,
+        }
+    }
+
+    /// The TOML spelling (`"bf16"`, `"f16"`, `"f32"`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            ActDtype::Bf16 => "bf16",
+            ActDtype::F16 => "f16",
+            ActDtype::F32 => "f32",
+        }
+    }
+}
+
+impl fmt::Display for ActDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How the GPUs of the all-reduce group are connected (domain.md §3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Interconnect {
+    /// NVLink through NVSwitch: every rank of the (single-node) group reaches every
+    /// other at full bandwidth (HGX/DGX H100, H200, B200, B300).
+    Nvswitch,
+    /// NVLink bridges between pairs (H100-NVL / H200-NVL PCIe cards); no switch across
+    /// all ranks.
+    BridgedNvlink,
+    /// PCIe only, no NVLink (RTX PRO 6000 workstations / servers).
+    Pcie,
+    /// A multi-node NVLink fabric (GB200 / GB300 NVL72): NVLink reaches across the
+    /// nodes of the group.
+    NvlinkFabric,
+    /// Nodes joined by InfiniBand (or Ethernet); NVLink only inside each node.
+    Infiniband,
+}
+
+impl Interconnect {
+    /// The TOML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Interconnect::Nvswitch => "nvswitch",
+            Interconnect::BridgedNvlink => "bridged-nvlink",
+            Interconnect::Pcie => "pcie",
+            Interconnect::NvlinkFabric => "nvlink-fabric",
+            Interconnect::Infiniband => "infiniband",
+        }
+    }
+
+    /// True when every rank of a single-node group reaches every other over NVLink
+    /// through a switch (what both fused backends need inside a node).
+    pub const fn is_switched_nvlink(self) -> bool {
+        matches!(self, Interconnect::Nvswitch | Interconnect::NvlinkFabric)
+    }
+}
+
+impl fmt::Display for Interconnect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The backend the user asked for (domain.md §3). `auto` lets the policy choose;
+/// an explicit backend is never silently replaced by another one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RequestedBackend {
+    /// Choose by the rules of domain.md §3 (fallback allowed).
+    #[default]
+    Auto,
+    /// CUDA IPC peer-to-peer buffers inside one node.
+    Trtllm,
+    /// NVLink multicast buffers (single node or one NVLink fabric).
+    Mnnvl,
+    /// Never fuse.
+    Off,
+}
+
+impl RequestedBackend {
+    /// The TOML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            RequestedBackend::Auto => "auto",
+            RequestedBackend::Trtllm => "trtllm",
+            RequestedBackend::Mnnvl => "mnnvl",
+            RequestedBackend::Off => "off",
+        }
+    }
+}
+
+impl fmt::Display for RequestedBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn default_one() -> u32 {
+    1
+}
+
+/// The machine, the all-reduce group and the engine settings a plan is made for.
+///
+/// All counts are per all-reduce GROUP (the tensor-parallel group), never the whole
+/// world: a TP group inside one node with pipeline parallelism across nodes has
+/// `group_nodes = 1` (counting the world was a public bug; domain.md §3).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Target {
+    /// Compute capability as an integer (90 = H100/H200, 100 = B200/GB200,
+    /// 103 = B300/GB300, 120 = RTX PRO 6000). Must be > 0.
+    pub sm: u32,
+    /// W: ranks in the all-reduce group. Must be >= 1 (1 means nothing to reduce).
+    pub world_size: u32,
+    /// Nodes the all-reduce group spans (default 1). 1 <= group_nodes <= world_size.
+    #[serde(default = "default_one")]
+    pub group_nodes: u32,
+    /// GPUs per node. world_size <= group_nodes * gpus_per_node.
+    pub gpus_per_node: u32,
+    /// `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED` on EVERY rank of the group (the AND
+    /// over the group; ranks that disagree deadlock the mnnvl rendezvous). Default false.
+    #[serde(default)]
+    pub multicast_all_ranks: bool,
+    /// How the group's GPUs are connected.
+    pub interconnect: Interconnect,
+    /// Activation dtype of the all-reduce input (default bf16).
+    #[serde(default)]
+    pub dtype: ActDtype,
+    /// The engine's max batched tokens per forward step (tokens). Must be >= 1.
+    pub max_batched_tokens: u64,
+    /// CUDA graph capture sizes (tokens). Each is planned and checked; one above
+    /// `max_batched_tokens` is planned and reported. Default empty.
+    #[serde(default)]
+    pub capture_sizes: Vec<u64>,
+    /// Compile-range boundaries (tokens) of a piecewise-compiled graph. Each is planned
+    /// and checked. Default empty.
+    #[serde(default)]
+    pub compile_range_boundaries: Vec<u64>,
+    /// Speculative-decoding tokens per step (s). When > 0, every capture size c is also
+    /// planned at c * (1 + s) tokens (a decode graph of c requests verifying s draft
+    /// tokens each). Default 0.
+    #[serde(default)]
+    pub num_speculative_tokens: u64,
+    /// Deterministic / batch-invariant mode: the plan never mixes reduction orders
+    /// across T (domain.md §3). Default false.
+    #[serde(default)]
+    pub deterministic: bool,
+    /// The backend asked for (default `auto`).
+    #[serde(default)]
+    pub requested_backend: RequestedBackend,
+    /// Replaces the size table's max all-reduce input bytes per rank (bytes), as an
+    /// engine's size-cap setting does; also supplies a value where the table has no
+    /// entry. Must be > 0 when given (use `requested_backend = "off"` to disable).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_bytes_override: Option<u64>,
+}
+
+impl Target {
+    /// Parses a target from TOML text and validates it.
+    ///
+    /// Errors: [`PolicyError::Toml`] for syntax, unknown fields or wrong types;
+    /// [`PolicyError::InvalidField`] from [`Target::validate`].
+    pub fn from_toml_str(text: &str) -> Result<Target> {
+        let target: Target = toml::from_str(text).map_err(|e| PolicyError::Toml(e.to_string()))?;
+        target.validate()?;
+        Ok(target)
+    }
+
+    /// Renders the target as TOML (round-trips through [`Target::from_toml_str`]).
+    ///
+    /// Errors: [`PolicyError::Toml`] if serialisation fails.
+    pub fn to_toml_string(&self) -> Result<String> {
+        toml::to_string(self).map_err(|e| PolicyError::Toml(e.to_string()))
+    }
+
+    /// A named preset for a common machine (see [`Target::preset_names`]).
+    ///
+    /// Errors: [`PolicyError::UnknownPreset`], listing the known names.
+    pub fn preset(name: &str) -> Result<Target> {
+        presets::preset(name).ok_or_else(|| PolicyError::UnknownPreset {
+            name: name.to_string(),
+            known: presets::PRESET_NAMES.join(", "),
+        })
+    }
+
+    /// The names [`Target::preset`] accepts.
+    pub fn preset_names() -> &'static [&'static str] {
+        presets::PRESET_NAMES
+    }
+
+    /// True when the all-reduce group spans more than one node.
+    pub fn is_multi_node(&self) -> bool {
+        self.group_nodes > 1
+    }
+
+    /// Checks every field for values that cannot be right.
+    ///
+    /// Errors: [`PolicyError::InvalidField`] naming the field: `sm` = 0,
+    /// `world_size` = 0, `group_nodes` = 0 or > `world_size`, `gpus_per_node` = 0,
+    /// `world_size` > `group_nodes * gpus_per_node`, `max_batched_tokens` = 0,
+    /// a zero in `capture_sizes` or `compile_range_boundaries`,
+    /// `max_bytes_override` = 0, or a speculative multiple that overflows `u64`.
+    pub fn validate(&self) -> Result<()> {
+        fn bad(field: &'static str, value: impl ToString, reason: &str) -> PolicyError {
+            PolicyError::InvalidField {
+                field,
+                value: value.to_string(),
+                reason: reason.to_string(),
+            }
+        }
+        if self.sm == 0 {
+            return Err(bad(
+                "sm",
+                self.sm,
+                "compute capability must be > 0 (e.g. 90, 100)",
+            ));
+        }
+        if self.world_size == 0 {
+            return Err(bad(
+                "world_size",
+                self.world_size,
+                "the all-reduce group needs at least one rank",
+            ));
+        }
+        if self.group_nodes == 0 {
+            return Err(bad(
+                "group_nodes",
+                self.group_nodes,
+                "the group spans at least one node",
+            ));
+        }
+        if self.group_nodes > self.world_size {
+            return Err(bad(
+                "group_nodes",
+                self.group_nodes,
+                "a group cannot span more nodes than it has ranks (count the nodes of the \
+                 all-reduce group, not of the whole world)",
+            ));
+        }
+        if self.gpus_per_node == 0 {
+            return Err(bad(
+                "gpus_per_node",
+                self.gpus_per_node,
+                "a node has at least one GPU",
+            ));
+        }
+        let capacity = u64::from(self.group_nodes) * u64::from(self.gpus_per_node);
+        if u64::from(self.world_size) > capacity {
+            return Err(bad(
+                "world_size",
+                self.world_size,
+                &format!(
+                    "more ranks than GPUs in the group's nodes ({} nodes x {} GPUs)",
+                    self.group_nodes, self.gpus_per_node
+                ),
+            ));
+        }
+        if self.max_batched_tokens == 0 {
+            return Err(bad("max_batched_tokens", 0, "must be >= 1 token"));
+        }
+        if self.capture_sizes.contains(&0) {
+            return Err(bad(
+                "capture_sizes",
+                0,
+                "capture sizes are token counts >= 1",
+            ));
+        }
+        if self.compile_range_boundaries.contains(&0) {
+            return Err(bad(
+                "compile_range_boundaries",
+                0,
+                "boundaries are token counts >= 1",
+            ));
+        }
+        if self.max_bytes_override == Some(0) {
+            return Err(bad(
+                "max_bytes_override",
+                0,
+                "a zero size cap fuses nothing; use requested_backend = \"off\" instead",
+            ));
+        }
+        if self.num_speculative_tokens > 0 {
+            let per_request = bytes::add(self.num_speculative_tokens, 1, "speculative step tokens")
+                .map_err(|_| {
+                    bad(
+                        "num_speculative_tokens",
+                        self.num_speculative_tokens,
+                        "overflows u64",
+                    )
+                })?;
+            for &c in &self.capture_sizes {
+                bytes::mul(c, per_request, "speculative multiple").map_err(|_| {
+                    bad(
+                        "num_speculative_tokens",
+                        self.num_speculative_tokens,
+                        &format!("capture size {c} x (1 + s) overflows u64"),
+                    )
+                })?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+        sm = 90
+        world_size = 8
+        gpus_per_node = 8
+        interconnect = "nvswitch"
+        max_batched_tokens = 8192
+    "#;
+
+    #[test]
+    fn minimal_toml_gets_defaults() {
+        let t = Target::from_toml_str(MINIMAL).unwrap();
+        assert_eq!(t.group_nodes, 1);
+        assert_eq!(t.dtype, ActDtype::Bf16);
+        assert_eq!(t.requested_backend, RequestedBackend::Auto);
+        assert!(!t.deterministic);
+        assert!(!t.multicast_all_ranks);
+        assert!(t.capture_sizes.is_empty());
+        assert_eq!(t.max_bytes_override, None);
+    }
+
+    #[test]
+    fn enum_spellings_parse() {
+        let text = format!("{MINIMAL}\ndtype = \"fp16\"\nrequested_backend = \"mnnvl\"\n")
+            .replace("\"nvswitch\"", "\"bridged-nvlink\"");
+        let t = Target::from_toml_str(&text).unwrap();
+        assert_eq!(t.dtype, ActDtype::F16);
+        assert_eq!(t.interconnect, Interconnect::BridgedNvlink);
+        assert_eq!(t.requested_backend, RequestedBackend::Mnnvl);
+    }
+
+    #[test]
+    fn unknown_field_is_rejected() {
+        let err = Target::from_toml_str(&format!("{MINIMAL}\nworld = 8\n")).unwrap_err();
+        assert!(
+            matches!(err, PolicyError::Toml(ref m) if m.contains("world")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn zero_world_size_names_the_field() {
+        let err = Target::from_toml_str(&MINIMAL.replace("world_size = 8", "world_size = 0"))
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                PolicyError::InvalidField {
+                    field: "world_size",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("world_size"));
+    }
+
+    #[test]
+    fn validate_rejects_inconsistent_counts() {
+        let mut t = Target::from_toml_str(MINIMAL).unwrap();
+        t.group_nodes = 2;
+        t.gpus_per_node = 2;
+        assert!(matches!(
+            t.validate(),
+            Err(PolicyError::InvalidField {
+                field: "world_size",
+                ..
+            })
+        ));
+        t.gpus_per_node = 8;
+        t.group_nodes = 9;
+        assert!(matches!(
+            t.validate(),
+            Err(PolicyError::InvalidField {
+                field: "group_nodes",
+                ..
+            })
+        ));
+        t.group_nodes = 1;
+        t.capture_sizes = vec![1, 0];
+        assert!(matches!(
+            t.validate(),
+            Err(PolicyError::InvalidField {
+                field: "capture_sizes",
+                ..
+            })
+        ));
+        t.capture_sizes = vec![u64::MAX];
+        t.num_speculative_tokens = 3;
+        assert!(matches!(
+            t.validate(),
+            Err(PolicyError::InvalidField {
+                field: "num_speculative_tokens",
+                ..
+            })
+        ));
+        t.num_speculative_tokens = 0;
+        t.max_batched_tokens = 0;
+        assert!(matches!(
+            t.validate(),
+            Err(PolicyError::InvalidField {
+                field: "max_batched_tokens",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn toml_round_trip() {
+        let t =
+            Target::from_toml_str(&format!("{MINIMAL}\nmax_bytes_override = 1048576\n")).unwrap();
+        let back = Target::from_toml_str(&t.to_toml_string().unwrap()).unwrap();
+        assert_eq!(back, t);
+    }
+
+    #[test]
+    fn element_bytes() {
+        assert_eq!(ActDtype::Bf16.element_bytes(), 2);
+        assert_eq!(ActDtype::F16.element_bytes(), 2);
+        assert_eq!(ActDtype::F32.element_bytes(), 4);
+    }
+}
