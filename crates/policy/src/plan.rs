@@ -334,7 +334,10 @@ impl Ctx<'_> {
         .collect();
         starts.sort_unstable();
         starts.dedup();
-        let mut segments: Vec<(u64, u64, Strategy, Why)> = Vec::new();
+        // (lo, hi, strategy, [(lo, hi, why)]): consecutive T with one strategy form one
+        // range; its reason lists each sub-range's own reason.
+        type Segment = (u64, u64, Strategy, Vec<(u64, u64, Why)>);
+        let mut segments: Vec<Segment> = Vec::new();
         for (i, &lo) in starts.iter().enumerate() {
             let hi = starts.get(i + 1).map_or(self.t_max, |next| next - 1);
             let (s, why) = self.decide(lo, h)?;
@@ -344,13 +347,37 @@ impl Ctx<'_> {
                 });
             }
             match segments.last_mut() {
-                Some(last) if last.2 == s && last.3 == why => last.1 = hi,
-                _ => segments.push((lo, hi, s, why)),
+                Some(last) if last.2 == s => {
+                    last.1 = hi;
+                    match last.3.last_mut() {
+                        Some(part) if part.2 == why => part.1 = hi,
+                        _ => last.3.push((lo, hi, why)),
+                    }
+                }
+                _ => segments.push((lo, hi, s, vec![(lo, hi, why)])),
             }
         }
         segments
             .into_iter()
-            .map(|(lo, hi, s, why)| self.range(lo, hi, s, self.render(why, h), h))
+            .map(|(lo, hi, s, parts)| {
+                let reason = if let [(_, _, why)] = parts.as_slice() {
+                    self.render(*why, h)
+                } else {
+                    parts
+                        .iter()
+                        .map(|&(a, b, why)| {
+                            let span = if a == b {
+                                format!("T={a}")
+                            } else {
+                                format!("T={a}..={b}")
+                            };
+                            format!("{span}: {}", self.render(why, h))
+                        })
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                };
+                self.range(lo, hi, s, reason, h)
+            })
             .collect()
     }
 }
