@@ -28,6 +28,9 @@ fn main() {
     }
     s.push_str(&format!("],\"outputs\":[\"{prev}\"]}}"));
     let bytes = s.len();
+    if std::env::var_os("BASELINE").is_some() {
+        baseline(&s);
+    }
     let mut best = f64::MAX;
     let mut count = 0;
     for _ in 0..5 {
@@ -40,4 +43,11 @@ fn main() {
         "loaded and validated {count} nodes ({bytes} bytes of JSON): best of 5 = {:.1} ms",
         best * 1e3
     );
+}
+
+#[allow(dead_code)]
+fn baseline(s: &str) {
+    let t = Instant::now();
+    let v: serde_json::Value = serde_json::from_str(s).unwrap();
+    println!("baseline serde_json::Value parse: {:.1} ms ({})", t.elapsed().as_secs_f64() * 1e3, v.is_object());
 }

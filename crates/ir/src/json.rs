@@ -390,14 +390,14 @@ fn build(raw: RawGraph) -> Result<Graph, Problems> {
     for &i in &order {
         let Some(n) = nodes[i].take() else { continue };
         let attrs: serde_json::Map<String, serde_json::Value> = n.attrs.0.into_iter().collect();
-        let op = match Op::from_name_attrs(&n.op, &attrs) {
+        let op = match Op::from_name_attrs_owned(&n.op, attrs) {
             Ok(op) => op,
             Err(m) => {
                 problems.push(Problem::new(&n.id, ProblemKind::Attribute, m));
                 // Keep going with an opaque stand-in so later nodes are still checked.
                 Op::Opaque {
                     target: n.op.clone(),
-                    attrs: serde_json::Value::Object(attrs),
+                    attrs: serde_json::Value::Null,
                 }
             }
         };

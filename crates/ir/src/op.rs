@@ -354,10 +354,19 @@ impl Op {
         name: &str,
         attrs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<Op, String> {
+        Op::from_name_attrs_owned(name, attrs.clone())
+    }
+
+    /// As [`Op::from_name_attrs`], taking the attribute object by value.
+    pub fn from_name_attrs_owned(
+        name: &str,
+        attrs: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Op, String> {
         if attrs.contains_key("op") {
             return Err("attribute named \"op\" is not allowed".into());
         }
-        let mut obj = attrs.clone();
+        let keys: Vec<String> = attrs.keys().cloned().collect();
+        let mut obj = attrs;
         obj.insert("op".into(), serde_json::Value::String(name.to_string()));
         let op: Op = serde_json::from_value(serde_json::Value::Object(obj)).map_err(|e| {
             let msg = e.to_string();
@@ -369,9 +378,12 @@ impl Op {
                 msg
             }
         })?;
+        if keys.is_empty() {
+            return Ok(op);
+        }
         let known = op.attrs_json();
-        let unknown: Vec<&str> = attrs
-            .keys()
+        let unknown: Vec<&str> = keys
+            .iter()
             .filter(|k| !known.contains_key(*k))
             .map(String::as_str)
             .collect();
