@@ -12,6 +12,8 @@
 
 pub mod contract;
 pub mod error;
+pub mod eval;
 pub mod numerics;
+pub mod tensor;
 
 pub use error::{ReferenceError, Result};
