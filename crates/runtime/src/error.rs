@@ -1,0 +1,77 @@
+//! Errors of the runtime. Every GPU entry point returns one of these instead of
+//! panicking, in particular when no CUDA driver or no NVRTC library is present.
+
+/// Result alias of this crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Everything that can go wrong in `arfuse-runtime`.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No NVRTC shared library could be loaded. `searched` lists what was tried.
+    #[error("NVRTC library not found (searched: {searched}); run .ci/install-cuda-wheels.sh or set ARFUSE_NVRTC_PATH to libnvrtc.so")]
+    NvrtcMissing {
+        /// Paths and names that were tried, `; `-separated.
+        searched: String,
+    },
+    /// The NVRTC library was found but lacks a required symbol.
+    #[error("NVRTC library {path} lacks symbol {symbol}")]
+    NvrtcSymbol {
+        /// Path of the library.
+        path: String,
+        /// Missing symbol.
+        symbol: String,
+    },
+    /// NVRTC refused to compile a kernel variant; `log` is the program log.
+    #[error("NVRTC failed to compile variant {variant} for {arch}: {code}\n{log}")]
+    Compile {
+        /// Variant name (see [`crate::variants::Variant::name`]).
+        variant: String,
+        /// Target architecture, e.g. `sm_90a`.
+        arch: String,
+        /// NVRTC result code name.
+        code: String,
+        /// Compiler log.
+        log: String,
+    },
+    /// No CUDA driver (`libcuda.so`) could be loaded.
+    #[error("no CUDA driver: {0}")]
+    NoDriver(String),
+    /// A CUDA driver call failed.
+    #[error("CUDA driver error in {call}: {msg}")]
+    Driver {
+        /// What was being done.
+        call: String,
+        /// Driver message.
+        msg: String,
+    },
+    /// The requested configuration is not supported (with the reason).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// An argument is invalid (shape, size, world size, ...).
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// Byte arithmetic overflowed (sizes are checked, never wrapped).
+    #[error("size overflow computing {0}")]
+    Overflow(&'static str),
+    /// A call would allocate or create a workspace while a stream is capturing.
+    #[error("refused while a CUDA graph capture is in progress: {0}")]
+    Capturing(String),
+    /// Workspace creation failed before for this key; not retried.
+    #[error("workspace creation for {backend} failed earlier (cached, not retried): {reason}")]
+    CachedFailure {
+        /// Backend that failed.
+        backend: String,
+        /// The original failure.
+        reason: String,
+    },
+    /// Every backend of the fallback chain failed.
+    #[error("no backend available: {0}")]
+    NoBackend(String),
+    /// A kernel hit its polling timeout (a protocol desynchronisation); it exited
+    /// instead of hanging and wrote this code.
+    #[error("kernel protocol timeout (error word {0:#x})")]
+    KernelTimeout(u32),
+    /// The host protocol model timed out (a rank waited too long: a protocol bug).
+    #[error("protocol model: {0}")]
+    Model(String),
+}

@@ -1,0 +1,524 @@
+//! The kernel variants: every combination of kernel, dtype, world size and epilogue
+//! that the runtime compiles, with the `-D` defines that select it in `kernels/`.
+//!
+//! The matrix is deliberately not the full product (that would be thousands of NVRTC
+//! runs): every dtype x W x strategy for the all-reduce-only and the main
+//! (residual + RMSNorm) epilogues; every epilogue for bf16 at W = 8 on both
+//! strategies; every quant for f16 / f32 at W = 8 one-shot; and the unfused local
+//! kernels for every dtype. The world size and dtype change only loop bounds and
+//! conversions, which the first group covers; the epilogue code is shared by all.
+
+use std::fmt;
+
+/// Source of `kernels/arfuse_common.cuh` (included by the other two).
+pub const COMMON_HEADER: &str = include_str!("../../../kernels/arfuse_common.cuh");
+/// Source of `kernels/allreduce_fused.cu` (entry point `arf_fused`).
+pub const FUSED_SOURCE: &str = include_str!("../../../kernels/allreduce_fused.cu");
+/// Source of `kernels/unfused.cu` (entry point `arf_local`).
+pub const LOCAL_SOURCE: &str = include_str!("../../../kernels/unfused.cu");
+
+/// Activation dtype `T`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Dtype {
+    /// bfloat16 (2 bytes).
+    Bf16,
+    /// IEEE half (2 bytes).
+    F16,
+    /// IEEE single (4 bytes).
+    F32,
+}
+
+impl Dtype {
+    /// All dtypes.
+    pub const ALL: [Dtype; 3] = [Dtype::Bf16, Dtype::F16, Dtype::F32];
+    /// Bytes per element `e`.
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::Bf16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+        }
+    }
+    /// Value of `ARF_DTYPE`.
+    fn define(self) -> u32 {
+        match self {
+            Dtype::Bf16 => 0,
+            Dtype::F16 => 1,
+            Dtype::F32 => 2,
+        }
+    }
+    /// Short name used in variant names.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+            Dtype::F32 => "f32",
+        }
+    }
+    /// The Lamport "empty" bit pattern of one element (-0.0).
+    pub fn sentinel_bits(self) -> u32 {
+        match self {
+            Dtype::Bf16 | Dtype::F16 => 0x8000,
+            Dtype::F32 => 0x8000_0000,
+        }
+    }
+}
+
+/// Quantisation epilogue (domain.md section 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Quant {
+    /// No quant output.
+    None,
+    /// Per-tensor FP8 e4m3, fp32 dequant scale given.
+    Fp8Static,
+    /// Dynamic per-token FP8, fp32 scales `[T, 1]`.
+    Fp8PerToken,
+    /// Per-token-group FP8 (group 128), ue8m0 scales packed 4 per int32, column-major,
+    /// token dim padded to a multiple of 4 (padding zeroed).
+    Fp8GroupPacked,
+    /// Per-token-group FP8 (group 128), fp32 scales `[T, H/128]` row-major.
+    Fp8GroupF32,
+    /// NVFP4 (SM100+), scales in the swizzled 128x4 layout.
+    Nvfp4Swizzled,
+    /// NVFP4 (SM100+), scales row-major `[T, H/16]`.
+    Nvfp4Linear,
+}
+
+impl Quant {
+    /// Every quant kind including `None`.
+    pub const ALL: [Quant; 7] = [
+        Quant::None,
+        Quant::Fp8Static,
+        Quant::Fp8PerToken,
+        Quant::Fp8GroupPacked,
+        Quant::Fp8GroupF32,
+        Quant::Nvfp4Swizzled,
+        Quant::Nvfp4Linear,
+    ];
+    fn define(self) -> u32 {
+        match self {
+            Quant::None => 0,
+            Quant::Fp8Static => 1,
+            Quant::Fp8PerToken => 2,
+            Quant::Fp8GroupPacked => 3,
+            Quant::Fp8GroupF32 => 4,
+            Quant::Nvfp4Swizzled => 5,
+            Quant::Nvfp4Linear => 6,
+        }
+    }
+    /// Short name used in variant names.
+    pub fn name(self) -> &'static str {
+        match self {
+            Quant::None => "",
+            Quant::Fp8Static => "fp8s",
+            Quant::Fp8PerToken => "fp8tok",
+            Quant::Fp8GroupPacked => "fp8grp_ue8m0",
+            Quant::Fp8GroupF32 => "fp8grp_f32",
+            Quant::Nvfp4Swizzled => "nvfp4_swz",
+            Quant::Nvfp4Linear => "nvfp4_lin",
+        }
+    }
+    /// Whether the quant needs SM100 or later (`cvt ... e2m1x2`).
+    pub fn needs_sm100(self) -> bool {
+        matches!(self, Quant::Nvfp4Swizzled | Quant::Nvfp4Linear)
+    }
+    /// Whether the dtype can feed this quant (NVFP4 is defined for 16-bit inputs).
+    pub fn supports(self, d: Dtype) -> bool {
+        !(self.needs_sm100() && d == Dtype::F32)
+    }
+}
+
+/// What the kernel does after the all-reduce. Which outputs are live is a run-time
+/// choice (null pointer = dead), not part of the variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Epilogue {
+    /// Add `residual_in` (else `h` is the all-reduce output).
+    pub residual: bool,
+    /// RMSNorm with gamma, eps and weight_bias (run-time arguments).
+    pub norm: bool,
+    /// Quant of the normalised value.
+    pub quant: Quant,
+}
+
+impl Epilogue {
+    /// All-reduce only (FlashInfer pattern 0).
+    pub const AR_ONLY: Epilogue = Epilogue {
+        residual: false,
+        norm: false,
+        quant: Quant::None,
+    };
+    /// Residual add + RMSNorm (pattern 1).
+    pub const RES_NORM: Epilogue = Epilogue {
+        residual: true,
+        norm: true,
+        quant: Quant::None,
+    };
+    fn name(&self) -> String {
+        let mut parts = Vec::new();
+        if self.residual {
+            parts.push("res");
+        }
+        if self.norm {
+            parts.push("norm");
+        }
+        if self.quant != Quant::None {
+            parts.push(self.quant.name());
+        }
+        if parts.is_empty() {
+            "ar".to_string()
+        } else {
+            parts.join("_")
+        }
+    }
+}
+
+/// Communication strategy of a fused kernel (domain.md section 6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Strategy {
+    /// One-shot Lamport (triple buffered, no barrier).
+    OneShot,
+    /// Two-shot: reduce-scatter + all-gather with flag barriers.
+    TwoShot,
+}
+
+impl Strategy {
+    /// Short name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::OneShot => "oneshot",
+            Strategy::TwoShot => "twoshot",
+        }
+    }
+}
+
+/// Which kernel source a variant is built from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KernelKind {
+    /// `arf_fused` from `allreduce_fused.cu`, for one strategy and world size.
+    Fused {
+        /// Communication strategy.
+        strategy: Strategy,
+        /// World size W in {2, 4, 8, 16}.
+        world: u32,
+    },
+    /// `arf_local` from `unfused.cu` (no communication).
+    Local,
+}
+
+/// One compiled kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Variant {
+    /// Kernel and its communication parameters.
+    pub kind: KernelKind,
+    /// Activation dtype.
+    pub dtype: Dtype,
+    /// Epilogue.
+    pub epilogue: Epilogue,
+}
+
+/// A GPU architecture NVRTC targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Arch {
+    /// Hopper, architecture-specific features (`sm_90a`).
+    Sm90a,
+    /// Blackwell datacenter, architecture-specific (`sm_100a`, NVRTC >= 12.8).
+    Sm100a,
+}
+
+impl Arch {
+    /// Both architectures checked in CI.
+    pub const ALL: [Arch; 2] = [Arch::Sm90a, Arch::Sm100a];
+    /// NVRTC architecture name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Sm90a => "sm_90a",
+            Arch::Sm100a => "sm_100a",
+        }
+    }
+    /// Architecture for a compute capability `major * 10 + minor` (90, 100, 103, ...).
+    pub fn for_sm(sm: u32) -> Option<Arch> {
+        match sm {
+            90 => Some(Arch::Sm90a),
+            100 => Some(Arch::Sm100a),
+            _ => None,
+        }
+    }
+}
+
+/// World sizes the fused kernels support (trtllm backend; domain.md section 3).
+pub const WORLD_SIZES: [u32; 4] = [2, 4, 8, 16];
+
+impl Variant {
+    /// Stable, unique name, e.g. `oneshot_w8_bf16_res_norm_fp8tok`, `local_f16_norm`.
+    pub fn name(&self) -> String {
+        match self.kind {
+            KernelKind::Fused { strategy, world } => format!(
+                "{}_w{}_{}_{}",
+                strategy.name(),
+                world,
+                self.dtype.name(),
+                self.epilogue.name()
+            ),
+            KernelKind::Local => format!("local_{}_{}", self.dtype.name(), self.epilogue.name()),
+        }
+    }
+
+    /// Entry point name in the compiled module.
+    pub fn entry(&self) -> &'static str {
+        match self.kind {
+            KernelKind::Fused { .. } => "arf_fused",
+            KernelKind::Local => "arf_local",
+        }
+    }
+
+    /// Source text of the translation unit.
+    pub fn source(&self) -> &'static str {
+        match self.kind {
+            KernelKind::Fused { .. } => FUSED_SOURCE,
+            KernelKind::Local => LOCAL_SOURCE,
+        }
+    }
+
+    /// The `-D` defines that select this variant.
+    pub fn defines(&self) -> Vec<(String, u32)> {
+        let mut d = vec![
+            ("ARF_DTYPE".to_string(), self.dtype.define()),
+            ("ARF_RESIDUAL".to_string(), u32::from(self.epilogue.residual)),
+            ("ARF_NORM".to_string(), u32::from(self.epilogue.norm)),
+            ("ARF_QUANT".to_string(), self.epilogue.quant.define()),
+        ];
+        if let KernelKind::Fused { strategy, world } = self.kind {
+            d.push((
+                "ARF_STRATEGY".to_string(),
+                match strategy {
+                    Strategy::OneShot => 1,
+                    Strategy::TwoShot => 2,
+                },
+            ));
+            d.push(("ARF_W".to_string(), world));
+        }
+        d
+    }
+
+    /// Architectures this variant is built for (NVFP4 only on SM100+).
+    pub fn archs(&self) -> Vec<Arch> {
+        if self.epilogue.quant.needs_sm100() {
+            vec![Arch::Sm100a]
+        } else {
+            Arch::ALL.to_vec()
+        }
+    }
+
+    /// NVRTC options for `arch` (defines, `--gpu-architecture`, C++17, no fast math
+    /// so subnormals survive and division is IEEE).
+    pub fn nvrtc_options(&self, arch: Arch, ptxas_verbose: bool) -> Vec<String> {
+        let mut o = vec![
+            format!("--gpu-architecture={}", arch.name()),
+            "--std=c++17".to_string(),
+            "-default-device".to_string(),
+        ];
+        if ptxas_verbose {
+            o.push("--ptxas-options=--verbose".to_string());
+        }
+        for (k, v) in self.defines() {
+            o.push(format!("-D{k}={v}"));
+        }
+        o
+    }
+}
+
+impl fmt::Display for Variant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+/// Every epilogue the rewrite pass can emit: all-reduce only, and residual on/off x
+/// RMSNorm x every quant.
+pub fn all_epilogues() -> Vec<Epilogue> {
+    let mut v = vec![Epilogue::AR_ONLY];
+    for residual in [true, false] {
+        for quant in Quant::ALL {
+            v.push(Epilogue {
+                residual,
+                norm: true,
+                quant,
+            });
+        }
+    }
+    v
+}
+
+/// The variant matrix (see the module documentation), sorted and without duplicates.
+pub fn all() -> Vec<Variant> {
+    let mut out = Vec::new();
+    let fused = |strategy, world, dtype, epilogue| Variant {
+        kind: KernelKind::Fused { strategy, world },
+        dtype,
+        epilogue,
+    };
+    for strategy in [Strategy::OneShot, Strategy::TwoShot] {
+        for world in WORLD_SIZES {
+            for dtype in Dtype::ALL {
+                out.push(fused(strategy, world, dtype, Epilogue::AR_ONLY));
+                out.push(fused(strategy, world, dtype, Epilogue::RES_NORM));
+            }
+        }
+        for e in all_epilogues() {
+            out.push(fused(strategy, 8, Dtype::Bf16, e));
+        }
+    }
+    for dtype in [Dtype::F16, Dtype::F32] {
+        for quant in Quant::ALL {
+            if quant.supports(dtype) {
+                out.push(fused(
+                    Strategy::OneShot,
+                    8,
+                    dtype,
+                    Epilogue {
+                        residual: true,
+                        norm: true,
+                        quant,
+                    },
+                ));
+            }
+        }
+    }
+    for dtype in Dtype::ALL {
+        let local = |epilogue| Variant {
+            kind: KernelKind::Local,
+            dtype,
+            epilogue,
+        };
+        out.push(local(Epilogue::RES_NORM));
+        out.push(local(Epilogue {
+            residual: false,
+            norm: true,
+            quant: Quant::None,
+        }));
+        for quant in Quant::ALL {
+            if quant != Quant::None && quant.supports(dtype) {
+                out.push(local(Epilogue {
+                    residual: false,
+                    norm: false,
+                    quant,
+                }));
+                out.push(local(Epilogue {
+                    residual: true,
+                    norm: true,
+                    quant,
+                }));
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Finds the variant for a request; `None` when it is not in the matrix.
+pub fn find(kind: KernelKind, dtype: Dtype, epilogue: Epilogue) -> Option<Variant> {
+    let v = Variant {
+        kind,
+        dtype,
+        epilogue,
+    };
+    all().into_iter().find(|x| *x == v)
+}
+
+/// Compiles one variant for one architecture with NVRTC.
+///
+/// # Errors
+/// [`crate::Error::NvrtcMissing`] without NVRTC; [`crate::Error::Compile`] with the
+/// log when NVRTC rejects the source; [`crate::Error::Unsupported`] for NVFP4 on
+/// sm_90a or sm_100a with an NVRTC older than 12.8.
+pub fn compile(
+    variant: &Variant,
+    arch: Arch,
+    ptxas_verbose: bool,
+) -> crate::Result<crate::nvrtc::Compiled> {
+    if !variant.archs().contains(&arch) {
+        return Err(crate::Error::Unsupported(format!(
+            "{variant} needs SM100 or later, not {}",
+            arch.name()
+        )));
+    }
+    let n = crate::nvrtc::nvrtc()?;
+    if arch == Arch::Sm100a && !n.supports_sm100a() {
+        return Err(crate::Error::Unsupported(format!(
+            "NVRTC {}.{} at {} cannot target sm_100a (needs >= 12.8)",
+            n.version().0,
+            n.version().1,
+            n.path()
+        )));
+    }
+    let mut out = n.compile(
+        &variant.name(),
+        variant.source(),
+        &[("arfuse_common.cuh", COMMON_HEADER)],
+        &variant.nvrtc_options(arch, ptxas_verbose),
+    );
+    if let Err(crate::Error::Compile {
+        variant: v, arch: a, ..
+    }) = &mut out
+    {
+        *v = variant.name();
+        *a = arch.name().to_string();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_defines_complete() {
+        let all = all();
+        let mut names: Vec<String> = all.iter().map(Variant::name).collect();
+        names.sort();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(names.len(), n, "duplicate variant names");
+        for v in &all {
+            let d = v.defines();
+            assert!(d.iter().any(|(k, _)| k == "ARF_DTYPE"));
+            if matches!(v.kind, KernelKind::Fused { .. }) {
+                assert!(d.iter().any(|(k, val)| k == "ARF_W" && WORLD_SIZES.contains(val)));
+            }
+            if v.epilogue.quant.needs_sm100() {
+                assert_eq!(v.archs(), vec![Arch::Sm100a]);
+                assert_ne!(v.dtype, Dtype::F32);
+            }
+        }
+    }
+
+    #[test]
+    fn matrix_covers_every_dtype_world_strategy_and_epilogue() {
+        let all = all();
+        for s in [Strategy::OneShot, Strategy::TwoShot] {
+            for w in WORLD_SIZES {
+                for d in Dtype::ALL {
+                    for e in [Epilogue::AR_ONLY, Epilogue::RES_NORM] {
+                        let k = KernelKind::Fused {
+                            strategy: s,
+                            world: w,
+                        };
+                        assert!(find(k, d, e).is_some(), "{s:?} {w} {d:?} {e:?}");
+                    }
+                }
+            }
+            for e in all_epilogues() {
+                let k = KernelKind::Fused {
+                    strategy: s,
+                    world: 8,
+                };
+                assert!(all.contains(&Variant {
+                    kind: k,
+                    dtype: Dtype::Bf16,
+                    epilogue: e
+                }));
+            }
+        }
+        assert_eq!(all_epilogues().len(), 15);
+    }
+}

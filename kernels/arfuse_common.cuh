@@ -1,0 +1,592 @@
+// arfuse_common.cuh -- device helpers shared by every arfuse kernel.
+//
+// Compiled with NVRTC only; no CUDA headers are included (bf16/f16/fp8/fp4 conversions
+// use PTX `cvt` directly), so the same text compiles with NVRTC 12.x and 13.x and with
+// the PyPI NVRTC wheel, which ships no include files.
+//
+// Compile-time configuration (set by crates/runtime/src/variants.rs as -D defines):
+//   ARF_DTYPE    0 = bf16, 1 = f16, 2 = f32 (activation dtype T)
+//   ARF_W        world size 2, 4, 8 or 16 (fused kernels only)
+//   ARF_STRATEGY 1 = one-shot Lamport, 2 = two-shot (fused kernels only)
+//   ARF_RESIDUAL 1 = add residual_in, 0 = no residual (h = all-reduce output)
+//   ARF_NORM     1 = RMSNorm, 0 = none (y = h)
+//   ARF_QUANT    0 none, 1 fp8 static, 2 fp8 per-token, 3 fp8 per-token-group (128)
+//                packed ue8m0 column-major, 4 fp8 group fp32 row-major,
+//                5 nvfp4 swizzled 128x4 scales, 6 nvfp4 linear scales (5/6: sm_100a+)
+// Which outputs are written is decided at run time: a null output pointer is dead.
+//
+// Rounding contract (shared with crates/runtime/src/protocol.rs and model.rs):
+//   s   = ((0.0f + x_0) + x_1) + ... + x_{W-1}   fp32, fixed rank order, starting from
+//         +0.0 so that an all -0.0 column gives +0.0 on every strategy (the Lamport
+//         transport replaces -0.0 by +0.0, which cannot change a sum that starts at +0)
+//   a   = round_T(s)                              (the unfused all-reduce output)
+//   h   = round_T(float(a) + float(residual))     -> residual_out
+//   r   = rsqrtf(sum_i(float(h_i)^2) / H + eps)   sum in fp32, block-tree order
+//   y   = round_T((float(h) * r) * (float(gamma) + weight_bias))   (one rounding)
+//   quant applied to float(y).
+#pragma once
+
+#ifndef ARF_DTYPE
+#error "ARF_DTYPE must be defined"
+#endif
+#ifndef ARF_RESIDUAL
+#define ARF_RESIDUAL 1
+#endif
+#ifndef ARF_NORM
+#define ARF_NORM 1
+#endif
+#ifndef ARF_QUANT
+#define ARF_QUANT 0
+#endif
+// Maximum 16-byte vectors per thread per token, held in registers between the two
+// RMSNorm passes. Blocks are at most 1024 threads (64 registers each), so the default
+// 4 covers 4 * 1024 * 16 B = 64 KiB per token (bf16 H <= 32,768, f32 H <= 16,384)
+// without spills; the runtime compiles with ARF_MAX_VPT=8 for wider tokens (bf16 H up
+// to 65,536), accepting some spills there.
+#ifndef ARF_MAX_VPT
+#define ARF_MAX_VPT 4
+#endif
+
+#define ARF_MAX_RANKS 16
+// Two-shot barrier flags exist for this many CTAs per rank (workspace: W*256*4 bytes).
+#define ARF_MAX_CTAS 256
+
+#define ARF_Q_NONE 0
+#define ARF_Q_FP8_STATIC 1
+#define ARF_Q_FP8_TOKEN 2
+#define ARF_Q_FP8_GROUP_PACKED 3
+#define ARF_Q_FP8_GROUP_F32 4
+#define ARF_Q_NVFP4_SWIZZLED 5
+#define ARF_Q_NVFP4_LINEAR 6
+
+#if ARF_DTYPE == 2
+#define ARF_EB 4
+#define ARF_VEC 4
+#else
+#define ARF_EB 2
+#define ARF_VEC 8
+#endif
+
+#if (ARF_QUANT == ARF_Q_NVFP4_SWIZZLED || ARF_QUANT == ARF_Q_NVFP4_LINEAR) && ARF_DTYPE == 2
+#error "NVFP4 quant is defined for 16-bit activations only"
+#endif
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// Error word bits (the kernel exits instead of hanging and sets one of these).
+#define ARF_ERR_ONESHOT_TIMEOUT 1u
+#define ARF_ERR_TWOSHOT_TIMEOUT 2u
+
+// A tensor addressed per rank: rank r's data starts at ptr + r * rank_stride (bytes).
+// Virtual ranks on one GPU use rank_stride = bytes of one rank's tensor; a real rank
+// (one process per GPU) passes its own pointer with rank_stride = 0.
+struct ArfTensor {
+  u64 ptr;
+  u64 rank_stride;
+};
+
+// Kernel parameters, passed by value. Mirrored by `KernelParams` in
+// crates/runtime/src/launch.rs (repr(C)); both sides assert the size.
+struct ArfParams {
+  // Byte address of every rank's workspace as seen from the launching GPU: one
+  // allocation with W slices for virtual ranks, IPC / multicast-unicast mappings for
+  // real peers. The kernels never care which.
+  u64 peer[ARF_MAX_RANKS];
+  ArfTensor x;             // [T, H] T: this rank's all-reduce input (local kernel: input)
+  ArfTensor residual_in;   // [T, H] T
+  ArfTensor residual_out;  // [T, H] T, or 0 = dead
+  ArfTensor out;           // [T, H] T: norm_out (ARF_NORM=1) or all-reduce output; 0 = dead
+  ArfTensor quant_out;     // fp8 [T, H] or nvfp4 [T, H/2] bytes; 0 = dead
+  ArfTensor scale_out;     // per-token / per-group / nvfp4 block scales
+  u64 gamma;               // [H] T, shared by all ranks
+  u64 scale_in;            // fp32[1]: static fp8 dequant scale or nvfp4 global scale
+  u64 off_os_state;        // workspace offsets (bytes), identical on every rank
+  u64 off_ts_state;
+  u64 off_ts_flags;
+  u64 off_lamport;
+  u64 lamport_stride;      // bytes of ONE Lamport buffer (3 rotate)
+  u64 off_scatter;
+  u64 off_gather;
+  u64 err;                 // device address of a u32 error word
+  u64 timeout_ns;          // polling gives up after this long (globaltimer ns)
+  int T;                   // tokens of this call
+  int H;                   // hidden size (elements)
+  int rank_base;           // rank of blockIdx.y == 0
+  int max_tokens;          // tokens the workspace is sized for
+  float eps;
+  float weight_bias;       // 0 or 1 (Gemma-style norm weight stored as an offset)
+  int pad0;
+  int pad1;
+};
+static_assert(sizeof(ArfParams) == 344, "ArfParams layout changed: update launch.rs");
+
+// ---------------------------------------------------------------- conversions
+__device__ __forceinline__ float arf_bits_to_f32(u32 b) {
+#if ARF_DTYPE == 0
+  return __uint_as_float(b << 16);
+#elif ARF_DTYPE == 1
+  float f;
+  unsigned short h = (unsigned short)b;
+  asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+  return f;
+#else
+  return __uint_as_float(b);
+#endif
+}
+
+// Round to nearest even into the activation dtype; returns the bit pattern.
+__device__ __forceinline__ u32 arf_f32_to_bits(float f) {
+#if ARF_DTYPE == 0
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#elif ARF_DTYPE == 1
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#else
+  return __float_as_uint(f);
+#endif
+}
+
+__device__ __forceinline__ void arf_unpack(const uint4 v, float (&f)[ARF_VEC]) {
+  const u32 w[4] = {v.x, v.y, v.z, v.w};
+#if ARF_EB == 2
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = arf_bits_to_f32(w[i] & 0xffffu);
+    f[2 * i + 1] = arf_bits_to_f32(w[i] >> 16);
+  }
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) f[i] = __uint_as_float(w[i]);
+#endif
+}
+
+__device__ __forceinline__ uint4 arf_pack(const float (&f)[ARF_VEC]) {
+  u32 w[4];
+#if ARF_EB == 2
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = arf_f32_to_bits(f[2 * i]) | (arf_f32_to_bits(f[2 * i + 1]) << 16);
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = __float_as_uint(f[i]);
+#endif
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// ---------------------------------------------------------------- Lamport sentinel
+// The "empty" value is -0.0 tested BITWISE (0x8000 / 0x80000000): a float compare
+// would also match negative subnormals flushed to zero and hang forever.
+#if ARF_EB == 2
+#define ARF_SENTINEL_WORD 0x80008000u
+__device__ __forceinline__ bool arf_word_ready(u32 w) {
+  return (w & 0xffffu) != 0x8000u && (w >> 16) != 0x8000u;
+}
+__device__ __forceinline__ u32 arf_word_scrub(u32 w) {
+  if ((w & 0xffffu) == 0x8000u) w &= 0xffff0000u;
+  if ((w >> 16) == 0x8000u) w &= 0x0000ffffu;
+  return w;
+}
+#else
+#define ARF_SENTINEL_WORD 0x80000000u
+__device__ __forceinline__ bool arf_word_ready(u32 w) { return w != 0x80000000u; }
+__device__ __forceinline__ u32 arf_word_scrub(u32 w) { return w == 0x80000000u ? 0u : w; }
+#endif
+
+__device__ __forceinline__ bool arf_vec_ready(const uint4 v) {
+  return arf_word_ready(v.x) && arf_word_ready(v.y) && arf_word_ready(v.z) && arf_word_ready(v.w);
+}
+__device__ __forceinline__ uint4 arf_vec_scrub(const uint4 v) {
+  return make_uint4(arf_word_scrub(v.x), arf_word_scrub(v.y), arf_word_scrub(v.z), arf_word_scrub(v.w));
+}
+
+// ---------------------------------------------------------------- memory operations
+__device__ __forceinline__ uint4 arf_ld(u64 addr) {
+  return *reinterpret_cast<const uint4*>(addr);
+}
+__device__ __forceinline__ void arf_st(u64 addr, uint4 v) {
+  *reinterpret_cast<uint4*>(addr) = v;
+}
+// Loads of data another rank (possibly another GPU) writes: volatile = relaxed at
+// system scope, never served from a stale L1 line.
+__device__ __forceinline__ uint4 arf_ld_sys(u64 addr) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(addr)
+               : "memory");
+  return v;
+}
+// Stores to another rank's memory (relaxed, system scope). Callers order them after
+// earlier writes with arf_fence_sys() (fence + relaxed store = release).
+__device__ __forceinline__ void arf_st_sys(u64 addr, uint4 v) {
+  asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(addr), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void arf_fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void arf_st_release_sys(u64 addr, u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 arf_ld_acquire_sys(u64 addr) {
+  u32 v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ u32 arf_ld_volatile_u32(u64 addr) {
+  u32 v;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ u64 arf_globaltimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Poll bookkeeping: every 1024 polls read the clock; give up (set the error word and
+// return true) after timeout_ns, or at once when another rank already gave up.
+struct ArfPoll {
+  u64 t0;
+  u32 spins;
+};
+__device__ __forceinline__ bool arf_poll_expired(ArfPoll& st, const ArfParams& p, u32 code) {
+  if ((++st.spins & 1023u) != 0u) return false;
+  const u64 now = arf_globaltimer();
+  if (st.t0 == 0) st.t0 = now;
+  if (arf_ld_volatile_u32(p.err) != 0u) return true;
+  if (now - st.t0 > p.timeout_ns) {
+    atomicOr(reinterpret_cast<u32*>(p.err), code);
+    return true;
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------- PDL
+// Wait for the previous kernel in the stream (no-op without the PDL attribute).
+__device__ __forceinline__ void arf_grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Let the next kernel launch. Called only after the last store of the CTA, so
+// completion is always signalled at the end (domain.md section 4: early signalling
+// let a dependent read an unwritten buffer).
+__device__ __forceinline__ void arf_trigger_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// ---------------------------------------------------------------- reductions
+// Blocks are a multiple of 32 threads (>= 128), so every warp is full and the
+// full-mask shuffles below are valid: no sub-warp block reductions exist.
+__device__ __forceinline__ float arf_block_sum(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = (lane < (int)(blockDim.x >> 5)) ? red[lane] : 0.0f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float arf_block_max(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = (lane < (int)(blockDim.x >> 5)) ? red[lane] : 0.0f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Max over `width` consecutive lanes (width a power of two <= 32).
+__device__ __forceinline__ float arf_group_max(float v, int width) {
+  for (int o = width >> 1; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// ---------------------------------------------------------------- quant helpers
+// e4m3 (fp8) with satfinite, round to nearest even: two values -> two bytes
+// (`lo` in the low byte).
+__device__ __forceinline__ u32 arf_e4m3x2(float lo, float hi) {
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// Exact value of an e4m3 byte (finite inputs only; satfinite never produces NaN).
+__device__ __forceinline__ float arf_e4m3_to_f32(u32 b) {
+  const u32 e = (b >> 3) & 15u, m = b & 7u;
+  const float mag = e == 0 ? (float)m * 0.001953125f /* 2^-9 */
+                           : __uint_as_float(((e + 120u) << 23) | (m << 20));
+  return (b & 0x80u) ? -mag : mag;
+}
+#if ARF_QUANT == ARF_Q_NVFP4_SWIZZLED || ARF_QUANT == ARF_Q_NVFP4_LINEAR
+// e2m1 (fp4) pair with satfinite, round to nearest even: `lo` in the low nibble.
+// The cvt needs sm_100a or later.
+__device__ __forceinline__ u32 arf_e2m1x2(float lo, float hi) {
+  u32 r;
+  asm("{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, %1, %2; cvt.u32.u8 %0, t; }"
+      : "=r"(r)
+      : "f"(hi), "f"(lo));
+  return r;
+}
+#endif
+// Byte offset of the NVFP4 scale of (row t, 16-element block column c) in the
+// swizzled 128x4 layout (cuBLAS / FlashInfer convention): 512-byte tiles of 128 rows x
+// 4 columns, tiles ordered row-tile major; inside a tile row i sits at
+// (i % 32) * 16 + (i / 32) * 4 and column c % 4 adds c % 4.
+__device__ __forceinline__ u64 arf_nvfp4_sf_offset(int t, int c, int sf_cols) {
+  const int ktiles = (sf_cols + 3) / 4;
+  return ((u64)(t / 128) * ktiles + (u64)(c / 4)) * 512u + (u64)(t % 32) * 16u + (u64)((t % 128) / 32) * 4u +
+         (u64)(c % 4);
+}
+
+__device__ __forceinline__ u64 arf_rank_ptr(const ArfTensor& a, int rank) {
+  return a.ptr == 0 ? 0 : a.ptr + (u64)rank * a.rank_stride;
+}
+
+// ---------------------------------------------------------------- epilogue
+// Runs on one token `t` of rank `rank` whose all-reduced values (already rounded to
+// T) are in a[0..vpt) (vector v of this thread is idx = threadIdx.x + v * blockDim.x).
+// Every thread of the block calls it (block reductions inside).
+__device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t, uint4 (&a)[ARF_MAX_VPT],
+                                             int vpt, int nvec, float* red) {
+  const u64 row = (u64)t * (u64)p.H * ARF_EB;
+  const u64 res_out = arf_rank_ptr(p.residual_out, rank);
+  const u64 out = arf_rank_ptr(p.out, rank);
+#if ARF_RESIDUAL
+  const u64 res_in = arf_rank_ptr(p.residual_in, rank);
+#endif
+#if ARF_NORM
+  float ss = 0.0f;
+#endif
+#pragma unroll
+  for (int v = 0; v < ARF_MAX_VPT; ++v) {
+    const int idx = threadIdx.x + v * blockDim.x;
+    if (v < vpt && idx < nvec) {
+#if ARF_RESIDUAL
+      float af[ARF_VEC], rf[ARF_VEC];
+      arf_unpack(a[v], af);
+      arf_unpack(arf_ld(res_in + row + (u64)idx * 16u), rf);
+#pragma unroll
+      for (int i = 0; i < ARF_VEC; ++i) af[i] = af[i] + rf[i];
+      a[v] = arf_pack(af);
+#endif
+      if (res_out) arf_st(res_out + row + (u64)idx * 16u, a[v]);
+#if ARF_NORM
+      float hf[ARF_VEC];
+      arf_unpack(a[v], hf);
+#pragma unroll
+      for (int i = 0; i < ARF_VEC; ++i) ss += hf[i] * hf[i];
+#endif
+    }
+  }
+#if ARF_NORM
+  ss = arf_block_sum(ss, red);
+  const float rstd = rsqrtf(ss / (float)p.H + p.eps);
+#pragma unroll
+  for (int v = 0; v < ARF_MAX_VPT; ++v) {
+    const int idx = threadIdx.x + v * blockDim.x;
+    if (v < vpt && idx < nvec) {
+      float hf[ARF_VEC], gf[ARF_VEC];
+      arf_unpack(a[v], hf);
+      arf_unpack(arf_ld(p.gamma + (u64)idx * 16u), gf);
+#pragma unroll
+      for (int i = 0; i < ARF_VEC; ++i) hf[i] = (hf[i] * rstd) * (gf[i] + p.weight_bias);
+      a[v] = arf_pack(hf);
+    }
+  }
+#endif
+  if (out) {
+#pragma unroll
+    for (int v = 0; v < ARF_MAX_VPT; ++v) {
+      const int idx = threadIdx.x + v * blockDim.x;
+      if (v < vpt && idx < nvec) arf_st(out + row + (u64)idx * 16u, a[v]);
+    }
+  }
+#if ARF_QUANT != ARF_Q_NONE
+  const u64 qout = arf_rank_ptr(p.quant_out, rank);
+  const u64 sout = arf_rank_ptr(p.scale_out, rank);
+#endif
+#if ARF_QUANT == ARF_Q_FP8_STATIC || ARF_QUANT == ARF_Q_FP8_TOKEN
+#if ARF_QUANT == ARF_Q_FP8_STATIC
+  // q = e4m3_satfinite(y / scale), scale = fp32 dequant scale.
+  const float qscale = *reinterpret_cast<const float*>(p.scale_in);
+#else
+  // scale_t = max(amax_t / 448, 1 / (512 * 448)); q = e4m3(clamp(y / scale_t)).
+  float amax = 0.0f;
+#pragma unroll
+  for (int v = 0; v < ARF_MAX_VPT; ++v) {
+    const int idx = threadIdx.x + v * blockDim.x;
+    if (v < vpt && idx < nvec) {
+      float yf[ARF_VEC];
+      arf_unpack(a[v], yf);
+#pragma unroll
+      for (int i = 0; i < ARF_VEC; ++i) amax = fmaxf(amax, fabsf(yf[i]));
+    }
+  }
+  amax = arf_block_max(amax, red);
+  const float qscale = fmaxf(amax / 448.0f, 1.0f / (512.0f * 448.0f));
+  if (threadIdx.x == 0 && sout) *reinterpret_cast<float*>(sout + (u64)t * 4u) = qscale;
+#endif
+  if (qout) {
+#pragma unroll
+    for (int v = 0; v < ARF_MAX_VPT; ++v) {
+      const int idx = threadIdx.x + v * blockDim.x;
+      if (v < vpt && idx < nvec) {
+        float yf[ARF_VEC];
+        arf_unpack(a[v], yf);
+        u32 b[ARF_VEC / 2];
+#pragma unroll
+        for (int i = 0; i < ARF_VEC; i += 2)
+          b[i / 2] = arf_e4m3x2(fminf(fmaxf(yf[i] / qscale, -448.0f), 448.0f),
+                                fminf(fmaxf(yf[i + 1] / qscale, -448.0f), 448.0f));
+        const u64 dst = qout + (u64)t * (u64)p.H + (u64)idx * ARF_VEC;
+#if ARF_VEC == 8
+        *reinterpret_cast<uint2*>(dst) = make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
+#else
+        *reinterpret_cast<u32*>(dst) = b[0] | (b[1] << 16);
+#endif
+      }
+    }
+  }
+#elif ARF_QUANT == ARF_Q_FP8_GROUP_PACKED || ARF_QUANT == ARF_Q_FP8_GROUP_F32
+  // Groups of 128 elements = 128 / ARF_VEC consecutive vectors = that many
+  // consecutive lanes of one warp (blockDim is a multiple of 32, so a group never
+  // straddles two warps or two v iterations). H % 128 == 0 is checked on the host.
+  const int gw = 128 / ARF_VEC;
+  const int groups = p.H / 128;
+#pragma unroll
+  for (int v = 0; v < ARF_MAX_VPT; ++v) {
+    if (v < vpt) {  // uniform across the block
+      const int idx = threadIdx.x + v * blockDim.x;
+      const bool live = idx < nvec;
+      float amax = 0.0f;
+      if (live) {
+        float yf[ARF_VEC];
+        arf_unpack(a[v], yf);
+#pragma unroll
+        for (int i = 0; i < ARF_VEC; ++i) amax = fmaxf(amax, fabsf(yf[i]));
+      }
+      amax = arf_group_max(amax, gw);
+      // scale = ue8m0_round_up(max(amax / 448, 1e-10)): the next power of two.
+      const float raw = fmaxf(amax / 448.0f, 1e-10f);
+      u32 ex = __float_as_uint(raw) >> 23;
+      if (__float_as_uint(raw) & 0x7fffffu) ex += 1u;
+      const float gscale = __uint_as_float(ex << 23);
+      if (live) {
+        const int g = idx / gw;
+        if ((idx % gw) == 0 && sout) {
+#if ARF_QUANT == ARF_Q_FP8_GROUP_PACKED
+          // int32 words column-major over tokens padded to 4: word (g/4) * Tpad + t,
+          // byte g % 4. Unused bytes of the last word: arf_zero_scale_padding.
+          const u64 tpad = ((u64)p.T + 3u) & ~3ull;
+          const u64 word = (u64)(g / 4) * tpad + (u64)t;
+          unsigned char* w8 = reinterpret_cast<unsigned char*>(sout + word * 4u);
+          w8[g % 4] = (unsigned char)ex;
+#else
+          reinterpret_cast<float*>(sout)[(u64)t * groups + g] = gscale;
+#endif
+        }
+        if (qout) {
+          float yf[ARF_VEC];
+          arf_unpack(a[v], yf);
+          u32 b[ARF_VEC / 2];
+#pragma unroll
+          for (int i = 0; i < ARF_VEC; i += 2)
+            b[i / 2] = arf_e4m3x2(fminf(fmaxf(yf[i] / gscale, -448.0f), 448.0f),
+                                  fminf(fmaxf(yf[i + 1] / gscale, -448.0f), 448.0f));
+          const u64 dst = qout + (u64)t * (u64)p.H + (u64)idx * ARF_VEC;
+#if ARF_VEC == 8
+          *reinterpret_cast<uint2*>(dst) = make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
+#else
+          *reinterpret_cast<u32*>(dst) = b[0] | (b[1] << 16);
+#endif
+        }
+      }
+    }
+  }
+#elif ARF_QUANT == ARF_Q_NVFP4_SWIZZLED || ARF_QUANT == ARF_Q_NVFP4_LINEAR
+  // Blocks of 16 elements = 2 vectors = 2 adjacent lanes. H % 16 == 0 (host check).
+  // SF = e4m3(gs * amax / 6); q = e2m1((y * gs) / float(SF)) (0 when SF == 0).
+  const float gs = *reinterpret_cast<const float*>(p.scale_in);
+  const int sf_cols = p.H / 16;
+#pragma unroll
+  for (int v = 0; v < ARF_MAX_VPT; ++v) {
+    if (v < vpt) {
+      const int idx = threadIdx.x + v * blockDim.x;
+      const bool live = idx < nvec;
+      float amax = 0.0f;
+      if (live) {
+        float yf[ARF_VEC];
+        arf_unpack(a[v], yf);
+#pragma unroll
+        for (int i = 0; i < ARF_VEC; ++i) amax = fmaxf(amax, fabsf(yf[i]));
+      }
+      amax = arf_group_max(amax, 2);
+      const u32 sf = arf_e4m3x2(gs * amax / 6.0f, 0.0f) & 0xffu;
+      const float sff = arf_e4m3_to_f32(sf);
+      if (live) {
+        const int c = idx / 2;
+        if ((idx & 1) == 0 && sout) {
+#if ARF_QUANT == ARF_Q_NVFP4_SWIZZLED
+          reinterpret_cast<unsigned char*>(sout)[arf_nvfp4_sf_offset(t, c, sf_cols)] = (unsigned char)sf;
+#else
+          reinterpret_cast<unsigned char*>(sout)[(u64)t * sf_cols + c] = (unsigned char)sf;
+#endif
+        }
+        if (qout) {
+          float yf[ARF_VEC];
+          arf_unpack(a[v], yf);
+          u32 packed = 0;
+#pragma unroll
+          for (int i = 0; i < ARF_VEC; i += 2) {
+            const float q0 = sff != 0.0f ? (yf[i] * gs) / sff : 0.0f;
+            const float q1 = sff != 0.0f ? (yf[i + 1] * gs) / sff : 0.0f;
+            packed |= arf_e2m1x2(q0, q1) << (4 * i);
+          }
+          *reinterpret_cast<u32*>(qout + (u64)t * (u64)(p.H / 2) + (u64)idx * 4u) = packed;
+        }
+      }
+    }
+  }
+#endif
+}
+
+// Zeroes the padding of the scale layouts that have one. Packed ue8m0 group scales:
+// tokens [T, round_up(T, 4)) and the unused bytes of the last int32 column when
+// (H/128) % 4 != 0. Swizzled NVFP4: rows [T, round_up(T, 128)) and columns
+// [H/16, round_up(H/16, 4)). Called once per rank by CTA 0; takes scalars (not the
+// parameter struct) and is not inlined, so it adds no stack or register pressure.
+__device__ __noinline__ void arf_zero_scale_padding(u64 sout, int T, int H) {
+  if (sout == 0) return;
+#if ARF_QUANT == ARF_Q_FP8_GROUP_PACKED
+  const u32 groups = (u32)H / 128u;
+  const u32 tpad = ((u32)T + 3u) & ~3u;
+  const u32 cols = (groups + 3u) / 4u;
+  const u32 pad = tpad - (u32)T;
+  u32* w = reinterpret_cast<u32*>(sout);
+  for (u32 k = threadIdx.x; k < cols * pad; k += blockDim.x) w[(u64)(k / pad) * tpad + T + k % pad] = 0u;
+  if (groups % 4u != 0u) {
+    unsigned char* b = reinterpret_cast<unsigned char*>(sout);
+    const u32 used = groups % 4u;
+    for (u32 t = threadIdx.x; t < (u32)T; t += blockDim.x)
+      for (u32 k = used; k < 4u; ++k) b[((u64)(cols - 1u) * tpad + t) * 4u + k] = 0;
+  }
+#elif ARF_QUANT == ARF_Q_NVFP4_SWIZZLED
+  const int sf_cols = H / 16;
+  const int rows_pad = ((T + 127) / 128) * 128;
+  const int cols_pad = ((sf_cols + 3) / 4) * 4;
+  unsigned char* s8 = reinterpret_cast<unsigned char*>(sout);
+  for (int k = threadIdx.x; k < (rows_pad - T) * cols_pad; k += blockDim.x)
+    s8[arf_nvfp4_sf_offset(T + k / cols_pad, k % cols_pad, sf_cols)] = 0;
+  const int extra = cols_pad - sf_cols;
+  for (int k = threadIdx.x; k < T * extra; k += blockDim.x)
+    s8[arf_nvfp4_sf_offset(k / extra, sf_cols + k % extra, sf_cols)] = 0;
+#else
+  (void)T;
+  (void)H;
+#endif
+}
