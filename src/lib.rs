@@ -1,1 +1,37 @@
-//! arfuse facade
+//! # arfuse
+//!
+//! Fuses the all-reduce -> residual add -> RMSNorm (-> quant) chain that ends nearly
+//! every tensor-parallel decoder block into one node, with a backend (trtllm-style IPC
+//! or mnnvl multicast) and a one-shot / two-shot plan proven at plan time for every
+//! token count the graph can run with.
+//!
+//! This facade re-exports the layers so a user adds one dependency:
+//!
+//! - [`ir`]: the tensor-graph IR, its JSON format, validation, canonical text, DOT.
+//! - [`import`]: front ends (torch.export's ExportedProgram JSON and `.pt2`).
+//! - [`policy`]: backend, strategy and workspace planning (usable alone).
+//! - [`rewrite`]: the e-graph fusion pass; [`lower`] is its entry point.
+//! - [`reference`]: CPU reference semantics and the equivalence check.
+//!
+//! The GPU runtime (`arfuse-runtime`, cudarc) is a separate crate so that using the
+//! compiler pass never links CUDA.
+//!
+//! ```no_run
+//! let bytes = std::fs::read("ir-fixtures/models/llama-3.1-8b-tp8.json")?;
+//! let graph = arfuse::import::load_any(&bytes)?.graph;
+//! let target = arfuse::Target::preset("h200-sxm-x8")?;
+//! let lowered = arfuse::lower(&graph, &target)?;
+//! println!("{}", lowered.report);
+//! std::fs::write("lowered.json", lowered.graph.to_json_string())?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub use arfuse_import as import;
+pub use arfuse_ir as ir;
+pub use arfuse_policy as policy;
+pub use arfuse_reference as reference;
+pub use arfuse_rewrite as rewrite;
+
+pub use arfuse_ir::Graph;
+pub use arfuse_policy::Target;
+pub use arfuse_rewrite::{lower, lower_with, LowerError, LowerOptions, Lowered, Report};

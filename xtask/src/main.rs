@@ -1,1 +1,278 @@
-fn main() {}
+//! `cargo xtask`: the project's commands for people.
+//!
+//! - `cargo xtask lower [GRAPH|DIR] [--target PRESET|FILE] [--out FILE] [--report table|json] [--dot FILE]`
+//! - `cargo xtask test [CARGO TEST ARGS]`
+//! - `cargo xtask gpu-check [--build-only]`
+//!
+//! Run `cargo xtask help` for details.
+
+use anyhow::{bail, Context, Result};
+use arfuse::{Graph, LowerOptions, Target};
+use clap::{Parser, Subcommand, ValueEnum};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+/// The bundled model graph `cargo xtask lower` lowers when given no path.
+const DEFAULT_GRAPH: &str = "ir-fixtures/models/llama-3.1-8b-tp8.json";
+/// The target preset used when `--target` is not given.
+const DEFAULT_TARGET: &str = "h200-sxm-x8";
+/// Largest graph file read, in bytes (the importers have their own, smaller limits).
+const MAX_FILE_BYTES: u64 = 512 * 1024 * 1024;
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "arfuse developer and user commands")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ReportFormat {
+    /// A readable table.
+    Table,
+    /// The report as JSON.
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Lower a graph (arfuse JSON, torch.export JSON or .pt2) or every graph in a
+    /// directory for a target, print the report and write the lowered graph.
+    Lower {
+        /// Graph file or directory. Default: the bundled Llama-3.1-8B TP8 graph.
+        path: Option<PathBuf>,
+        /// Target preset name (see `--list-targets`) or a TOML file.
+        #[arg(long, short)]
+        target: Option<String>,
+        /// Where to write the lowered graph (one input only). Default:
+        /// target/arfuse/<name>.<target>.lowered.json
+        #[arg(long, short)]
+        out: Option<PathBuf>,
+        /// Report format.
+        #[arg(long, value_enum, default_value = "table")]
+        report: ReportFormat,
+        /// Also write the lowered graph as Graphviz DOT (one input only).
+        #[arg(long)]
+        dot: Option<PathBuf>,
+        /// The layers' tensor-parallel process group (default: inferred from the graph).
+        #[arg(long)]
+        group: Option<String>,
+        /// List the target presets and exit.
+        #[arg(long)]
+        list_targets: bool,
+    },
+    /// Run every test: install the NVRTC wheel the kernel compile checks need (pip,
+    /// idempotent), then `cargo test --workspace` with any extra arguments.
+    Test {
+        /// Extra arguments for `cargo test`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Build the GPU check binary and, on a machine with a GPU, run it.
+    GpuCheck {
+        /// Only build the binary and print where it is.
+        #[arg(long)]
+        build_only: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let root = workspace_root();
+    let result = match cli.command {
+        Command::Lower {
+            path,
+            target,
+            out,
+            report,
+            dot,
+            group,
+            list_targets,
+        } => {
+            if list_targets {
+                for name in Target::preset_names() {
+                    println!("{name}");
+                }
+                return ExitCode::SUCCESS;
+            }
+            lower_cmd(&root, path, target, out, report, dot, group)
+        }
+        Command::GpuCheck { build_only } => gpu_check(&root, build_only),
+        Command::Test { args } => test_cmd(&root, &args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    // xtask lives in <root>/xtask.
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn load_target(spec: &str) -> Result<(Target, String)> {
+    let p = Path::new(spec);
+    if p.extension().is_some_and(|e| e == "toml") || p.is_file() {
+        let text = std::fs::read_to_string(p).with_context(|| format!("reading target file {}", p.display()))?;
+        let t = Target::from_toml_str(&text).with_context(|| format!("target file {}", p.display()))?;
+        let name = p.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "target".into());
+        return Ok((t, name));
+    }
+    let t = Target::preset(spec)?;
+    Ok((t, spec.to_string()))
+}
+
+fn read_graph(path: &Path) -> Result<Graph> {
+    let meta = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
+    if meta.len() > MAX_FILE_BYTES {
+        bail!("{} is {} bytes, above the {} byte limit", path.display(), meta.len(), MAX_FILE_BYTES);
+    }
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let imported = arfuse::import::load_any(&bytes).with_context(|| format!("loading {}", path.display()))?;
+    for note in &imported.notes {
+        eprintln!("note: {}: {note}", path.display());
+    }
+    Ok(imported.graph)
+}
+
+/// Graph files in a directory: `*.json` and `*.pt2`, not option files, sorted.
+fn graphs_in(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let p = e?.path();
+        let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        let is_graph = (name.ends_with(".json") && !name.ends_with(".options.json")) || name.ends_with(".pt2");
+        if p.is_file() && is_graph {
+            out.push(p);
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn lower_cmd(
+    root: &Path,
+    path: Option<PathBuf>,
+    target: Option<String>,
+    out: Option<PathBuf>,
+    report: ReportFormat,
+    dot: Option<PathBuf>,
+    group: Option<String>,
+) -> Result<ExitCode> {
+    let path = path.unwrap_or_else(|| root.join(DEFAULT_GRAPH));
+    let (target, target_name) = load_target(target.as_deref().unwrap_or(DEFAULT_TARGET))?;
+    let inputs = if path.is_dir() { graphs_in(&path)? } else { vec![path.clone()] };
+    if inputs.is_empty() {
+        bail!("no graph files (*.json, *.pt2) in {}", path.display());
+    }
+    if inputs.len() > 1 && (out.is_some() || dot.is_some()) {
+        bail!("--out and --dot take one input graph, {} given in {}", inputs.len(), path.display());
+    }
+    let options = LowerOptions {
+        group,
+        ..LowerOptions::default()
+    };
+    let mut failed = 0usize;
+    for input in &inputs {
+        let stem = input
+            .file_name()
+            .map(|n| n.to_string_lossy().trim_end_matches(".json").trim_end_matches(".pt2").to_string())
+            .unwrap_or_else(|| "graph".into());
+        let graph = match read_graph(input) {
+            Ok(g) => g,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                failed += 1;
+                continue;
+            }
+        };
+        let start = std::time::Instant::now();
+        let lowered = match arfuse::lower_with(&graph, &target, &options) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("error: lowering {}: {e}", input.display());
+                failed += 1;
+                continue;
+            }
+        };
+        let elapsed = start.elapsed();
+        match report {
+            ReportFormat::Table => {
+                println!("== {} on {target_name} ({} nodes, lowered in {:.1} ms)", input.display(), graph.len(), elapsed.as_secs_f64() * 1e3);
+                println!("{}", lowered.report);
+            }
+            ReportFormat::Json => println!("{}", serde_json::to_string_pretty(&lowered.report)?),
+        }
+        let out_path = match &out {
+            Some(p) => p.clone(),
+            None => root.join("target/arfuse").join(format!("{stem}.{target_name}.lowered.json")),
+        };
+        if let Some(dir) = out_path.parent() {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        std::fs::write(&out_path, lowered.graph.to_json_string()).with_context(|| format!("writing {}", out_path.display()))?;
+        eprintln!("wrote {}", out_path.display());
+        if let Some(d) = &dot {
+            std::fs::write(d, lowered.graph.to_dot()).with_context(|| format!("writing {}", d.display()))?;
+            eprintln!("wrote {}", d.display());
+        }
+    }
+    if failed > 0 {
+        eprintln!("{failed} of {} graph(s) failed", inputs.len());
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn cargo() -> std::process::Command {
+    std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn test_cmd(root: &Path, args: &[String]) -> Result<ExitCode> {
+    let script = root.join(".ci/install-cuda-wheels.sh");
+    if script.is_file() {
+        let status = std::process::Command::new("bash")
+            .arg(&script)
+            .current_dir(root)
+            .status()
+            .context("running .ci/install-cuda-wheels.sh")?;
+        if !status.success() {
+            bail!(".ci/install-cuda-wheels.sh failed: the NVRTC compile checks need it");
+        }
+    }
+    let status = cargo()
+        .current_dir(root)
+        .args(["test", "--workspace"])
+        .args(args)
+        .status()
+        .context("running cargo test")?;
+    Ok(if status.success() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+fn gpu_check(root: &Path, build_only: bool) -> Result<ExitCode> {
+    let status = cargo()
+        .current_dir(root)
+        .args(["build", "--release", "-p", "arfuse-runtime", "--bin", "gpu_check"])
+        .status()
+        .context("running cargo build")?;
+    if !status.success() {
+        bail!("building gpu_check failed");
+    }
+    let bin = root.join("target/release/gpu_check");
+    if build_only {
+        println!("{}", bin.display());
+        return Ok(ExitCode::SUCCESS);
+    }
+    let status = std::process::Command::new(&bin)
+        .current_dir(root)
+        .status()
+        .with_context(|| format!("running {}", bin.display()))?;
+    Ok(if status.success() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
