@@ -210,7 +210,7 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
         float acc[ARF_VEC];
 #pragma unroll
         for (int i = 0; i < ARF_VEC; ++i) acc[i] = 0.0f;
-#pragma unroll
+#pragma unroll 4
         for (int s = 0; s < ARF_W; ++s) {
           float f[ARF_VEC];
           arf_unpack(arf_ld_sys(src + (u64)s * rows_per_slot * row_bytes + (u64)idx * 16u), f);

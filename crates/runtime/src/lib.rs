@@ -16,7 +16,9 @@
 //! [`protocol::allreduce_reference`].
 
 pub mod error;
+pub mod layout;
 pub mod nvrtc;
+pub mod protocol;
 pub mod variants;
 
 pub use error::{Error, Result};

@@ -162,7 +162,11 @@ pub fn candidates() -> Vec<String> {
     }
     dirs.push(PathBuf::from("/usr/local/cuda/lib64"));
     for sp in python_site_dirs() {
-        for sub in ["nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib", "nvidia/cu12/lib"] {
+        for sub in [
+            "nvidia/cu13/lib",
+            "nvidia/cuda_nvrtc/lib",
+            "nvidia/cu12/lib",
+        ] {
             dirs.push(sp.join(sub));
         }
     }
@@ -337,8 +341,16 @@ impl Nvrtc {
                 c_src.as_ptr(),
                 c_name.as_ptr(),
                 n_headers,
-                if headers.is_empty() { std::ptr::null() } else { h_src_ptrs.as_ptr() },
-                if headers.is_empty() { std::ptr::null() } else { h_name_ptrs.as_ptr() },
+                if headers.is_empty() {
+                    std::ptr::null()
+                } else {
+                    h_src_ptrs.as_ptr()
+                },
+                if headers.is_empty() {
+                    std::ptr::null()
+                } else {
+                    h_name_ptrs.as_ptr()
+                },
             )
         };
         if rc != 0 {
@@ -362,7 +374,9 @@ impl Nvrtc {
                 log,
             });
         }
-        let ptx = self.fetch(guard.prog, self.ptx_size, self.ptx).unwrap_or_default();
+        let ptx = self
+            .fetch(guard.prog, self.ptx_size, self.ptx)
+            .unwrap_or_default();
         let ptx = String::from_utf8_lossy(trim_nul(&ptx)).into_owned();
         let cubin = if arch.starts_with("sm_") {
             self.fetch(guard.prog, self.cubin_size, self.cubin)?

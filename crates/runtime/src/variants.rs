@@ -282,7 +282,10 @@ impl Variant {
     pub fn defines(&self) -> Vec<(String, u32)> {
         let mut d = vec![
             ("ARF_DTYPE".to_string(), self.dtype.define()),
-            ("ARF_RESIDUAL".to_string(), u32::from(self.epilogue.residual)),
+            (
+                "ARF_RESIDUAL".to_string(),
+                u32::from(self.epilogue.residual),
+            ),
             ("ARF_NORM".to_string(), u32::from(self.epilogue.norm)),
             ("ARF_QUANT".to_string(), self.epilogue.quant.define()),
         ];
@@ -458,7 +461,9 @@ pub fn compile(
         &variant.nvrtc_options(arch, ptxas_verbose),
     );
     if let Err(crate::Error::Compile {
-        variant: v, arch: a, ..
+        variant: v,
+        arch: a,
+        ..
     }) = &mut out
     {
         *v = variant.name();
@@ -483,7 +488,9 @@ mod tests {
             let d = v.defines();
             assert!(d.iter().any(|(k, _)| k == "ARF_DTYPE"));
             if matches!(v.kind, KernelKind::Fused { .. }) {
-                assert!(d.iter().any(|(k, val)| k == "ARF_W" && WORLD_SIZES.contains(val)));
+                assert!(d
+                    .iter()
+                    .any(|(k, val)| k == "ARF_W" && WORLD_SIZES.contains(val)));
             }
             if v.epilogue.quant.needs_sm100() {
                 assert_eq!(v.archs(), vec![Arch::Sm100a]);
