@@ -90,6 +90,19 @@ pub enum PointSource {
     },
 }
 
+impl fmt::Display for PointSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PointSource::CaptureSize => f.write_str("capture size"),
+            PointSource::CompileRangeBoundary => f.write_str("compile-range boundary"),
+            PointSource::SpeculativeDecode { capture_size } => write!(
+                f,
+                "speculative-decoding multiple of capture size {capture_size}"
+            ),
+        }
+    }
+}
+
 /// One extra token count the graph can run with, and what the plan does there.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TokenPoint {
@@ -477,6 +490,9 @@ fn build(target: &Target, hidden_sizes: &[u64], given: Option<&Workspace>) -> Re
     plan.notes.push(plan.decision.to_string());
     if let Some(backend) = plan.decision.backend() {
         plan_fused(&mut plan, target, backend, &hiddens, given)?;
+    } else if given.is_some() {
+        plan.notes
+            .push("the workspace given is not used: no fusion".to_string());
     }
     if plan.sites.is_empty() {
         plan.sites = hiddens
@@ -733,7 +749,7 @@ fn finish(plan: &mut Plan, raw_points: Vec<(u64, PointSource)>) -> Result<()> {
         let beyond = t > plan.max_batched_tokens;
         if beyond {
             plan.notes.push(format!(
-                "T={t} ({source:?}) exceeds max_batched_tokens {}; it is planned ({strategy}) \
+                "T={t} ({source}) exceeds max_batched_tokens {}; it is planned ({strategy}) \
                  but the engine should not produce it",
                 plan.max_batched_tokens
             ));

@@ -367,7 +367,11 @@ fn extra_points_are_checked_and_reported() {
     let spec = p.points.iter().find(|pt| pt.t == 2048).unwrap();
     assert!(spec.beyond_max_batched_tokens);
     assert_eq!(spec.strategy, Strategy::Unfused);
-    assert!(p.notes.iter().any(|n| n.contains("T=2048")));
+    assert!(p.notes.iter().any(|n| {
+        n.contains(
+        "T=2048 (speculative-decoding multiple of capture size 512) exceeds max_batched_tokens 1024"
+    )
+    }));
     let b42 = p.points.iter().find(|pt| pt.t == 42).unwrap();
     assert_eq!(b42.strategy, Strategy::TwoShot);
     let b43 = p.points.iter().find(|pt| pt.t == 43).unwrap();
