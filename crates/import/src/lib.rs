@@ -1,1 +1,193 @@
 //! arfuse-import: front ends that turn other tools' graph files into arfuse IR.
+//!
+//! Two formats are read:
+//!
+//! - arfuse's own graph JSON (format version 1), handed to
+//!   [`Graph::from_json_slice`];
+//! - torch.export's serialized `ExportedProgram` (schema major version 8), either as
+//!   the bare JSON or inside the `.pt2` zip archive that `torch.export.save` writes
+//!   (see [`torch_export`] and `docs/torch-export.md`).
+//!
+//! [`detect`] tells the formats apart from the bytes alone; [`load_any`] detects and
+//! imports. Every failure is an [`ImportError`] naming the node, tensor or position it
+//! concerns; no input makes the importer panic, and memory is bounded by
+//! [`MAX_FILE_BYTES`] and the limits in [`torch_export`].
+//!
+//! ```
+//! let text = br#"{"format": "arfuse-graph", "version": 1, "nodes": [
+//!   {"id": "x", "op": "input", "outputs": [{"dtype": "bf16", "shape": [4096]}]}],
+//!   "outputs": ["x"]}"#;
+//! assert_eq!(arfuse_import::detect(text), arfuse_import::Format::ArfuseJson);
+//! let imported = arfuse_import::load_any(text).unwrap();
+//! assert_eq!(imported.graph.len(), 1);
+//! ```
+
+mod error;
+pub mod torch_export;
+
+pub use error::ImportError;
+
+use arfuse_ir::{Graph, Op};
+use std::collections::BTreeSet;
+
+/// Largest input accepted, in bytes, for every format (for a `.pt2` archive: the
+/// archive and, separately, the program JSON inside it). The same 256 MiB as the arfuse
+/// JSON loader; a two-layer export is under 0.5 MiB and a 126-layer one about 30 MiB.
+pub const MAX_FILE_BYTES: usize = arfuse_ir::MAX_INPUT_BYTES;
+
+/// How many leading bytes [`detect`] looks at to tell the two JSON formats apart.
+pub const DETECT_WINDOW_BYTES: usize = 64 * 1024;
+
+/// The format of a graph file, as [`detect`] sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Format {
+    /// arfuse's graph JSON (`"format": "arfuse-graph"`).
+    ArfuseJson,
+    /// torch.export's serialized ExportedProgram as bare JSON.
+    TorchExportJson,
+    /// A zip archive, as `torch.export.save` writes (`.pt2`).
+    TorchExportPt2,
+    /// None of the above.
+    Unknown,
+}
+
+/// The result of an import: the graph and what the importer did to get it.
+#[derive(Clone, Debug)]
+pub struct Imported {
+    /// The graph, validated.
+    pub graph: Graph,
+    /// What was dropped, forwarded or approximated, one finding a line (for example
+    /// `dropped 16 aten._assert_tensor_metadata.default checks`). Empty for arfuse JSON.
+    pub notes: Vec<String>,
+    /// The original targets of every `opaque` node in the graph.
+    pub opaque_targets: BTreeSet<String>,
+}
+
+impl Imported {
+    /// Wraps a graph, collecting its opaque targets.
+    pub fn from_graph(graph: Graph, notes: Vec<String>) -> Imported {
+        let opaque_targets = graph
+            .nodes()
+            .filter_map(|(_, n)| match &n.op {
+                Op::Opaque { target, .. } => Some(target.clone()),
+                _ => None,
+            })
+            .collect();
+        Imported {
+            graph,
+            notes,
+            opaque_targets,
+        }
+    }
+}
+
+/// Tells the format of `bytes` without parsing all of them.
+///
+/// A zip local-file or end-of-archive signature means [`Format::TorchExportPt2`]. A
+/// JSON object (after optional whitespace and UTF-8 byte-order mark) is arfuse JSON
+/// when a `"format"` key with the value `"arfuse-graph"` comes before any
+/// `"graph_module"` or `"schema_version"` key within the first
+/// [`DETECT_WINDOW_BYTES`] bytes, and torch.export JSON when one of those keys comes
+/// first. Anything else is [`Format::Unknown`].
+pub fn detect(bytes: &[u8]) -> Format {
+    if bytes.starts_with(b"PK\x03\x04") || bytes.starts_with(b"PK\x05\x06") {
+        return Format::TorchExportPt2;
+    }
+    let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
+    let start = body.iter().position(|b| !b.is_ascii_whitespace());
+    let Some(start) = start else {
+        return Format::Unknown;
+    };
+    if body[start] != b'{' {
+        return Format::Unknown;
+    }
+    let window = &body[start..body.len().min(start + DETECT_WINDOW_BYTES)];
+    let arfuse = find_arfuse_tag(window);
+    let torch = [&b"\"graph_module\""[..], b"\"schema_version\""]
+        .iter()
+        .filter_map(|k| find(window, k))
+        .min();
+    match (arfuse, torch) {
+        (Some(a), Some(t)) if a < t => Format::ArfuseJson,
+        (Some(_), None) => Format::ArfuseJson,
+        (_, Some(_)) => Format::TorchExportJson,
+        (None, None) => Format::Unknown,
+    }
+}
+
+/// Position of `"format"`, optional whitespace, `:`, optional whitespace,
+/// `"arfuse-graph"` in `w`.
+fn find_arfuse_tag(w: &[u8]) -> Option<usize> {
+    let key = b"\"format\"";
+    let mut from = 0;
+    while let Some(p) = find(&w[from..], key) {
+        let at = from + p;
+        let mut i = at + key.len();
+        while i < w.len() && w[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        if i < w.len() && w[i] == b':' {
+            i += 1;
+            while i < w.len() && w[i].is_ascii_whitespace() {
+                i += 1;
+            }
+            if w[i..].starts_with(b"\"arfuse-graph\"") {
+                return Some(at);
+            }
+        }
+        from = at + key.len();
+    }
+    None
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Detects the format of `bytes` and imports it.
+///
+/// arfuse JSON goes to [`Graph::from_json_slice`]; torch.export JSON and `.pt2`
+/// archives go to [`torch_export::import`]. Errors: [`ImportError::TooLarge`] above
+/// [`MAX_FILE_BYTES`], [`ImportError::UnknownFormat`] for anything else, and the
+/// errors of the chosen front end.
+pub fn load_any(bytes: &[u8]) -> Result<Imported, ImportError> {
+    check_size("the file", bytes.len())?;
+    match detect(bytes) {
+        Format::ArfuseJson => Ok(Imported::from_graph(
+            Graph::from_json_slice(bytes)?,
+            Vec::new(),
+        )),
+        Format::TorchExportJson | Format::TorchExportPt2 => torch_export::import(bytes),
+        Format::Unknown => Err(ImportError::UnknownFormat {
+            hint: unknown_hint(bytes),
+        }),
+    }
+}
+
+pub(crate) fn check_size(what: &str, size: usize) -> Result<(), ImportError> {
+    if size > MAX_FILE_BYTES {
+        return Err(ImportError::TooLarge {
+            what: what.to_string(),
+            size: size as u64,
+            limit: MAX_FILE_BYTES as u64,
+        });
+    }
+    Ok(())
+}
+
+fn unknown_hint(bytes: &[u8]) -> String {
+    let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
+    match body.iter().find(|b| !b.is_ascii_whitespace()) {
+        None => "the file is empty".into(),
+        Some(b'{') => "a JSON object that is neither an arfuse graph (no \"format\": \"arfuse-graph\") \
+                       nor a torch.export ExportedProgram (no \"graph_module\" or \"schema_version\" key)"
+            .into(),
+        Some(_) => {
+            let head: Vec<String> = body.iter().take(8).map(|b| format!("{b:02x}")).collect();
+            format!(
+                "expected arfuse graph JSON, torch.export JSON or a .pt2 zip archive; the file starts with bytes {}",
+                head.join(" ")
+            )
+        }
+    }
+}

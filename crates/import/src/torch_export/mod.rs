@@ -1,0 +1,1025 @@
+//! The torch.export front end: serialized `ExportedProgram` JSON (schema major version
+//! [`SUPPORTED_SCHEMA_MAJOR`]), bare or in a `.pt2` archive, to an arfuse [`Graph`].
+//!
+//! What becomes what (the full table is in `docs/torch-export.md`):
+//!
+//! - Graph inputs become `input` nodes: parameters `parameter`, buffers and lifted
+//!   tensor constants `buffer`, user inputs `activation`. Their id is the torch tensor
+//!   name; a parameter's or buffer's `module` is its owning module.
+//! - Each node becomes the IR op it maps to (see [`mod@self`]'s table in the docs), or
+//!   `opaque` with its target (without the `torch.ops.` prefix), every argument in
+//!   `attrs` (a tensor argument as `{"input": k}`, its position among the node's
+//!   inputs) and outputs typed from `tensor_values`. A mapped node that the IR's type
+//!   rules would reject is kept opaque instead, with a note.
+//! - `_c10d_functional.all_reduce` becomes `all_reduce` (group = the group name); the
+//!   `wait_tensor` after it, `contiguous`, `clone`, same-dtype casts and same-shape
+//!   views are identities: their users read the input directly (counted in notes).
+//! - Runtime checks (`_assert_tensor_metadata`, `_assert_scalar`, `sym_constrain_range`,
+//!   ...) are dropped (counted in notes), so they are never users that block a fusion.
+//! - Nodes that only compute symbolic integers (`sym_size`, `operator.mul` on sizes)
+//!   have no IR counterpart; sizes come from the tensor metadata.
+//! - Node ids are the torch node names with `:` and whitespace replaced by `_`.
+//! - `module` is the innermost `nn_module_stack` entry, with the leading path segments
+//!   that every parameter and buffer name shares removed (the wrapper the exporter put
+//!   around the model: `m.model.layers.1.mlp` becomes `model.layers.1.mlp` when every
+//!   parameter starts with `m.`). The removed prefix is kept in the graph metadata.
+//! - Symbolic sizes: each torch symbol (`s70`) becomes an IR symbol with the range of
+//!   `range_constraints`; a size expression that is a monomial (`4*s70`) becomes that
+//!   dimension; any other expression becomes a fresh symbol `x<k>` whose range comes
+//!   from interval arithmetic over the symbols' ranges (noted), or an error when no
+//!   range can be derived.
+//! - Dtypes follow the schema's `ScalarType` codes: 1 u8, 4 i32, 5 i64, 6 f16, 7 f32,
+//!   13 bf16, 29 fp8_e4m3, 33 ue8m0; 12 (bool) is typed `u8` and flows only through
+//!   opaque ops; any other code is an error naming the tensor.
+
+mod archive;
+mod ops;
+mod schema;
+pub mod symbolic;
+
+pub use archive::MAX_ARCHIVE_MEMBERS;
+
+use crate::{check_size, Format, ImportError, Imported};
+use arfuse_ir::{
+    DType, Dim, Graph, InputKind, Node, NodeId, Op, SymbolRange, TensorType, Value,
+    MAX_ID_LEN,
+};
+use schema::{Header, NamedArg, Program, RawNode, TensorMeta};
+use serde_json::{json, Value as Json};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// The schema major version this importer reads (torch 2.5 and later write 8.x).
+pub const SUPPORTED_SCHEMA_MAJOR: u64 = 8;
+/// Most nodes of one exported graph. An IR node count stays below
+/// [`arfuse_ir::MAX_NODES`]: a torch node becomes at most three IR nodes.
+pub const MAX_TORCH_NODES: usize = 150_000;
+/// Most entries of `tensor_values`, `sym_int_values` and `range_constraints`.
+pub const MAX_TENSOR_VALUES: usize = 400_000;
+/// Most individual notes kept (counted findings are always one line each).
+pub const MAX_NOTES: usize = 200;
+/// The upper bound given to a symbol whose range has no finite maximum (or one above
+/// this), so that byte counts stay finite; noted when used.
+pub const UNBOUNDED_SYMBOL_MAX: u64 = i32::MAX as u64;
+
+/// Targets that are runtime checks: dropped, never users.
+pub const CHECK_TARGETS: &[&str] = &[
+    "aten._assert_tensor_metadata.default",
+    "aten._assert_scalar.default",
+    "aten._assert_async.default",
+    "aten._assert_async.msg",
+    "aten._functional_assert_async.msg",
+    "aten._functional_assert_scalar.default",
+    "aten.sym_constrain_range.default",
+    "aten.sym_constrain_range_for_size.default",
+    "aten._functional_sym_constrain_range.default",
+    "aten._functional_sym_constrain_range_for_size.default",
+];
+
+/// Imports a torch.export ExportedProgram: the bare JSON, or a `.pt2` zip archive
+/// holding it (see [`archive`](self) member rules in `docs/torch-export.md`).
+///
+/// Errors: size limits, [`ImportError::Archive`], [`ImportError::Json`] (a truncated
+/// file), [`ImportError::SchemaVersion`] for a major version other than
+/// [`SUPPORTED_SCHEMA_MAJOR`], [`ImportError::Malformed`], [`ImportError::MissingTensor`]
+/// for a node naming a tensor nothing produced, [`ImportError::UnsupportedDtype`],
+/// [`ImportError::Dimension`], and [`ImportError::Invalid`] if the result does not
+/// validate.
+pub fn import(bytes: &[u8]) -> Result<Imported, ImportError> {
+    check_size("the file", bytes.len())?;
+    let from_archive;
+    let json_bytes: &[u8] = if crate::detect(bytes) == Format::TorchExportPt2 {
+        from_archive = archive::read_program(bytes)?;
+        &from_archive
+    } else {
+        bytes
+    };
+    let text = std::str::from_utf8(json_bytes).map_err(|e| ImportError::Utf8 {
+        offset: e.valid_up_to(),
+    })?;
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let header: Header = serde_json::from_str(text).map_err(ImportError::json)?;
+    let version = check_version(header.schema_version.as_ref())?;
+    let program: Program = serde_json::from_str(text).map_err(ImportError::json)?;
+    Builder::new(&program, version)?.build(&program)
+}
+
+fn check_version(v: Option<&Json>) -> Result<String, ImportError> {
+    let err = |found: String| ImportError::SchemaVersion {
+        found,
+        supported: SUPPORTED_SCHEMA_MAJOR,
+    };
+    let Some(v) = v else {
+        return Err(err("<missing>".into()));
+    };
+    let major = v.get("major").and_then(Json::as_u64);
+    let minor = v.get("minor").and_then(Json::as_u64);
+    match (major, minor) {
+        (Some(SUPPORTED_SCHEMA_MAJOR), minor) => Ok(format!(
+            "{SUPPORTED_SCHEMA_MAJOR}.{}",
+            minor.map(|m| m.to_string()).unwrap_or_else(|| "?".into())
+        )),
+        (Some(m), minor) => Err(err(format!(
+            "{m}.{}",
+            minor.map(|m| m.to_string()).unwrap_or_else(|| "?".into())
+        ))),
+        (None, _) => Err(err(v.to_string())),
+    }
+}
+
+/// A torch tensor already in the graph.
+#[derive(Clone, Copy)]
+struct Bound {
+    value: Value,
+    is_bool: bool,
+}
+
+/// A planned node input: an existing value or output 0 of an earlier planned node.
+#[derive(Clone, Copy, Debug)]
+enum PIn {
+    Ext(Value),
+    Local(usize),
+}
+
+/// A planned IR node (one torch node lowers to one to three of them).
+#[derive(Debug)]
+struct PNode {
+    /// Appended to the torch name for helper nodes; `None` for the node that produces
+    /// the torch node's outputs (always the last).
+    suffix: Option<&'static str>,
+    op: Op,
+    inputs: Vec<PIn>,
+    outputs: Vec<TensorType>,
+}
+
+/// How one torch node lowers.
+enum Lowering {
+    /// Its single output is this existing value (an identity).
+    Forward(Value),
+    /// These nodes; the last one's outputs are the torch node's tensor outputs.
+    Nodes(Vec<PNode>),
+}
+
+/// Counted and individual findings, rendered into [`Imported::notes`].
+#[derive(Default)]
+struct Notes {
+    counts: BTreeMap<(u8, String), usize>,
+    lines: Vec<String>,
+    omitted: usize,
+}
+
+impl Notes {
+    fn count(&mut self, order: u8, line: String) {
+        *self.counts.entry((order, line)).or_insert(0) += 1;
+    }
+
+    fn line(&mut self, l: String) {
+        if self.lines.len() < MAX_NOTES {
+            self.lines.push(l);
+        } else {
+            self.omitted += 1;
+        }
+    }
+
+    fn render(self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .counts
+            .into_iter()
+            .map(|((order, what), n)| match order {
+                0 => format!("dropped {n} {what} check(s)"),
+                1 => format!("forwarded {n} {what} (identity: users read its input)"),
+                2 => format!("skipped {n} {what} node(s) computing symbolic sizes only"),
+                3 => format!("typed {n} bool tensor(s) as u8 (only opaque ops use them)"),
+                _ => format!("kept {n} {what}"),
+            })
+            .collect();
+        out.extend(self.lines);
+        if self.omitted > 0 {
+            out.push(format!("... and {} more note(s)", self.omitted));
+        }
+        out
+    }
+}
+
+struct Builder<'p> {
+    g: Graph,
+    meta: HashMap<&'p str, &'p TensorMeta>,
+    sym_ints: HashMap<&'p str, &'p Json>,
+    tensors: HashMap<String, Bound>,
+    dropped: HashSet<String>,
+    fresh: HashMap<String, String>,
+    prefix: Vec<String>,
+    notes: Notes,
+    version: String,
+}
+
+/// Location text for a node: `nodes[12] (linear_3)`.
+fn node_loc(i: usize, n: &RawNode) -> String {
+    match &n.name {
+        Some(name) => format!("node {name:?} (graph.nodes[{i}], {})", n.target),
+        None => format!("graph.nodes[{i}] ({})", n.target),
+    }
+}
+
+/// The target without the `torch.ops.` prefix (`aten.add.Tensor`).
+pub fn short_target(target: &str) -> &str {
+    target.strip_prefix("torch.ops.").unwrap_or(target)
+}
+
+/// A valid IR id from a torch name: `:`, whitespace and control characters become
+/// `_`, the length is capped, and an empty name becomes `node`.
+pub fn sanitize_id(name: &str) -> String {
+    let mut s: String = name
+        .chars()
+        .map(|c| {
+            if c == ':' || c.is_whitespace() || c.is_control() {
+                '_'
+            } else {
+                c
+            }
+        })
+        .collect();
+    let cap = MAX_ID_LEN - 16;
+    if s.len() > cap {
+        let mut cut = cap;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+    }
+    if s.is_empty() {
+        s.push_str("node");
+    }
+    s
+}
+
+/// The innermost module path of an `nn_module_stack` string
+/// (`key,path,type;key,path,type;...`), or `None` when it has none.
+pub fn innermost_module(stack: &str) -> Option<&str> {
+    let last = stack.rsplit(';').next()?;
+    let first = last.find(',')?;
+    let rest = &last[first + 1..];
+    let path = match rest.rfind(',') {
+        Some(p) => &rest[..p],
+        None => rest,
+    };
+    let path = path.trim();
+    (!path.is_empty()).then_some(path)
+}
+
+/// The dtype of a schema `ScalarType` code: `Ok((dtype, is_bool))`, or the code's
+/// name when arfuse has no such dtype.
+pub fn scalar_type(code: i64) -> Result<(DType, bool), String> {
+    Ok(match code {
+        1 => (DType::U8, false),
+        4 => (DType::I32, false),
+        5 => (DType::I64, false),
+        6 => (DType::F16, false),
+        7 => (DType::F32, false),
+        12 => (DType::U8, true),
+        13 => (DType::Bf16, false),
+        29 => (DType::Fp8E4m3, false),
+        33 => (DType::Ue8m0, false),
+        _ => {
+            let name = match code {
+                0 => "UNKNOWN",
+                2 => "CHAR (int8)",
+                3 => "SHORT (int16)",
+                8 => "DOUBLE (float64)",
+                9 => "COMPLEXHALF",
+                10 => "COMPLEXFLOAT",
+                11 => "COMPLEXDOUBLE",
+                28 => "UINT16",
+                30 => "FLOAT8E5M2",
+                31 => "FLOAT8E4M3FNUZ",
+                32 => "FLOAT8E5M2FNUZ",
+                34 => "UINT32",
+                35 => "UINT64",
+                _ => "an unknown code",
+            };
+            return Err(format!("{name} ({code})"));
+        }
+    })
+}
+
+/// The name a `ScalarType` code is written with in attrs (`bf16`, `bool`, `f64`).
+pub fn scalar_type_name(code: i64) -> String {
+    match code {
+        12 => "bool".into(),
+        2 => "i8".into(),
+        3 => "i16".into(),
+        8 => "f64".into(),
+        _ => match scalar_type(code) {
+            Ok((d, _)) => d.name().into(),
+            Err(_) => format!("scalar_type_{code}"),
+        },
+    }
+}
+
+/// Integer bounds of a range-constraint value: a number, null, or a string such as
+/// `"int_oo"` (unbounded).
+fn range_value(v: Option<&Json>) -> Option<u64> {
+    match v? {
+        Json::Number(n) => n
+            .as_u64()
+            .or_else(|| n.as_i64().map(|i| i.max(0) as u64))
+            .or_else(|| {
+                n.as_f64()
+                    .filter(|f| f.is_finite())
+                    .map(|f| f.max(0.0) as u64)
+            }),
+        _ => None,
+    }
+}
+
+impl<'p> Builder<'p> {
+    fn new(p: &'p Program, version: String) -> Result<Builder<'p>, ImportError> {
+        let graph = &p.graph_module.graph;
+        let mut g = Graph::new();
+        let mut notes = Notes::default();
+        for (name, r) in &p.range_constraints.0 {
+            if !arfuse_ir::is_symbol_name(name) {
+                notes.line(format!(
+                    "range constraint {name:?} is not a valid symbol name; ignored"
+                ));
+                continue;
+            }
+            let min = range_value(r.min_val.as_ref()).unwrap_or(0);
+            let max = match range_value(r.max_val.as_ref()) {
+                Some(m) if m <= UNBOUNDED_SYMBOL_MAX => m,
+                _ => {
+                    notes.line(format!(
+                        "symbol {name} has no finite maximum at most {UNBOUNDED_SYMBOL_MAX}; imported with max {UNBOUNDED_SYMBOL_MAX}"
+                    ));
+                    UNBOUNDED_SYMBOL_MAX
+                }
+            };
+            if min > max {
+                return Err(ImportError::malformed(
+                    format!("range_constraints.{name}"),
+                    format!("empty range {min}..={max}"),
+                ));
+            }
+            g.set_symbol(name.clone(), SymbolRange { min, max });
+        }
+        let mut meta = HashMap::with_capacity(graph.tensor_values.0.len());
+        for (k, v) in &graph.tensor_values.0 {
+            meta.insert(k.as_str(), v);
+        }
+        let sym_ints = graph
+            .sym_int_values
+            .0
+            .iter()
+            .map(|(k, v)| (k.as_str(), v))
+            .collect();
+        // The wrapper prefix: leading segments shared by every parameter and buffer
+        // name, never a name's last segment.
+        let mut names: Vec<Vec<&str>> = Vec::new();
+        if let Some(sig) = &p.graph_module.signature {
+            for spec in &sig.input_specs {
+                if let Some((_, fqn, _)) = input_spec(spec) {
+                    if let Some(fqn) = fqn {
+                        names.push(fqn.split('.').collect());
+                    }
+                }
+            }
+        }
+        let mut prefix: Vec<String> = Vec::new();
+        if let Some(first) = names.first() {
+            let mut k = 0;
+            'outer: while k + 1 < first.len() {
+                for n in &names {
+                    if k + 1 >= n.len() || n[k] != first[k] {
+                        break 'outer;
+                    }
+                }
+                k += 1;
+            }
+            prefix = first[..k].iter().map(|s| s.to_string()).collect();
+        }
+        let mut md = json!({
+            "source": "torch.export",
+            "schema_version": version,
+        });
+        if let Some(tv) = &p.torch_version {
+            md["torch_version"] = Json::String(tv.clone());
+        }
+        md["module_prefix_removed"] = Json::String(prefix.join("."));
+        g.set_metadata(Some(md));
+        Ok(Builder {
+            g,
+            meta,
+            sym_ints,
+            tensors: HashMap::new(),
+            dropped: HashSet::new(),
+            fresh: HashMap::new(),
+            prefix,
+            notes,
+            version,
+        })
+    }
+
+    /// A module path with the wrapper prefix removed (`None` when nothing is left).
+    fn strip_module(&self, path: &str) -> Option<String> {
+        let segs: Vec<&str> = path.split('.').collect();
+        let k = self.prefix.len();
+        let rest: &[&str] = if segs.len() >= k && segs[..k].iter().zip(&self.prefix).all(|(a, b)| a == b)
+        {
+            &segs[k..]
+        } else {
+            &segs[..]
+        };
+        (!rest.is_empty()).then(|| rest.join("."))
+    }
+
+    fn unique_id(&self, base: &str) -> String {
+        let base = sanitize_id(base);
+        if self.g.find(&base).is_none() {
+            return base;
+        }
+        (1..)
+            .map(|k| format!("{base}_{k}"))
+            .find(|id| self.g.find(id).is_none())
+            .unwrap_or(base)
+    }
+
+    /// The IR type of a tensor from `tensor_values`.
+    fn tensor_type(&mut self, tensor: &str, user: &str) -> Result<(TensorType, bool), ImportError> {
+        let m = *self
+            .meta
+            .get(tensor)
+            .ok_or_else(|| ImportError::MissingMetadata {
+                node: user.to_string(),
+                tensor: tensor.to_string(),
+            })?;
+        let (dtype, is_bool) =
+            scalar_type(m.dtype).map_err(|dtype| ImportError::UnsupportedDtype {
+                tensor: tensor.to_string(),
+                dtype,
+            })?;
+        if m.sizes.len() > arfuse_ir::MAX_RANK {
+            return Err(ImportError::Dimension {
+                tensor: tensor.to_string(),
+                dim: m.sizes.len() - 1,
+                message: format!(
+                    "rank {} is above arfuse's limit of {}",
+                    m.sizes.len(),
+                    arfuse_ir::MAX_RANK
+                ),
+            });
+        }
+        let mut dims = Vec::with_capacity(m.sizes.len());
+        for (i, s) in m.sizes.iter().enumerate() {
+            let d = self
+                .sym_dim(s)
+                .map_err(|message| ImportError::Dimension {
+                    tensor: tensor.to_string(),
+                    dim: i,
+                    message,
+                })?;
+            dims.push(d);
+        }
+        if is_bool {
+            self.notes.count(3, String::new());
+        }
+        Ok((TensorType::new(dtype, dims), is_bool))
+    }
+
+    /// A `SymInt` (`{"as_int": n}` or `{"as_expr": {"expr_str": ...}}`) as a dimension.
+    fn sym_dim(&mut self, s: &Json) -> Result<Dim, String> {
+        if let Some(n) = s.get("as_int") {
+            return n
+                .as_u64()
+                .map(Dim::constant)
+                .ok_or_else(|| format!("size {n} is not a non-negative integer"));
+        }
+        let text = s
+            .get("as_expr")
+            .and_then(|e| e.get("expr_str").or_else(|| e.as_str().map(|_| e)))
+            .and_then(Json::as_str)
+            .ok_or_else(|| format!("size {s} is neither {{\"as_int\"}} nor {{\"as_expr\"}}"))?;
+        let expr = symbolic::parse(text)
+            .map_err(|e| format!("cannot parse size expression {text:?}: {e}"))?;
+        if let Some(d) = symbolic::as_monomial(&expr) {
+            for sym in d.symbols() {
+                if !self.g.symbols().contains_key(sym) {
+                    self.g.set_symbol(
+                        sym.clone(),
+                        SymbolRange {
+                            min: 0,
+                            max: UNBOUNDED_SYMBOL_MAX,
+                        },
+                    );
+                    self.notes.line(format!(
+                        "symbol {sym} has no range constraint; imported with range 0..={UNBOUNDED_SYMBOL_MAX}"
+                    ));
+                }
+            }
+            return Ok(d);
+        }
+        let key = symbolic::render(&expr);
+        if let Some(name) = self.fresh.get(&key) {
+            return Ok(Dim::symbol(name.clone()));
+        }
+        let (lo, hi) = symbolic::bounds(&expr, self.g.symbols()).ok_or_else(|| {
+            format!(
+                "size expression {key} is not a product of symbols and constants, and no range can be derived for it"
+            )
+        })?;
+        let min = lo.clamp(0, UNBOUNDED_SYMBOL_MAX as i128) as u64;
+        let max = hi.clamp(0, UNBOUNDED_SYMBOL_MAX as i128) as u64;
+        let name = (0..)
+            .map(|k| format!("x{k}"))
+            .find(|n| !self.g.symbols().contains_key(n))
+            .unwrap_or_else(|| "x".into());
+        self.g
+            .set_symbol(name.clone(), SymbolRange { min, max: max.max(min) });
+        self.notes.line(format!(
+            "size expression {key} is not a monomial; imported as fresh symbol {name} in {min}..={}",
+            max.max(min)
+        ));
+        self.fresh.insert(key, name.clone());
+        Ok(Dim::symbol(name))
+    }
+
+    fn build(mut self, p: &'p Program) -> Result<Imported, ImportError> {
+        let graph = &p.graph_module.graph;
+        let empty = schema::Signature::default();
+        let sig = p.graph_module.signature.as_ref().unwrap_or(&empty);
+        let mut kinds: HashMap<String, (InputKind, Option<String>)> = HashMap::new();
+        for spec in &sig.input_specs {
+            if let Some((name, fqn, kind)) = input_spec(spec) {
+                kinds.insert(name.to_string(), (kind, fqn.map(str::to_string)));
+            }
+        }
+        for (i, a) in graph.inputs.iter().enumerate() {
+            let Some(name) = a
+                .get("as_tensor")
+                .and_then(|t| t.get("name"))
+                .and_then(Json::as_str)
+            else {
+                self.notes.line(format!(
+                    "graph input {i} is not a tensor ({}); not imported",
+                    truncate(&a.to_string(), 80)
+                ));
+                continue;
+            };
+            let loc = format!("graph input {name:?}");
+            let (ty, is_bool) = self.tensor_type(name, &loc)?;
+            let (kind, fqn) = kinds
+                .get(name)
+                .cloned()
+                .unwrap_or((InputKind::Activation, None));
+            let module = fqn.and_then(|f| {
+                let owner = f.rsplit_once('.').map(|(o, _)| o.to_string())?;
+                self.strip_module(&owner)
+            });
+            let id = self.unique_id(name);
+            let n = self.g.add_node(Node {
+                id,
+                op: Op::Input { kind },
+                inputs: vec![],
+                outputs: vec![ty],
+                module,
+            })?;
+            self.tensors.insert(
+                name.to_string(),
+                Bound {
+                    value: Value::new(n, 0),
+                    is_bool,
+                },
+            );
+        }
+        for (i, node) in graph.nodes.0.iter().enumerate() {
+            self.node(i, node)?;
+        }
+        let mut outputs = Vec::new();
+        for (i, a) in graph.outputs.iter().enumerate() {
+            let Some(name) = a
+                .get("as_tensor")
+                .and_then(|t| t.get("name"))
+                .and_then(Json::as_str)
+            else {
+                self.notes.line(format!(
+                    "graph output {i} is not a tensor ({}); not imported",
+                    truncate(&a.to_string(), 80)
+                ));
+                continue;
+            };
+            let b = self.tensors.get(name).ok_or_else(|| ImportError::MissingTensor {
+                node: format!("graph output {i}"),
+                tensor: name.to_string(),
+            })?;
+            outputs.push(b.value);
+        }
+        self.g.set_outputs(outputs)?;
+        self.g.validate().map_err(ImportError::Invalid)?;
+        let _ = &self.version;
+        Ok(Imported::from_graph(self.g, self.notes.render()))
+    }
+
+    fn node(&mut self, i: usize, n: &'p RawNode) -> Result<(), ImportError> {
+        let target = short_target(&n.target);
+        let loc = node_loc(i, n);
+        // Output tensor names, in order.
+        let mut out_names: Vec<&str> = Vec::new();
+        let mut other_outputs = 0usize;
+        for o in &n.outputs {
+            collect_output_tensors(o, &mut out_names, &mut other_outputs);
+        }
+        if CHECK_TARGETS.contains(&target) {
+            self.notes.count(0, target.to_string());
+            for t in out_names {
+                self.dropped.insert(t.to_string());
+            }
+            return Ok(());
+        }
+        if out_names.is_empty() && other_outputs > 0 {
+            self.notes.count(2, target.to_string());
+            return Ok(());
+        }
+        // Tensor arguments, resolved.
+        let mut ins: Vec<Bound> = Vec::new();
+        let mut missing = None;
+        for a in &n.inputs {
+            for_each_tensor(&a.arg, &mut |t| {
+                if missing.is_some() {
+                    return;
+                }
+                match self.tensors.get(t) {
+                    Some(b) => ins.push(*b),
+                    None => missing = Some(t.to_string()),
+                }
+            });
+        }
+        if let Some(t) = missing {
+            if self.dropped.contains(&t) {
+                return Err(ImportError::MissingTensor {
+                    node: loc,
+                    tensor: format!("{t} (the output of a dropped check)"),
+                });
+            }
+            return Err(ImportError::MissingTensor { node: loc, tensor: t });
+        }
+        let mut outs = Vec::with_capacity(out_names.len());
+        for t in &out_names {
+            outs.push(self.tensor_type(t, &loc)?);
+        }
+        let module = n
+            .metadata
+            .get("nn_module_stack")
+            .and_then(Json::as_str)
+            .and_then(innermost_module)
+            .and_then(|m| self.strip_module(m));
+        let name = n
+            .name
+            .clone()
+            .or_else(|| out_names.first().map(|s| s.to_string()))
+            .unwrap_or_else(|| format!("{target}_{i}"));
+
+        let view = ops::NodeView {
+            target,
+            args: &n.inputs,
+            ins: &ins,
+            outs: &outs,
+            g: &self.g,
+        };
+        let lowering = match ops::lower(&view) {
+            Ok(l) => match self.check(&l) {
+                Ok(()) => Some(l),
+                Err(why) => {
+                    self.notes.count(
+                        4,
+                        format!("{target} opaque: the mapped op does not type-check ({why})"),
+                    );
+                    None
+                }
+            },
+            Err(why) => {
+                if let Some(why) = why {
+                    self.notes.count(4, format!("{target} opaque: {why}"));
+                }
+                None
+            }
+        };
+        let lowering = match lowering {
+            Some(l) => l,
+            None => Lowering::Nodes(vec![self.opaque(target, &n.inputs, &ins, &outs)]),
+        };
+        match lowering {
+            Lowering::Forward(v) => {
+                self.notes.count(1, target.to_string());
+                let is_bool = outs.first().map(|o| o.1).unwrap_or(false);
+                if let Some(t) = out_names.first() {
+                    self.tensors.insert(t.to_string(), Bound { value: v, is_bool });
+                }
+            }
+            Lowering::Nodes(nodes) => {
+                let mut made: Vec<NodeId> = Vec::with_capacity(nodes.len());
+                let count = nodes.len();
+                for (k, pn) in nodes.into_iter().enumerate() {
+                    let id = match pn.suffix {
+                        Some(s) => self.unique_id(&format!("{}_{s}", sanitize_id(&name))),
+                        None => self.unique_id(&name),
+                    };
+                    let inputs = pn
+                        .inputs
+                        .iter()
+                        .map(|p| match *p {
+                            PIn::Ext(v) => v,
+                            PIn::Local(j) => Value::new(made[j], 0),
+                        })
+                        .collect();
+                    let nid = self.g.add_node(Node {
+                        id,
+                        op: pn.op,
+                        inputs,
+                        outputs: pn.outputs,
+                        module: module.clone(),
+                    })?;
+                    made.push(nid);
+                    if k + 1 == count {
+                        for (j, t) in out_names.iter().enumerate() {
+                            self.tensors.insert(
+                                t.to_string(),
+                                Bound {
+                                    value: Value::new(nid, j as u32),
+                                    is_bool: outs[j].1,
+                                },
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Type-checks a lowering with the IR's own validator, on a scratch graph holding
+    /// just its inputs and nodes.
+    fn check(&self, l: &Lowering) -> Result<(), String> {
+        let nodes = match l {
+            Lowering::Forward(_) => return Ok(()),
+            Lowering::Nodes(n) => n,
+        };
+        let mut g = Graph::new();
+        for (name, r) in self.g.symbols() {
+            g.set_symbol(name.clone(), *r);
+        }
+        let mut ext: HashMap<Value, Value> = HashMap::new();
+        let mut made: Vec<NodeId> = Vec::new();
+        for (k, pn) in nodes.iter().enumerate() {
+            let mut inputs = Vec::new();
+            for p in &pn.inputs {
+                match *p {
+                    PIn::Ext(v) => {
+                        if let Some(x) = ext.get(&v) {
+                            inputs.push(*x);
+                            continue;
+                        }
+                        let ty = self.g.value_type(v).cloned().ok_or("missing value")?;
+                        let id = g
+                            .add_node(Node {
+                                id: format!("in{}", ext.len()),
+                                op: Op::Input {
+                                    kind: InputKind::Activation,
+                                },
+                                inputs: vec![],
+                                outputs: vec![ty],
+                                module: None,
+                            })
+                            .map_err(|e| e.to_string())?;
+                        ext.insert(v, Value::new(id, 0));
+                        inputs.push(Value::new(id, 0));
+                    }
+                    PIn::Local(j) => {
+                        inputs.push(Value::new(*made.get(j).ok_or("bad local input")?, 0))
+                    }
+                }
+            }
+            let id = g
+                .add_node(Node {
+                    id: format!("n{k}"),
+                    op: pn.op.clone(),
+                    inputs,
+                    outputs: pn.outputs.clone(),
+                    module: None,
+                })
+                .map_err(|e| e.to_string())?;
+            made.push(id);
+        }
+        g.validate().map_err(|p| {
+            p.list
+                .first()
+                .map(|x| format!("{}: {}", x.kind, x.message))
+                .unwrap_or_default()
+        })
+    }
+
+    /// The opaque node of a torch node: every argument in attrs, tensors as
+    /// `{"input": k}`.
+    fn opaque(&self, target: &str, args: &[NamedArg], ins: &[Bound], outs: &[(TensorType, bool)]) -> PNode {
+        let mut attrs = serde_json::Map::new();
+        let mut k = 0usize;
+        for a in args {
+            attrs.insert(a.name.clone(), self.render_arg(&a.arg, &mut k));
+        }
+        PNode {
+            suffix: None,
+            op: Op::Opaque {
+                target: target.to_string(),
+                attrs: Json::Object(attrs),
+            },
+            inputs: ins.iter().map(|b| PIn::Ext(b.value)).collect(),
+            outputs: outs.iter().map(|o| o.0.clone()).collect(),
+        }
+    }
+
+    /// An argument as attribute JSON; tensors become `{"input": k}` in order.
+    fn render_arg(&self, a: &Json, k: &mut usize) -> Json {
+        let Some((kind, v)) = a.as_object().and_then(|o| o.iter().next()) else {
+            return a.clone();
+        };
+        let tensor = |k: &mut usize| {
+            let j = json!({ "input": *k });
+            *k += 1;
+            j
+        };
+        match kind.as_str() {
+            "as_tensor" => tensor(k),
+            "as_tensors" => Json::Array(
+                v.as_array()
+                    .map(|l| l.iter().map(|_| tensor(k)).collect())
+                    .unwrap_or_default(),
+            ),
+            "as_optional_tensor" => {
+                if v.get("as_tensor").is_some() {
+                    tensor(k)
+                } else {
+                    Json::Null
+                }
+            }
+            "as_optional_tensors" => Json::Array(
+                v.as_array()
+                    .map(|l| {
+                        l.iter()
+                            .map(|x| {
+                                if x.get("as_tensor").is_some() {
+                                    tensor(k)
+                                } else {
+                                    Json::Null
+                                }
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+            ),
+            "as_none" => Json::Null,
+            "as_int" | "as_float" | "as_bool" | "as_string" | "as_ints" | "as_floats"
+            | "as_bools" | "as_strings" => v.clone(),
+            "as_scalar_type" => match v.as_i64() {
+                Some(c) => Json::String(scalar_type_name(c)),
+                None => v.clone(),
+            },
+            "as_layout" => match v.as_i64() {
+                Some(7) => Json::String("strided".into()),
+                _ => json!({ "layout": v }),
+            },
+            "as_memory_format" => match v.as_i64() {
+                Some(1) => Json::String("contiguous_format".into()),
+                Some(2) => Json::String("channels_last".into()),
+                Some(3) => Json::String("channels_last_3d".into()),
+                Some(4) => Json::String("preserve_format".into()),
+                _ => json!({ "memory_format": v }),
+            },
+            "as_device" => {
+                let ty = v.get("type").and_then(Json::as_str).unwrap_or("?");
+                match v.get("index").and_then(Json::as_i64) {
+                    Some(i) => Json::String(format!("{ty}:{i}")),
+                    None => Json::String(ty.to_string()),
+                }
+            }
+            "as_sym_int" => self.render_sym_int(v),
+            "as_sym_ints" => Json::Array(
+                v.as_array()
+                    .map(|l| l.iter().map(|x| self.render_sym_int(x)).collect())
+                    .unwrap_or_default(),
+            ),
+            _ => a.clone(),
+        }
+    }
+
+    /// A `SymIntArgument` (`{"as_name": n}` or `{"as_int": i}`) as a number or the
+    /// size expression it names (`"s70"`, `"4*s70"`).
+    fn render_sym_int(&self, v: &Json) -> Json {
+        if let Some(i) = v.get("as_int") {
+            return i.clone();
+        }
+        let Some(name) = v.get("as_name").and_then(Json::as_str) else {
+            return v.clone();
+        };
+        let expr = self
+            .sym_ints
+            .get(name)
+            .and_then(|s| s.get("as_expr"))
+            .and_then(|e| e.get("expr_str"))
+            .and_then(Json::as_str);
+        match expr {
+            Some(text) => match symbolic::parse(text) {
+                Ok(e) => Json::String(symbolic::render(&e)),
+                Err(_) => Json::String(text.to_string()),
+            },
+            None => match self.sym_ints.get(name).and_then(|s| s.get("as_int")) {
+                Some(i) => i.clone(),
+                None => Json::String(name.to_string()),
+            },
+        }
+    }
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.len() <= n {
+        return s.to_string();
+    }
+    let mut cut = n;
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}...", &s[..cut])
+}
+
+/// `(tensor name, parameter/buffer FQN, kind)` of one input spec.
+fn input_spec(spec: &Json) -> Option<(&str, Option<&str>, InputKind)> {
+    let (kind, body) = spec.as_object()?.iter().next()?;
+    fn arg_name(b: &Json) -> Option<&str> {
+        let arg = b.get("arg")?;
+        arg.get("name")
+            .or_else(|| arg.get("as_tensor").and_then(|t| t.get("name")))
+            .and_then(Json::as_str)
+    }
+    match kind.as_str() {
+        "parameter" => Some((
+            arg_name(body)?,
+            body.get("parameter_name").and_then(Json::as_str),
+            InputKind::Parameter,
+        )),
+        "buffer" => Some((
+            arg_name(body)?,
+            body.get("buffer_name").and_then(Json::as_str),
+            InputKind::Buffer,
+        )),
+        "tensor_constant" => Some((
+            arg_name(body)?,
+            body.get("tensor_constant_name").and_then(Json::as_str),
+            InputKind::Buffer,
+        )),
+        "user_input" => Some((arg_name(body)?, None, InputKind::Activation)),
+        _ => None,
+    }
+}
+
+/// Tensor names of a node output (`as_tensor`, `as_tensors`, `as_optional_tensors`);
+/// other outputs (symbolic ints, None) are counted in `other`.
+fn collect_output_tensors<'a>(o: &'a Json, names: &mut Vec<&'a str>, other: &mut usize) {
+    let name_of = |t: &'a Json| t.get("name").and_then(Json::as_str);
+    if let Some(t) = o.get("as_tensor") {
+        if let Some(n) = name_of(t) {
+            names.push(n);
+        }
+    } else if let Some(l) = o.get("as_tensors").and_then(Json::as_array) {
+        names.extend(l.iter().filter_map(name_of));
+    } else if let Some(l) = o.get("as_optional_tensors").and_then(Json::as_array) {
+        names.extend(
+            l.iter()
+                .filter_map(|x| x.get("as_tensor"))
+                .filter_map(name_of),
+        );
+    } else {
+        *other += 1;
+    }
+}
+
+/// Calls `f` with every tensor name an argument holds, in order.
+fn for_each_tensor(a: &Json, f: &mut dyn FnMut(&str)) {
+    let name_of = |t: &Json| t.get("name").and_then(Json::as_str).map(str::to_string);
+    if let Some(t) = a.get("as_tensor") {
+        if let Some(n) = name_of(t) {
+            f(&n);
+        }
+    } else if let Some(l) = a.get("as_tensors").and_then(Json::as_array) {
+        for t in l {
+            if let Some(n) = name_of(t) {
+                f(&n);
+            }
+        }
+    } else if let Some(t) = a.get("as_optional_tensor").and_then(|t| t.get("as_tensor")) {
+        if let Some(n) = name_of(t) {
+            f(&n);
+        }
+    } else if let Some(l) = a.get("as_optional_tensors").and_then(Json::as_array) {
+        for x in l {
+            if let Some(n) = x.get("as_tensor").and_then(name_of) {
+                f(&n);
+            }
+        }
+    }
+}

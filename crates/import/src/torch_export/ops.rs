@@ -1,0 +1,441 @@
+//! The mapping of ATen and functional-collective targets onto IR ops.
+//!
+//! [`lower`] returns the planned IR nodes for one torch node, `Err(None)` for a target
+//! that is simply not modelled (it becomes `opaque`) and `Err(Some(why))` for a
+//! modelled target whose arguments do not fit the IR op (it becomes `opaque`, and the
+//! reason is noted). The caller type-checks every plan with the IR validator.
+
+use super::{Bound, Lowering, PIn, PNode};
+use arfuse_ir::{Graph, Op, ReduceOp, TensorType, Value};
+use serde_json::Value as Json;
+
+use super::schema::NamedArg;
+
+/// One torch node as the mapper sees it.
+pub(super) struct NodeView<'a> {
+    /// The target without `torch.ops.`.
+    pub target: &'a str,
+    /// The named arguments.
+    pub args: &'a [NamedArg],
+    /// Its tensor arguments, resolved, in argument order.
+    pub ins: &'a [Bound],
+    /// Its tensor outputs' types (and whether each is bool).
+    pub outs: &'a [(TensorType, bool)],
+    /// The graph built so far.
+    pub g: &'a Graph,
+}
+
+type Plan = Result<Lowering, Option<String>>;
+
+/// Targets whose output is their (only) tensor input, unchanged.
+const IDENTITY: &[&str] = &[
+    "_c10d_functional.wait_tensor.default",
+    "c10d_functional.wait_tensor.default",
+    "aten.contiguous.default",
+    "aten.clone.default",
+    "aten.alias.default",
+    "aten.detach.default",
+    "aten.lift_fresh_copy.default",
+];
+
+/// Casts: the output dtype comes from the output's metadata.
+const CASTS: &[&str] = &[
+    "aten.to.dtype",
+    "aten.to.dtype_layout",
+    "aten.to.device",
+    "aten.to.other",
+    "aten._to_copy.default",
+    "aten.type_as.default",
+];
+
+/// Views that keep the element count (`expand` only when it does).
+const VIEWS: &[&str] = &[
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten._unsafe_view.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.default",
+    "aten.squeeze.dim",
+    "aten.squeeze.dims",
+    "aten.flatten.using_ints",
+    "aten.unflatten.int",
+    "aten.expand.default",
+];
+
+impl NodeView<'_> {
+    fn arg(&self, name: &str) -> Option<&Json> {
+        self.args.iter().find(|a| a.name == name).map(|a| &a.arg)
+    }
+
+    /// The argument's tensor, if it holds exactly one (`as_tensor`, or a present
+    /// optional tensor).
+    fn tensor_arg(&self, name: &str) -> Option<Bound> {
+        // `ins` holds the tensors of every argument, in argument order.
+        let mut k = 0;
+        for a in self.args {
+            let n = tensors_in(&a.arg);
+            if a.name == name {
+                let single = a.arg.get("as_tensor").is_some()
+                    || a.arg
+                        .get("as_optional_tensor")
+                        .and_then(|o| o.get("as_tensor"))
+                        .is_some();
+                return if single { self.ins.get(k).copied() } else { None };
+            }
+            k += n;
+        }
+        None
+    }
+
+    fn ty(&self, v: Value) -> Option<&TensorType> {
+        self.g.value_type(v)
+    }
+
+    fn one_out(&self) -> Result<&(TensorType, bool), Option<String>> {
+        match self.outs {
+            [o] => Ok(o),
+            _ => Err(Some(format!("{} tensor outputs, one expected", self.outs.len()))),
+        }
+    }
+}
+
+/// How many tensors an argument holds.
+fn tensors_in(a: &Json) -> usize {
+    if a.get("as_tensor").is_some() {
+        1
+    } else if let Some(l) = a.get("as_tensors").and_then(Json::as_array) {
+        l.len()
+    } else if a
+        .get("as_optional_tensor")
+        .and_then(|o| o.get("as_tensor"))
+        .is_some()
+    {
+        1
+    } else if let Some(l) = a.get("as_optional_tensors").and_then(Json::as_array) {
+        l.iter().filter(|x| x.get("as_tensor").is_some()).count()
+    } else {
+        0
+    }
+}
+
+/// A Python number argument (`as_int` or `as_float`).
+fn scalar(a: &Json) -> Option<f64> {
+    if let Some(i) = a.get("as_int").and_then(Json::as_i64) {
+        return Some(i as f64);
+    }
+    a.get("as_float").and_then(Json::as_f64)
+}
+
+fn is_none(a: Option<&Json>) -> bool {
+    match a {
+        None => true,
+        Some(a) => a.get("as_none").is_some(),
+    }
+}
+
+fn why(s: impl Into<String>) -> Option<String> {
+    Some(s.into())
+}
+
+fn node(op: Op, inputs: Vec<PIn>, outputs: Vec<TensorType>) -> PNode {
+    PNode {
+        suffix: None,
+        op,
+        inputs,
+        outputs,
+    }
+}
+
+/// Plans the IR nodes of one torch node.
+pub(super) fn lower(v: &NodeView<'_>) -> Plan {
+    let t = v.target;
+    if IDENTITY.contains(&t) {
+        return identity(v);
+    }
+    if CASTS.contains(&t) {
+        return cast(v);
+    }
+    if VIEWS.contains(&t) {
+        return view(v);
+    }
+    match t {
+        "_c10d_functional.all_reduce.default" => all_reduce(v),
+        "aten.add.Tensor" | "aten.add.Scalar" => binary(v, Op::Add, true),
+        "aten.mul.Tensor" | "aten.mul.Scalar" => binary(v, Op::Mul, false),
+        "aten.pow.Tensor_Scalar" => pow(v),
+        "aten.mean.dim" => mean(v),
+        "aten.rsqrt.default" => unary_float(v, Op::Rsqrt),
+        "aten.linear.default" => linear(v),
+        "aten.mm.default" | "aten.matmul.default" => matmul(v),
+        "aten.embedding.default" => embedding(v),
+        "aten.rms_norm.default" => rms_norm(v),
+        _ => Err(None),
+    }
+}
+
+fn self_tensor(v: &NodeView<'_>) -> Result<(Bound, TensorType), Option<String>> {
+    let b = v
+        .tensor_arg("self")
+        .or_else(|| v.tensor_arg("input"))
+        .or_else(|| v.tensor_arg("tensor"))
+        .ok_or_else(|| why("no tensor `self` argument"))?;
+    let ty = v.ty(b.value).cloned().ok_or_else(|| why("unknown input"))?;
+    Ok((b, ty))
+}
+
+fn identity(v: &NodeView<'_>) -> Plan {
+    let (b, ty) = self_tensor(v)?;
+    let out = v.one_out()?;
+    if out.0 != ty || out.1 != b.is_bool {
+        return Err(why(format!("output {} differs from input {ty}", out.0)));
+    }
+    Ok(Lowering::Forward(b.value))
+}
+
+fn cast(v: &NodeView<'_>) -> Plan {
+    let (b, ty) = self_tensor(v)?;
+    let out = v.one_out()?;
+    if out.0.shape != ty.shape {
+        return Err(why(format!("output {} changes the shape of {ty}", out.0)));
+    }
+    if out.0.dtype == ty.dtype && out.1 == b.is_bool {
+        return Ok(Lowering::Forward(b.value));
+    }
+    if out.1 || b.is_bool {
+        return Err(why("a cast from or to bool"));
+    }
+    Ok(Lowering::Nodes(vec![node(
+        Op::ToDtype { dtype: out.0.dtype },
+        vec![PIn::Ext(b.value)],
+        vec![out.0.clone()],
+    )]))
+}
+
+fn view(v: &NodeView<'_>) -> Plan {
+    let (b, ty) = self_tensor(v)?;
+    let out = v.one_out()?;
+    if out.0 == ty {
+        return Ok(Lowering::Forward(b.value));
+    }
+    if b.is_bool {
+        return Err(why("a bool tensor"));
+    }
+    if out.0.shape.numel() != ty.shape.numel() {
+        return Err(why("the element count changes (a broadcasting expand)"));
+    }
+    Ok(Lowering::Nodes(vec![node(
+        Op::Reshape,
+        vec![PIn::Ext(b.value)],
+        vec![out.0.clone()],
+    )]))
+}
+
+fn all_reduce(v: &NodeView<'_>) -> Plan {
+    let (b, ty) = self_tensor(v)?;
+    let out = v.one_out()?;
+    let reduce = v
+        .arg("reduce_op")
+        .and_then(|a| a.get("as_string"))
+        .and_then(Json::as_str)
+        .ok_or_else(|| why("no reduce_op string"))?;
+    if !reduce.eq_ignore_ascii_case("sum") {
+        return Err(why(format!("reduce op {reduce:?} (only sum is modelled)")));
+    }
+    let group = v
+        .arg("group_name")
+        .and_then(|a| a.get("as_string"))
+        .and_then(Json::as_str)
+        .ok_or_else(|| why("no group_name string"))?;
+    if out.0 != ty {
+        return Err(why("output type differs from input"));
+    }
+    Ok(Lowering::Nodes(vec![node(
+        Op::AllReduce {
+            group: group.to_string(),
+            reduce: ReduceOp::Sum,
+        },
+        vec![PIn::Ext(b.value)],
+        vec![out.0.clone()],
+    )]))
+}
+
+fn binary(v: &NodeView<'_>, op: Op, has_alpha: bool) -> Plan {
+    if has_alpha {
+        if let Some(a) = v.arg("alpha") {
+            if scalar(a) != Some(1.0) {
+                return Err(why("alpha != 1"));
+            }
+        }
+    }
+    let (b, ty) = self_tensor(v)?;
+    let out = v.one_out()?;
+    if b.is_bool || out.1 {
+        return Err(why("bool operands"));
+    }
+    let other = v.arg("other").ok_or_else(|| why("no `other` argument"))?;
+    if let Some(o) = v.tensor_arg("other") {
+        if o.is_bool {
+            return Err(why("bool operands"));
+        }
+        let oty = v.ty(o.value).ok_or_else(|| why("unknown input"))?;
+        if oty.dtype != ty.dtype {
+            return Err(why(format!(
+                "operands of different dtypes ({} and {}: torch type promotion)",
+                ty.dtype, oty.dtype
+            )));
+        }
+        return Ok(Lowering::Nodes(vec![node(
+            op,
+            vec![PIn::Ext(b.value), PIn::Ext(o.value)],
+            vec![out.0.clone()],
+        )]));
+    }
+    let Some(c) = scalar(other) else {
+        return Err(why("a non-numeric scalar operand"));
+    };
+    if !ty.dtype.is_float() {
+        return Err(why(format!("a scalar operand with an integer ({}) tensor", ty.dtype)));
+    }
+    let constant = PNode {
+        suffix: Some("scalar"),
+        op: Op::Constant { value: c },
+        inputs: vec![],
+        outputs: vec![TensorType::new(ty.dtype, vec![])],
+    };
+    Ok(Lowering::Nodes(vec![
+        constant,
+        node(op, vec![PIn::Ext(b.value), PIn::Local(0)], vec![out.0.clone()]),
+    ]))
+}
+
+fn pow(v: &NodeView<'_>) -> Plan {
+    let (b, _) = self_tensor(v)?;
+    let out = v.one_out()?;
+    let e = v
+        .arg("exponent")
+        .and_then(scalar)
+        .ok_or_else(|| why("a non-numeric exponent"))?;
+    Ok(Lowering::Nodes(vec![node(
+        Op::Pow { exponent: e },
+        vec![PIn::Ext(b.value)],
+        vec![out.0.clone()],
+    )]))
+}
+
+fn mean(v: &NodeView<'_>) -> Plan {
+    let (b, _) = self_tensor(v)?;
+    let out = v.one_out()?;
+    if !is_none(v.arg("dtype")) {
+        return Err(why("an explicit dtype"));
+    }
+    let dims: Vec<i64> = v
+        .arg("dim")
+        .and_then(|a| a.get("as_ints"))
+        .and_then(Json::as_array)
+        .map(|l| l.iter().filter_map(Json::as_i64).collect())
+        .ok_or_else(|| why("no dim list"))?;
+    let keepdim = match v.arg("keepdim") {
+        None => false,
+        Some(a) => a
+            .get("as_bool")
+            .and_then(Json::as_bool)
+            .ok_or_else(|| why("keepdim is not a bool"))?,
+    };
+    Ok(Lowering::Nodes(vec![node(
+        Op::Mean { dims, keepdim },
+        vec![PIn::Ext(b.value)],
+        vec![out.0.clone()],
+    )]))
+}
+
+fn unary_float(v: &NodeView<'_>, op: Op) -> Plan {
+    let (b, _) = self_tensor(v)?;
+    let out = v.one_out()?;
+    Ok(Lowering::Nodes(vec![node(
+        op,
+        vec![PIn::Ext(b.value)],
+        vec![out.0.clone()],
+    )]))
+}
+
+fn linear(v: &NodeView<'_>) -> Plan {
+    let x = v.tensor_arg("input").ok_or_else(|| why("no input tensor"))?;
+    let w = v.tensor_arg("weight").ok_or_else(|| why("no weight tensor"))?;
+    let out = v.one_out()?;
+    let mm = node(
+        Op::Matmul { transpose_b: true },
+        vec![PIn::Ext(x.value), PIn::Ext(w.value)],
+        vec![out.0.clone()],
+    );
+    match v.tensor_arg("bias") {
+        None if is_none(v.arg("bias")) => Ok(Lowering::Nodes(vec![mm])),
+        None => Err(why("a bias that is not a tensor")),
+        Some(bias) => Ok(Lowering::Nodes(vec![
+            PNode {
+                suffix: Some("matmul"),
+                ..mm
+            },
+            node(
+                Op::Add,
+                vec![PIn::Local(0), PIn::Ext(bias.value)],
+                vec![out.0.clone()],
+            ),
+        ])),
+    }
+}
+
+fn matmul(v: &NodeView<'_>) -> Plan {
+    let x = v.tensor_arg("self").ok_or_else(|| why("no self tensor"))?;
+    let w = v
+        .tensor_arg("mat2")
+        .or_else(|| v.tensor_arg("other"))
+        .ok_or_else(|| why("no second operand"))?;
+    let out = v.one_out()?;
+    Ok(Lowering::Nodes(vec![node(
+        Op::Matmul { transpose_b: false },
+        vec![PIn::Ext(x.value), PIn::Ext(w.value)],
+        vec![out.0.clone()],
+    )]))
+}
+
+fn embedding(v: &NodeView<'_>) -> Plan {
+    let w = v.tensor_arg("weight").ok_or_else(|| why("no weight tensor"))?;
+    let ids = v
+        .tensor_arg("indices")
+        .ok_or_else(|| why("no indices tensor"))?;
+    let out = v.one_out()?;
+    // padding_idx, scale_grad_by_freq and sparse only change gradients.
+    Ok(Lowering::Nodes(vec![node(
+        Op::Embedding,
+        vec![PIn::Ext(w.value), PIn::Ext(ids.value)],
+        vec![out.0.clone()],
+    )]))
+}
+
+fn rms_norm(v: &NodeView<'_>) -> Plan {
+    let x = v.tensor_arg("input").ok_or_else(|| why("no input tensor"))?;
+    let w = v
+        .tensor_arg("weight")
+        .ok_or_else(|| why("no weight (elementwise_affine=False)"))?;
+    let eps = v
+        .arg("eps")
+        .and_then(scalar)
+        .ok_or_else(|| why("no explicit eps (torch's default depends on the dtype)"))?;
+    let shape_len = v
+        .arg("normalized_shape")
+        .and_then(|a| a.get("as_ints").or_else(|| a.get("as_sym_ints")))
+        .and_then(Json::as_array)
+        .map(Vec::len);
+    if shape_len != Some(1) {
+        return Err(why("normalized_shape is not one dimension"));
+    }
+    let out = v.one_out()?;
+    Ok(Lowering::Nodes(vec![node(
+        Op::RmsNorm {
+            eps,
+            weight_bias: 0.0,
+        },
+        vec![PIn::Ext(x.value), PIn::Ext(w.value)],
+        vec![out.0.clone()],
+    )]))
+}
