@@ -11,9 +11,17 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 pub mod contract;
+pub mod equiv;
 pub mod error;
 pub mod eval;
 pub mod numerics;
 pub mod tensor;
 
+pub use contract::CONTRACT_NAME;
+pub use equiv::{
+    check_equivalent, equivalence_token_counts, EquivalenceReport, OutputComparison, TokenReport,
+    Tolerance,
+};
 pub use error::{ReferenceError, Result};
+pub use eval::{bind_tokens, evaluate, random_inputs, Bindings, Evaluation, RankInputs};
+pub use tensor::{Storage, Tensor, TensorData};
