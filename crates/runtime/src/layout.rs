@@ -30,7 +30,7 @@ pub const REGION_ALIGN: u64 = 256;
 pub const LAMPORT_ALIGN: u64 = 128;
 
 /// What a workspace must hold.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WorkspaceRequest {
     /// World size W.
     pub world: u32,

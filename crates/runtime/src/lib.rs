@@ -20,5 +20,6 @@ pub mod layout;
 pub mod nvrtc;
 pub mod protocol;
 pub mod variants;
+pub mod workspace;
 
 pub use error::{Error, Result};
