@@ -1,0 +1,314 @@
+//! The e-class analysis: the type (dtype and shape) of every value class, the output
+//! types of tuple classes, scalar constants, and the leaf of attribute classes.
+//!
+//! The analysis also owns the side tables the rules consult: the shape interner, the
+//! IR types of opaque values, the all-reduce instances (group, use count) and the
+//! refusal log written by conditional appliers. The process group of an all-reduce
+//! is looked up from its instance, so it never has to live in a merged class.
+
+use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
+use arfuse_ir::{broadcast, DType, Dim, Shape, TensorType, NVFP4_BLOCK};
+use egg::{Analysis, DidMerge, EGraph, Id};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+/// The type of one value: element type and interned shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct Ty {
+    pub dtype: DType,
+    pub shape: u32,
+}
+
+/// What the analysis knows about one e-class.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Data {
+    /// Output types: one for a value class, one per port for a tuple class (`None` for
+    /// a port the tuple does not have), none for an attribute leaf.
+    pub outs: Vec<Option<Ty>>,
+    /// True for tuple-valued classes.
+    pub tuple: bool,
+    /// The value of a scalar constant, as f64 bits.
+    pub konst: Option<u64>,
+    /// The leaf, for attribute classes.
+    pub leaf: Option<Leaf>,
+}
+
+impl Data {
+    /// The value type of a value class.
+    pub fn ty(&self) -> Option<Ty> {
+        if self.tuple {
+            return None;
+        }
+        self.outs.first().copied().flatten()
+    }
+}
+
+/// One all-reduce of the input graph.
+#[derive(Clone, Debug)]
+pub(crate) struct Instance {
+    /// Its process group.
+    pub group: String,
+    /// Uses of its output in the input graph (node inputs and graph outputs).
+    pub uses: usize,
+}
+
+/// The analysis and its side tables.
+#[derive(Default)]
+pub(crate) struct FxAnalysis {
+    shapes: Vec<Shape>,
+    shape_ids: HashMap<Shape, u32>,
+    /// IR type and constant value of every IR value, by node index then output.
+    pub values: Vec<Vec<(Option<Ty>, Option<u64>)>>,
+    /// The all-reduces, by IR node index.
+    pub instances: BTreeMap<u32, Instance>,
+    /// The layer's process group the rules fuse.
+    pub group: String,
+    /// Why a rule refused a match, by all-reduce instance (deduplicated, ordered).
+    pub refusals: BTreeMap<u32, BTreeSet<String>>,
+}
+
+impl FxAnalysis {
+    /// The id of `shape` in the interner.
+    pub fn intern(&mut self, shape: &Shape) -> u32 {
+        if let Some(&id) = self.shape_ids.get(shape) {
+            return id;
+        }
+        let id = self.shapes.len() as u32;
+        self.shapes.push(shape.clone());
+        self.shape_ids.insert(shape.clone(), id);
+        id
+    }
+
+    /// The shape with interned id `id`.
+    pub fn shape(&self, id: u32) -> Option<&Shape> {
+        self.shapes.get(id as usize)
+    }
+
+    /// The IR tensor type of `ty`.
+    pub fn tensor_type(&self, ty: Ty) -> Option<TensorType> {
+        Some(TensorType {
+            dtype: ty.dtype,
+            shape: self.shape(ty.shape)?.clone(),
+        })
+    }
+
+    /// The constant last (hidden) dim of `ty`, if any.
+    pub fn hidden(&self, ty: Ty) -> Option<u64> {
+        self.shape(ty.shape)?.last()?.as_const()
+    }
+
+    /// Records why a rule refused a match of `inst`.
+    pub fn refuse(&mut self, inst: u32, why: String) {
+        self.refusals.entry(inst).or_default().insert(why);
+    }
+
+    fn with_last(&mut self, ty: Ty, last: Option<u64>, dtype: DType) -> Option<Ty> {
+        let mut dims = self.shape(ty.shape)?.0.clone();
+        match last {
+            Some(l) => *dims.last_mut()? = Dim::constant(l),
+            None => {
+                dims.pop()?;
+            }
+        }
+        Some(Ty {
+            dtype,
+            shape: self.intern(&Shape(dims)),
+        })
+    }
+
+    /// Output types of a quant epilogue of kind `q` on `x`: (quantised, scales).
+    pub fn quant_types(&mut self, q: QKind, x: Ty) -> (Option<Ty>, Option<Ty>) {
+        let Some(h) = self.hidden(x) else {
+            return (None, None);
+        };
+        let fp8 = Some(Ty {
+            dtype: DType::Fp8E4m3,
+            shape: x.shape,
+        });
+        match q {
+            QKind::None => (None, None),
+            QKind::Fp8Static => (fp8, None),
+            QKind::Fp8PerToken => (fp8, self.with_last(x, Some(1), DType::F32)),
+            QKind::Fp8Group { group_size, packed } => {
+                if group_size == 0 || h % group_size != 0 {
+                    return (None, None);
+                }
+                let groups = h / group_size;
+                let scales = if packed {
+                    self.with_last(x, Some(groups.div_ceil(4)), DType::I32)
+                } else {
+                    self.with_last(x, Some(groups), DType::F32)
+                };
+                (fp8, scales)
+            }
+            QKind::Nvfp4 { .. } => {
+                if h % NVFP4_BLOCK != 0 {
+                    return (None, None);
+                }
+                (
+                    self.with_last(x, Some(h / 2), DType::Fp4E2m1x2),
+                    self.with_last(x, Some(h / NVFP4_BLOCK), DType::Fp8E4m3),
+                )
+            }
+        }
+    }
+
+    fn fused_types(&mut self, k: FKind, x: Ty) -> Vec<Option<Ty>> {
+        let (q, s) = self.quant_types(k.quant, x);
+        let mut outs = vec![None; 4];
+        outs[PORT_NORM as usize] = Some(x);
+        outs[PORT_RESIDUAL as usize] = Some(x);
+        outs[PORT_QUANT as usize] = q;
+        outs[PORT_SCALE as usize] = s;
+        outs
+    }
+}
+
+fn value(ty: Option<Ty>) -> Data {
+    Data {
+        outs: vec![ty],
+        ..Data::default()
+    }
+}
+
+impl Analysis<Fx> for FxAnalysis {
+    type Data = Data;
+
+    fn make(egraph: &mut EGraph<Fx, FxAnalysis>, enode: &Fx) -> Data {
+        let ty = |id: &Id| egraph[*id].data.ty();
+        let leaf = |id: &Id| egraph[*id].data.leaf;
+        match enode {
+            Fx::Leaf(Leaf::Value(n, k)) => {
+                let (t, c) = egraph
+                    .analysis
+                    .values
+                    .get(*n as usize)
+                    .and_then(|v| v.get(*k as usize))
+                    .copied()
+                    .unwrap_or((None, None));
+                Data {
+                    outs: vec![t],
+                    konst: c,
+                    ..Data::default()
+                }
+            }
+            Fx::Leaf(l) => Data {
+                leaf: Some(*l),
+                ..Data::default()
+            },
+            Fx::AllReduce([_, x])
+            | Fx::Wait(x)
+            | Fx::Pow([_, x])
+            | Fx::Rsqrt(x)
+            | Fx::RmsNorm([_, x, _]) => value(ty(x)),
+            Fx::Add([a, b]) | Fx::Mul([a, b]) => {
+                let (Some(ta), Some(tb)) = (ty(a), ty(b)) else {
+                    return value(None);
+                };
+                let an = &mut egraph.analysis;
+                let s = match (an.shape(ta.shape), an.shape(tb.shape)) {
+                    (Some(sa), Some(sb)) => broadcast(sa, sb),
+                    _ => None,
+                };
+                value(s.map(|s| Ty {
+                    dtype: ta.dtype,
+                    shape: an.intern(&s),
+                }))
+            }
+            Fx::ToDtype([d, x]) => match (leaf(d), ty(x)) {
+                (Some(Leaf::DType(d)), Some(t)) => value(Some(Ty {
+                    dtype: d,
+                    shape: t.shape,
+                })),
+                _ => value(None),
+            },
+            Fx::Mean([_, x]) => match ty(x) {
+                Some(t) => value(egraph.analysis.with_last(t, Some(1), t.dtype)),
+                None => value(None),
+            },
+            Fx::Reshape([s, x]) => match (leaf(s), ty(x)) {
+                (Some(Leaf::Shape(s)), Some(t)) => value(Some(Ty {
+                    dtype: t.dtype,
+                    shape: s,
+                })),
+                _ => value(None),
+            },
+            Fx::FusedAddRmsNorm([_, x, _, _]) => Data {
+                outs: vec![ty(x), ty(x)],
+                tuple: true,
+                ..Data::default()
+            },
+            Fx::Quant([q, x, _]) => {
+                let outs = match (leaf(q), ty(x)) {
+                    (Some(Leaf::Quant(q)), Some(t)) => {
+                        let (a, b) = egraph.analysis.quant_types(q, t);
+                        vec![a, b]
+                    }
+                    _ => vec![None, None],
+                };
+                Data {
+                    outs,
+                    tuple: true,
+                    ..Data::default()
+                }
+            }
+            Fx::Fused([k, _, x, _, _, _]) => {
+                let outs = match (leaf(k), ty(x)) {
+                    (Some(Leaf::Fused(k)), Some(t)) => egraph.analysis.fused_types(k, t),
+                    _ => vec![None; 4],
+                };
+                Data {
+                    outs,
+                    tuple: true,
+                    ..Data::default()
+                }
+            }
+            Fx::Get([p, t]) => {
+                let d = &egraph[*t].data;
+                let out = match leaf(p) {
+                    Some(Leaf::Port(p)) if d.tuple => d.outs.get(p as usize).copied().flatten(),
+                    _ => None,
+                };
+                value(out)
+            }
+        }
+    }
+
+    fn merge(&mut self, to: &mut Data, from: Data) -> DidMerge {
+        // Members of one class have one type by construction; keep what is known and
+        // fill what is missing, never overwrite.
+        let mut changed = false;
+        if to.outs.len() < from.outs.len() {
+            to.outs.resize(from.outs.len(), None);
+        }
+        for (i, t) in from.outs.iter().enumerate() {
+            if to.outs[i].is_none() && t.is_some() {
+                to.outs[i] = *t;
+                changed = true;
+            }
+        }
+        if to.konst.is_none() && from.konst.is_some() {
+            to.konst = from.konst;
+            changed = true;
+        }
+        if to.leaf.is_none() && from.leaf.is_some() {
+            to.leaf = from.leaf;
+            changed = true;
+        }
+        to.tuple |= from.tuple;
+        DidMerge(changed, true)
+    }
+}
+
+/// The e-graph type of the pass.
+pub(crate) type FxGraph = EGraph<Fx, FxAnalysis>;
+
+/// True when class `id` holds an all-reduce (seen through `wait`).
+pub(crate) fn all_reduce_in(egraph: &FxGraph, id: Id) -> Option<u32> {
+    egraph[id].nodes.iter().find_map(|n| match n {
+        Fx::AllReduce([i, _]) => match egraph[*i].data.leaf {
+            Some(Leaf::Inst(i)) => Some(i),
+            _ => None,
+        },
+        _ => None,
+    })
+}

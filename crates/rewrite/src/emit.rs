@@ -1,0 +1,313 @@
+//! E-graph -> IR: the input graph with every fused site's chain replaced by one fused
+//! node (plus the views its boundary needs), in a deterministic topological order.
+//!
+//! Untouched nodes keep their ids, ops and types; graph inputs and the order of the
+//! graph outputs are preserved. The fused node of all-reduce `a` is `fused.a` (made
+//! unique with `.2`, `.3`, ... if taken), views are `fused.a.<output>.view` and the
+//! residual view is `fused.a.residual_in`.
+
+use crate::error::LowerError;
+use crate::site::{Input, Site};
+use arfuse_ir::op::{FusedAllReduceNorm, FusedOutput, FusedPlan};
+use arfuse_ir::{Graph, Node, NodeId, Op, TensorType, Value};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+
+/// A fused site ready to emit.
+pub(crate) struct Emit<'a> {
+    /// The site.
+    pub site: &'a Site,
+    /// The plan the fused node carries.
+    pub plan: FusedPlan,
+    /// The layer group.
+    pub group: String,
+    /// Its module.
+    pub module: Option<String>,
+}
+
+/// A node of the output, before ids are resolved.
+struct Pending {
+    id: String,
+    op: Op,
+    inputs: Vec<Ref>,
+    outputs: Vec<TensorType>,
+    module: Option<String>,
+    key: (u32, u32),
+}
+
+/// An output of a pending node: (pending index, output).
+type Ref = (usize, u32);
+
+/// The fused node ids, by all-reduce instance, and the output graph.
+pub(crate) fn emit(g: &Graph, sites: &[Emit<'_>]) -> Result<(Graph, Vec<String>), LowerError> {
+    let removed: HashSet<u32> = sites
+        .iter()
+        .flat_map(|s| s.site.region.iter().copied())
+        .collect();
+    let mut taken: HashSet<String> = g
+        .nodes()
+        .filter(|(i, _)| !removed.contains(&(i.index() as u32)))
+        .map(|(_, n)| n.id.clone())
+        .collect();
+    let mut fresh = |base: String| -> String {
+        let mut id = base.clone();
+        let mut k = 2;
+        while taken.contains(&id) {
+            id = format!("{base}.{k}");
+            k += 1;
+        }
+        taken.insert(id.clone());
+        id
+    };
+
+    // Constants only the removed chains read are dropped with them.
+    let outputs: HashSet<Value> = g.outputs().iter().copied().collect();
+    let mut dead_consts: HashSet<u32> = HashSet::new();
+    for (i, n) in g.nodes() {
+        let idx = i.index() as u32;
+        if !matches!(n.op, Op::Constant { .. }) || removed.contains(&idx) {
+            continue;
+        }
+        let mut users = g.users(i).map(|(u, _)| u.index() as u32).peekable();
+        if users.peek().is_some()
+            && users.all(|u| removed.contains(&u))
+            && !outputs.contains(&Value::new(i, 0))
+        {
+            dead_consts.insert(idx);
+        }
+    }
+
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut slot_of: HashMap<u32, usize> = HashMap::new();
+    for (i, n) in g.nodes() {
+        let idx = i.index() as u32;
+        if removed.contains(&idx) || dead_consts.contains(&idx) {
+            continue;
+        }
+        slot_of.insert(idx, pending.len());
+        pending.push(Pending {
+            id: n.id.clone(),
+            op: n.op.clone(),
+            inputs: Vec::new(),
+            outputs: n.outputs.clone(),
+            module: n.module.clone(),
+            key: (idx, 0),
+        });
+    }
+    // Where each replaced value now comes from.
+    let mut remap: HashMap<Value, Ref> = HashMap::new();
+    let mut fused_ids = Vec::with_capacity(sites.len());
+    // Inputs of fused nodes are resolved after every remap is known.
+    let mut fused_inputs: Vec<(usize, Vec<Input>)> = Vec::new();
+    let mut residual_views: Vec<(usize, Value)> = Vec::new();
+    for e in sites {
+        let s = e.site;
+        let ar = g.node(NodeId::new(s.inst as usize));
+        let base = format!("fused.{}", ar.id);
+        let fid = fresh(base.clone());
+        let fslot = pending.len();
+        let mut ins = vec![s.x_input()];
+        if let Some(r) = &s.residual {
+            ins.push(r.clone());
+        }
+        ins.push(s.weight.clone());
+        if let Some(sc) = &s.scale {
+            ins.push(sc.clone());
+        }
+        let outputs: Vec<FusedOutput> = s.ports.iter().map(|p| p.output).collect();
+        pending.push(Pending {
+            id: fid.clone(),
+            op: Op::FusedAllreduceNorm(FusedAllReduceNorm {
+                group: e.group.clone(),
+                eps: f64::from_bits(s.kind.eps),
+                weight_bias: f64::from_bits(s.kind.bias),
+                residual: s.kind.residual,
+                quant: s.kind.quant.to_ir(),
+                outputs,
+                plan: Some(e.plan.clone()),
+            }),
+            inputs: Vec::new(),
+            outputs: s.ports.iter().map(|p| p.ty.clone()).collect(),
+            module: e.module.clone(),
+            key: (s.inst, 2),
+        });
+        fused_inputs.push((fslot, ins));
+        for (k, p) in s.ports.iter().enumerate() {
+            for v in &p.direct {
+                remap.insert(*v, (fslot, k as u32));
+            }
+            // One view node per distinct type.
+            let mut by_type: BTreeMap<String, usize> = BTreeMap::new();
+            for (v, t) in &p.views {
+                let key = t.to_string();
+                let slot = match by_type.get(&key) {
+                    Some(&slot) => slot,
+                    None => {
+                        let name = match p.output {
+                            FusedOutput::Norm => "norm",
+                            FusedOutput::Residual => "residual",
+                            FusedOutput::Quant => "quant",
+                            FusedOutput::Scale => "scale",
+                        };
+                        let slot = pending.len();
+                        pending.push(Pending {
+                            id: fresh(format!("{base}.{name}.view")),
+                            op: Op::Reshape,
+                            inputs: vec![(fslot, k as u32)],
+                            outputs: vec![t.clone()],
+                            module: e.module.clone(),
+                            key: (s.inst, 3 + k as u32),
+                        });
+                        by_type.insert(key, slot);
+                        slot
+                    }
+                };
+                remap.insert(*v, (slot, 0));
+            }
+        }
+        if let Some(Input::View(v, _)) = &s.residual {
+            residual_views.push((fslot, *v));
+        }
+        fused_ids.push(fid);
+    }
+    let resolve = |v: Value, remap: &HashMap<Value, Ref>| -> Result<Ref, LowerError> {
+        if let Some(r) = remap.get(&v) {
+            return Ok(*r);
+        }
+        slot_of
+            .get(&(v.node.index() as u32))
+            .map(|s| (*s, v.output))
+            .ok_or_else(|| {
+                LowerError::Internal(format!(
+                    "value {} is read but its node was removed",
+                    g.value_ref(v)
+                ))
+            })
+    };
+    // Inputs of kept nodes.
+    for (i, n) in g.nodes() {
+        let Some(&slot) = slot_of.get(&(i.index() as u32)) else {
+            continue;
+        };
+        let ins = n
+            .inputs
+            .iter()
+            .map(|v| resolve(*v, &remap))
+            .collect::<Result<Vec<_>, _>>()?;
+        pending[slot].inputs = ins;
+    }
+    // Inputs of fused nodes (views of an input get a reshape node).
+    for (fslot, ins) in fused_inputs {
+        let mut refs = Vec::with_capacity(ins.len());
+        for inp in ins {
+            match inp {
+                Input::Value(v) => refs.push(resolve(v, &remap)?),
+                Input::View(v, t) => {
+                    let src = resolve(v, &remap)?;
+                    let base = pending[fslot].id.clone();
+                    let key = (pending[fslot].key.0, 1);
+                    let module = pending[fslot].module.clone();
+                    let slot = pending.len();
+                    let what = if residual_views.iter().any(|(f, rv)| *f == fslot && *rv == v) {
+                        "residual_in"
+                    } else {
+                        "input_view"
+                    };
+                    pending.push(Pending {
+                        id: fresh(format!("{base}.{what}")),
+                        op: Op::Reshape,
+                        inputs: vec![src],
+                        outputs: vec![t],
+                        module,
+                        key,
+                    });
+                    refs.push((slot, 0));
+                }
+            }
+        }
+        pending[fslot].inputs = refs;
+    }
+    let graph_outputs = g
+        .outputs()
+        .iter()
+        .map(|v| resolve(*v, &remap))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    // Topological order, ties broken by the key (the original position).
+    let n = pending.len();
+    let mut indeg = vec![0usize; n];
+    let mut succ: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (i, p) in pending.iter().enumerate() {
+        for &(src, _) in &p.inputs {
+            indeg[i] += 1;
+            succ[src].push(i);
+        }
+    }
+    let mut heap: BinaryHeap<Reverse<((u32, u32), usize)>> = pending
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| indeg[*i] == 0)
+        .map(|(i, p)| Reverse((p.key, i)))
+        .collect();
+    let mut order = Vec::with_capacity(n);
+    while let Some(Reverse((_, i))) = heap.pop() {
+        order.push(i);
+        for &s in &succ[i] {
+            indeg[s] -= 1;
+            if indeg[s] == 0 {
+                heap.push(Reverse((pending[s].key, s)));
+            }
+        }
+    }
+    if order.len() != n {
+        return Err(LowerError::Internal(
+            "the rewritten graph has a cycle".to_string(),
+        ));
+    }
+    let mut out = Graph::new();
+    for (name, r) in g.symbols() {
+        out.set_symbol(name.clone(), *r);
+    }
+    out.set_metadata(g.metadata().cloned());
+    let mut node_of: Vec<Option<NodeId>> = vec![None; n];
+    for i in order {
+        let p = &pending[i];
+        let inputs = p
+            .inputs
+            .iter()
+            .map(|&(src, k)| {
+                node_of[src]
+                    .map(|id| Value::new(id, k))
+                    .ok_or_else(|| LowerError::Internal("input emitted late".into()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let id = out
+            .add_node(Node {
+                id: p.id.clone(),
+                op: p.op.clone(),
+                inputs,
+                outputs: p.outputs.clone(),
+                module: p.module.clone(),
+            })
+            .map_err(|e| LowerError::Internal(e.to_string()))?;
+        node_of[i] = Some(id);
+    }
+    let outs = graph_outputs
+        .iter()
+        .map(|&(src, k)| {
+            node_of[src]
+                .map(|id| Value::new(id, k))
+                .ok_or_else(|| LowerError::Internal("graph output missing".into()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    out.set_outputs(outs)
+        .map_err(|e| LowerError::Internal(e.to_string()))?;
+    Ok((out, fused_ids))
+}
+
+impl Site {
+    /// The fused node's x input: the all-reduce's own input.
+    pub(crate) fn x_input(&self) -> Input {
+        Input::Value(self.x)
+    }
+}

@@ -1,0 +1,45 @@
+//! The one error type of the pass.
+
+use thiserror::Error;
+
+/// Why [`crate::lower`] returned no graph. The pass never returns a partial result.
+#[derive(Debug, Error)]
+pub enum LowerError {
+    /// The input graph failed [`arfuse_ir::Graph::validate`]; every problem is listed
+    /// with its node id.
+    #[error("the input graph is invalid: {0}")]
+    InvalidGraph(arfuse_ir::Problems),
+    /// No layer group was given and the graph's all-reduces use several groups equally
+    /// often.
+    #[error(
+        "the graph's all-reduces use the groups {candidates:?} equally often ({count} each); \
+         set LowerOptions::group to the layer's tensor-parallel group"
+    )]
+    AmbiguousGroup {
+        /// The tied groups, sorted.
+        candidates: Vec<String>,
+        /// All-reduces per tied group.
+        count: usize,
+    },
+    /// The target is wrong (from `arfuse-policy`; the message names the fix).
+    #[error("policy: {0}")]
+    Policy(#[from] arfuse_policy::PolicyError),
+    /// The e-graph runner stopped before saturation: the result would depend on the
+    /// limits, so there is none.
+    #[error(
+        "the e-graph did not saturate: {reason} after {iterations} iteration(s), {nodes} \
+         e-nodes; raise the limits in LowerOptions (iter_limit, node_limit, time_limit)"
+    )]
+    NotSaturated {
+        /// The runner's stop reason.
+        reason: String,
+        /// Iterations run.
+        iterations: usize,
+        /// E-nodes at the stop.
+        nodes: usize,
+    },
+    /// A bug in this crate: the result failed its own checks. Please report it with
+    /// the graph.
+    #[error("internal error in arfuse-rewrite: {0}")]
+    Internal(String),
+}

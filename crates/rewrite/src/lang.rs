@@ -1,0 +1,271 @@
+//! The e-graph language: the IR ops the rules look into, plus leaves.
+//!
+//! Every IR value the rules do not model (inputs, constants, matmuls, attention,
+//! already fused nodes, ...) becomes an opaque [`Leaf::Value`] keyed by the IR value
+//! itself, so two unrelated values never merge. Attributes (dtypes, shapes, eps, quant
+//! kinds, output ports) are leaves too, so that hash-consing compares them.
+//!
+//! Collectives carry an instance leaf ([`Leaf::Inst`], the IR node index of the
+//! all-reduce): two all-reduces of the same value are different e-nodes, and the fused
+//! node of an all-reduce names the same instance, so extraction can check that every
+//! original all-reduce appears exactly once.
+//!
+//! Multi-output ops are tuple-valued nodes read through `get` projections:
+//! `(get @0 (fused_add_rms_norm ...))`. The fused node's ports are fixed
+//! ([`PORT_NORM`], [`PORT_RESIDUAL`], [`PORT_QUANT`], [`PORT_SCALE`]); which of them
+//! the emitted IR node writes is decided from liveness when converting back.
+
+use arfuse_ir::op::{FusedQuant, GroupScaleLayout, Nvfp4ScaleLayout};
+use arfuse_ir::DType;
+use egg::{define_language, Id};
+use std::fmt;
+use std::str::FromStr;
+
+/// Port of the fused tuple holding the RMSNorm output.
+pub const PORT_NORM: u8 = 0;
+/// Port of the fused tuple holding the new residual.
+pub const PORT_RESIDUAL: u8 = 1;
+/// Port of the fused tuple holding the quantised output.
+pub const PORT_QUANT: u8 = 2;
+/// Port of the fused tuple holding the quant scales.
+pub const PORT_SCALE: u8 = 3;
+
+define_language! {
+    /// The language of the fusion e-graph. Children in brackets; `tuple` marks
+    /// tuple-valued nodes read through `get`.
+    pub enum Fx {
+        // `[inst, x]`: sum over the ranks of the instance's group.
+        "all_reduce" = AllReduce([Id; 2]),
+        // `x`: the `wait_tensor` after a functional collective (identity on values).
+        "wait" = Wait(Id),
+        // `[a, b]`: element-wise sum.
+        "add" = Add([Id; 2]),
+        // `[a, b]`: element-wise product.
+        "mul" = Mul([Id; 2]),
+        // `[dtype, x]`: cast.
+        "to_dtype" = ToDtype([Id; 2]),
+        // `[exponent, x]`.
+        "pow" = Pow([Id; 2]),
+        // `[mean, x]`: mean over the last dim, keepdim.
+        "mean" = Mean([Id; 2]),
+        // `x`: `1 / sqrt(x)`.
+        "rsqrt" = Rsqrt(Id),
+        // `[shape, x]`: reshape or view.
+        "reshape" = Reshape([Id; 2]),
+        // `[norm, x, w]`: RMSNorm, one rounding.
+        "rms_norm" = RmsNorm([Id; 3]),
+        // `[norm, x, r, w]`, tuple: `@0` normed, `@1` residual out.
+        "fused_add_rms_norm" = FusedAddRmsNorm([Id; 4]),
+        // `[quant, x, scale | none]`, tuple: `@0` quantised, `@1` scales.
+        "quant" = Quant([Id; 3]),
+        // `[fused, inst, x, residual | none, w, scale | none]`, tuple with the ports
+        // `@0` norm, `@1` residual, `@2` quant, `@3` scale.
+        "fused" = Fused([Id; 6]),
+        // `[port, tuple]`: one output of a tuple.
+        "get" = Get([Id; 2]),
+        Leaf(Leaf),
+    }
+}
+
+/// The quant epilogue kinds, with an order (for deterministic preference).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum QKind {
+    /// No quantisation.
+    None,
+    /// Static per-tensor FP8.
+    Fp8Static,
+    /// Dynamic per-token FP8.
+    Fp8PerToken,
+    /// Per-token-group FP8; `packed` is the packed ue8m0 layout, else f32 row-major.
+    Fp8Group {
+        /// Elements per group.
+        group_size: u64,
+        /// Packed ue8m0 scales.
+        packed: bool,
+    },
+    /// NVFP4; `swizzled` is the 128x4 layout, else linear.
+    Nvfp4 {
+        /// Swizzled 128x4 scales.
+        swizzled: bool,
+    },
+}
+
+impl QKind {
+    /// From the IR's quant attribute.
+    pub fn from_ir(q: FusedQuant) -> QKind {
+        match q {
+            FusedQuant::None => QKind::None,
+            FusedQuant::Fp8Static => QKind::Fp8Static,
+            FusedQuant::Fp8PerToken => QKind::Fp8PerToken,
+            FusedQuant::Fp8PerTokenGroup {
+                group_size,
+                scale_layout,
+            } => QKind::Fp8Group {
+                group_size,
+                packed: scale_layout == GroupScaleLayout::PackedUe8m0,
+            },
+            FusedQuant::Nvfp4 { scale_layout } => QKind::Nvfp4 {
+                swizzled: scale_layout == Nvfp4ScaleLayout::Swizzled128x4,
+            },
+        }
+    }
+
+    /// Back to the IR's quant attribute.
+    pub fn to_ir(self) -> FusedQuant {
+        match self {
+            QKind::None => FusedQuant::None,
+            QKind::Fp8Static => FusedQuant::Fp8Static,
+            QKind::Fp8PerToken => FusedQuant::Fp8PerToken,
+            QKind::Fp8Group { group_size, packed } => FusedQuant::Fp8PerTokenGroup {
+                group_size,
+                scale_layout: if packed {
+                    GroupScaleLayout::PackedUe8m0
+                } else {
+                    GroupScaleLayout::F32RowMajor
+                },
+            },
+            QKind::Nvfp4 { swizzled } => FusedQuant::Nvfp4 {
+                scale_layout: if swizzled {
+                    Nvfp4ScaleLayout::Swizzled128x4
+                } else {
+                    Nvfp4ScaleLayout::Linear
+                },
+            },
+        }
+    }
+
+    /// Whether the quant op takes a second input (static FP8 scale, NVFP4 global scale).
+    pub fn takes_scale_input(self) -> bool {
+        matches!(self, QKind::Fp8Static | QKind::Nvfp4 { .. })
+    }
+
+    /// Whether the quant op writes a scales output.
+    pub fn writes_scales(self) -> bool {
+        !matches!(self, QKind::None | QKind::Fp8Static)
+    }
+
+    /// Short name for reports (`fp8_static`, `fp8_per_token`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            QKind::None => "none",
+            QKind::Fp8Static => "fp8_static",
+            QKind::Fp8PerToken => "fp8_per_token",
+            QKind::Fp8Group { .. } => "fp8_per_token_group",
+            QKind::Nvfp4 { .. } => "nvfp4",
+        }
+    }
+}
+
+/// Attributes of a fused tuple node (the group comes from the instance).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FKind {
+    /// A residual input is added after the all-reduce.
+    pub residual: bool,
+    /// The quant epilogue.
+    pub quant: QKind,
+    /// RMSNorm eps, as f64 bits.
+    pub eps: u64,
+    /// Weight bias (0 or 1), as f64 bits.
+    pub bias: u64,
+}
+
+/// A leaf: an opaque IR value or an attribute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Leaf {
+    /// An IR value the rules do not look into: (node index, output index).
+    Value(u32, u32),
+    /// The instance of an all-reduce: its IR node index.
+    Inst(u32),
+    /// An element type.
+    DType(DType),
+    /// An interned shape (index into [`crate::analysis::FxAnalysis`]'s shape table).
+    Shape(u32),
+    /// RMSNorm attributes: eps and weight_bias as f64 bits.
+    Norm {
+        /// eps bits.
+        eps: u64,
+        /// weight_bias bits.
+        bias: u64,
+    },
+    /// A `pow` exponent, as f64 bits.
+    Exp(u64),
+    /// `mean` over the last dim with keepdim (the only mean the rules model).
+    MeanLast,
+    /// A quant op's kind.
+    Quant(QKind),
+    /// A fused node's kind.
+    Fused(FKind),
+    /// An output port of a tuple.
+    Port(u8),
+    /// An absent optional child.
+    None,
+}
+
+impl fmt::Display for Leaf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Leaf::Value(n, k) => write!(f, "%{n}.{k}"),
+            Leaf::Inst(n) => write!(f, "inst{n}"),
+            Leaf::DType(d) => write!(f, "{d}"),
+            Leaf::Shape(s) => write!(f, "shape{s}"),
+            Leaf::Norm { eps, bias } => write!(
+                f,
+                "norm(eps={},bias={})",
+                f64::from_bits(*eps),
+                f64::from_bits(*bias)
+            ),
+            Leaf::Exp(e) => write!(f, "exp{}", f64::from_bits(*e)),
+            Leaf::MeanLast => f.write_str("mean_last"),
+            Leaf::Quant(q) => write!(f, "q:{}", q.name()),
+            Leaf::Fused(k) => write!(
+                f,
+                "fused(res={},q={},eps={},bias={})",
+                k.residual,
+                k.quant.name(),
+                f64::from_bits(k.eps),
+                f64::from_bits(k.bias)
+            ),
+            Leaf::Port(p) => write!(f, "@{p}"),
+            Leaf::None => f.write_str("none"),
+        }
+    }
+}
+
+/// Why a leaf does not parse.
+#[derive(Debug)]
+pub struct LeafParseError(#[allow(dead_code)] pub String);
+
+impl FromStr for Leaf {
+    type Err = LeafParseError;
+
+    /// Parses the leaves rules write literally: `@0`..`@3`, `none`, `mean_last`.
+    fn from_str(s: &str) -> Result<Leaf, LeafParseError> {
+        match s {
+            "none" => Ok(Leaf::None),
+            "mean_last" => Ok(Leaf::MeanLast),
+            _ => match s.strip_prefix('@').and_then(|p| p.parse::<u8>().ok()) {
+                Some(p) => Ok(Leaf::Port(p)),
+                None => Err(LeafParseError(s.to_string())),
+            },
+        }
+    }
+}
+
+/// The node's children that are values (not attribute leaves), in order.
+#[cfg(test)]
+pub fn value_children(node: &Fx) -> Vec<Id> {
+    match node {
+        Fx::AllReduce([_, x]) => vec![*x],
+        Fx::Wait(x) | Fx::Rsqrt(x) => vec![*x],
+        Fx::Add([a, b]) | Fx::Mul([a, b]) => vec![*a, *b],
+        Fx::ToDtype([_, x]) | Fx::Pow([_, x]) | Fx::Mean([_, x]) | Fx::Reshape([_, x]) => {
+            vec![*x]
+        }
+        Fx::RmsNorm([_, x, w]) => vec![*x, *w],
+        Fx::FusedAddRmsNorm([_, x, r, w]) => vec![*x, *r, *w],
+        Fx::Quant([_, x, s]) => vec![*x, *s],
+        Fx::Fused([_, _, x, r, w, s]) => vec![*x, *r, *w, *s],
+        Fx::Get([_, t]) => vec![*t],
+        Fx::Leaf(_) => vec![],
+    }
+}

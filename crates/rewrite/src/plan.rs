@@ -1,0 +1,163 @@
+//! A thin adapter over `arfuse-policy`: one plan per activation dtype over every
+//! hidden size the graph's sites have, then each site's dispatch, clipped to the token
+//! counts the graph can run with, mapped onto the IR's [`FusedPlan`].
+
+use crate::error::LowerError;
+use arfuse_ir::{Backend as IrBackend, DType, DispatchRange, FusedPlan, Strategy as IrStrategy};
+use arfuse_policy::{ActDtype, Backend, Plan, Strategy, Target};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// What the policy says about one site.
+#[derive(Clone, Debug)]
+pub(crate) struct SiteDecision {
+    /// Fused for some T.
+    pub fused: bool,
+    /// The policy's reason (the backend decision, or why no T fuses).
+    pub reason: String,
+    /// The plan the fused node carries (pattern code filled by the caller).
+    pub plan: Option<FusedPlan>,
+    /// Dispatch reasons by range, for the report.
+    pub range_reasons: Vec<String>,
+}
+
+/// The policy's activation dtype for an IR dtype.
+pub(crate) fn act_dtype(d: DType) -> Option<ActDtype> {
+    match d {
+        DType::Bf16 => Some(ActDtype::Bf16),
+        DType::F16 => Some(ActDtype::F16),
+        DType::F32 => Some(ActDtype::F32),
+        _ => None,
+    }
+}
+
+fn ir_backend(b: Backend) -> IrBackend {
+    match b {
+        Backend::Trtllm => IrBackend::Trtllm,
+        Backend::Mnnvl => IrBackend::Mnnvl,
+    }
+}
+
+fn ir_strategy(s: Strategy) -> IrStrategy {
+    match s {
+        Strategy::OneShot => IrStrategy::OneShot,
+        Strategy::TwoShot => IrStrategy::TwoShot,
+        Strategy::Unfused => IrStrategy::Unfused,
+    }
+}
+
+/// The plans for every (dtype, hidden) the sites need, with the graph's largest token
+/// count per key (`None` when unknown).
+///
+/// Errors: [`LowerError::Policy`] when the target itself is wrong (an invalid field,
+/// an explicit backend the machine cannot run); a hidden size the policy rejects only
+/// leaves its sites unfused, with the reason.
+pub(crate) fn decide(
+    target: &Target,
+    keys: &BTreeMap<(DType, u64), Option<u64>>,
+    notes: &mut Vec<String>,
+) -> Result<BTreeMap<(DType, u64), SiteDecision>, LowerError> {
+    let mut out = BTreeMap::new();
+    let dtypes: BTreeSet<DType> = keys.keys().map(|k| k.0).collect();
+    for dtype in dtypes {
+        let Some(act) = act_dtype(dtype) else {
+            for (&(d, h), _) in keys.iter().filter(|(k, _)| k.0 == dtype) {
+                out.insert(
+                    (d, h),
+                    refuse(format!("activation dtype {d} has no fused kernel")),
+                );
+            }
+            continue;
+        };
+        let mut t = target.clone();
+        if t.dtype != act {
+            notes.push(format!(
+                "the target says activations are {}, the graph's are {act}; planned for {act}",
+                t.dtype
+            ));
+            t.dtype = act;
+        }
+        let mut hiddens: Vec<u64> = Vec::new();
+        for (&(_, h), _) in keys.iter().filter(|(k, _)| k.0 == dtype) {
+            match arfuse_policy::check_hidden(h, act) {
+                Ok(()) => hiddens.push(h),
+                Err(e) => {
+                    out.insert((dtype, h), refuse(e.to_string()));
+                }
+            }
+        }
+        if hiddens.is_empty() {
+            continue;
+        }
+        hiddens.sort_unstable_by(|a, b| b.cmp(a));
+        let plan = arfuse_policy::plan(&t, &hiddens)?;
+        for h in hiddens {
+            let tmax = keys.get(&(dtype, h)).copied().flatten();
+            out.insert((dtype, h), site(&plan, h, tmax));
+        }
+    }
+    Ok(out)
+}
+
+fn refuse(reason: String) -> SiteDecision {
+    SiteDecision {
+        fused: false,
+        reason,
+        plan: None,
+        range_reasons: Vec::new(),
+    }
+}
+
+fn site(plan: &Plan, h: u64, tmax: Option<u64>) -> SiteDecision {
+    let reason = plan.decision.reason().to_string();
+    let (Some(backend), Some(ws)) = (plan.backend(), plan.workspace.as_ref()) else {
+        return refuse(format!("no fusion: {reason}"));
+    };
+    let ranges = match plan.dispatch_for_hidden(h) {
+        Ok(r) => r,
+        Err(e) => return refuse(e.to_string()),
+    };
+    let cap = tmax.unwrap_or(u64::MAX);
+    let clipped: Vec<_> = ranges
+        .into_iter()
+        .filter(|r| r.lo <= cap)
+        .map(|mut r| {
+            r.hi = r.hi.min(cap);
+            r
+        })
+        .collect();
+    if !clipped.iter().any(|r| r.strategy.is_fused()) {
+        let why = clipped
+            .iter()
+            .map(|r| r.reason.clone())
+            .next()
+            .unwrap_or_else(|| reason.clone());
+        return refuse(format!("no token count is fused at H = {h}: {why}"));
+    }
+    let dispatch = clipped
+        .iter()
+        .map(|r| DispatchRange {
+            min_tokens: r.lo,
+            max_tokens: r.hi,
+            strategy: ir_strategy(r.strategy),
+            required_bytes: r.required_bytes_max,
+        })
+        .collect();
+    SiteDecision {
+        fused: true,
+        reason,
+        plan: Some(FusedPlan {
+            backend: ir_backend(backend),
+            pattern_code: 0,
+            max_token_num: plan.max_token_num,
+            workspace_bytes: ws.total_bytes_per_rank,
+            lamport_buffer_bytes: ws.lamport_buffer_bytes,
+            dispatch,
+        }),
+        range_reasons: clipped.iter().map(|r| r.to_string()).collect(),
+    }
+}
+
+/// Whether an NVFP4 epilogue may be fused on this target (SM >= 100).
+pub(crate) fn nvfp4_ok(target: &Target) -> bool {
+    arfuse_policy::nvfp4_quant_supported(target.sm)
+}

@@ -1,0 +1,236 @@
+//! Fusion of an all-reduce with the residual add and RMSNorm it feeds.
+//!
+//! - `fuse-residual-l`: `(rms_norm ?n (add (all_reduce ?i ?x) ?r) ?w)`,
+//! - `fuse-residual-r`: `(rms_norm ?n (add ?r (all_reduce ?i ?x)) ?w)`: all-reduce +
+//!   residual add + RMSNorm. Adds `F = (fused k ?i ?x ?r ?w none)` and unions the
+//!   norm's class with `(get @0 F)` and the add's class with `(get @1 F)`, so every
+//!   user of the residual sum (the norm and the next layer's add) can read the fused
+//!   node.
+//! - `fuse-first`: `(rms_norm ?n (all_reduce ?i ?x) ?w)`: all-reduce + RMSNorm with no
+//!   residual (first layer, or a Gemma sandwich norm). Adds
+//!   `F = (fused k ?i ?x none ?w none)` and unions the norm with `(get @0 F)` and the
+//!   all-reduce itself with `(get @1 F)` (its other users read the fused node's
+//!   residual output, the rounded all-reduce sum).
+//!
+//! Conditions ([`check`]), each refusal logged against the all-reduce:
+//! - the all-reduce's group is the layer's group;
+//! - weight_bias is 0, or 1 (the Gemma form);
+//! - x, residual and weight have the activation dtype, except the Gemma form
+//!   (weight_bias 1), whose weight may be f32;
+//! - the weight is `[H]`, the residual has x's type (no broadcast);
+//! - a row of H elements is a multiple of 16 bytes and at least
+//!   [`MIN_ROW_BYTES`] (H >= 256 at 16 bits);
+//! - the all-reduce's input is not itself an all-reduce output, and the residual is not
+//!   an all-reduce output used only by this add (layouts needing two reductions).
+//!
+//! The add consuming the all-reduce output directly is the pattern itself (views and
+//! waits in between were made equal to it by the view and collective rules); that no
+//! other node reads the all-reduce or the chain's intermediates is checked per site
+//! from the IR's use counts when converting back.
+
+use super::{get, leaf, rule, union, var};
+use crate::analysis::{all_reduce_in, FxAnalysis, FxGraph};
+use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_RESIDUAL};
+use arfuse_ir::DType;
+use egg::{Id, Rewrite, Subst};
+
+/// Bytes of one kernel vector: a row must be a multiple (domain.md §6).
+pub(crate) const VECTOR_BYTES: u64 = 16;
+/// Fewest bytes of a row: one warp of 16-byte vectors (H >= 256 at 16 bits); smaller
+/// rows gave sub-warp blocks whose warp-shuffle reduction hung (domain.md §6).
+pub(crate) const MIN_ROW_BYTES: u64 = 32 * VECTOR_BYTES;
+
+pub(crate) fn rules() -> Result<Vec<Rewrite<Fx, FxAnalysis>>, String> {
+    Ok(vec![
+        rule(
+            "fuse-residual-l",
+            "(rms_norm ?n (add (all_reduce ?i ?x) ?r) ?w)",
+            fuse_residual_l,
+        )?,
+        rule(
+            "fuse-residual-r",
+            "(rms_norm ?n (add ?r (all_reduce ?i ?x)) ?w)",
+            fuse_residual_r,
+        )?,
+        rule(
+            "fuse-first",
+            "(rms_norm ?n (all_reduce ?i ?x) ?w)",
+            fuse_first,
+        )?,
+    ])
+}
+
+/// Which spelling matched: the all-reduce left or right of the add, or no add.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Form {
+    ResidualLeft,
+    ResidualRight,
+    First,
+}
+
+fn fuse_residual_l(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
+    fuse(eg, eclass, subst, Form::ResidualLeft)
+}
+
+fn fuse_residual_r(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
+    fuse(eg, eclass, subst, Form::ResidualRight)
+}
+
+fn fuse_first(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
+    fuse(eg, eclass, subst, Form::First)
+}
+
+fn fuse(eg: &mut FxGraph, eclass: Id, subst: &Subst, form: Form) -> Vec<Id> {
+    let mut changed = Vec::new();
+    let (Some(n), Some(i), Some(x), Some(w)) = (
+        var(subst, "?n"),
+        var(subst, "?i"),
+        var(subst, "?x"),
+        var(subst, "?w"),
+    ) else {
+        return changed;
+    };
+    let Some(Leaf::Inst(inst)) = eg[i].data.leaf else {
+        return changed;
+    };
+    let r = match form {
+        Form::First => None,
+        _ => match var(subst, "?r") {
+            Some(r) => Some(r),
+            None => return changed,
+        },
+    };
+    // The class the fused node's residual output replaces: the add (residual forms)
+    // or the all-reduce itself (first form). Both exist: the pattern matched them.
+    let Some(ar) = eg.lookup(Fx::AllReduce([i, x])) else {
+        return changed;
+    };
+    let replaced = match (form, r) {
+        (Form::ResidualLeft, Some(r)) => eg.lookup(Fx::Add([ar, r])),
+        (Form::ResidualRight, Some(r)) => eg.lookup(Fx::Add([r, ar])),
+        _ => Some(ar),
+    };
+    let Some(replaced) = replaced else {
+        return changed;
+    };
+    let kind = match check(eg, n, inst, x, r, w) {
+        Ok(k) => k,
+        Err(why) => {
+            eg.analysis.refuse(inst, why);
+            return changed;
+        }
+    };
+    let k = leaf(eg, Leaf::Fused(kind));
+    let none = leaf(eg, Leaf::None);
+    let f = eg.add(Fx::Fused([k, i, x, r.unwrap_or(none), w, none]));
+    let norm = get(eg, PORT_NORM, f);
+    let res = get(eg, PORT_RESIDUAL, f);
+    union(eg, eclass, norm, &mut changed);
+    union(eg, replaced, res, &mut changed);
+    changed
+}
+
+/// The site conditions; the fused kind, or why not.
+fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<FKind, String> {
+    let an = &eg.analysis;
+    let group = an
+        .instances
+        .get(&inst)
+        .map(|i| i.group.as_str())
+        .unwrap_or("");
+    if group != an.group {
+        return Err(format!(
+            "the all-reduce is over group `{group}`, but the layer's tensor-parallel group is \
+             `{}`; only all-reduces over the layer's group are fused (set LowerOptions::group \
+             if the layer's group is another one)",
+            an.group
+        ));
+    }
+    let Some(Leaf::Norm { eps, bias }) = eg[n].data.leaf else {
+        return Err("internal: norm attributes missing".into());
+    };
+    let b = f64::from_bits(bias);
+    if b != 0.0 && b != 1.0 {
+        return Err(format!(
+            "weight_bias is {b}; the fused kernel supports 0 and 1 (Gemma) only"
+        ));
+    }
+    let (Some(tx), Some(tw)) = (eg[x].data.ty(), eg[w].data.ty()) else {
+        return Err("internal: untyped operand".into());
+    };
+    let Some(h) = an.hidden(tx) else {
+        return Err(format!(
+            "the hidden (last) dim of the all-reduce input {} is not a constant",
+            shape_text(eg, tx.shape)
+        ));
+    };
+    if !matches!(tx.dtype, DType::Bf16 | DType::F16 | DType::F32) {
+        return Err(format!(
+            "activation dtype {} is not bf16, f16 or f32",
+            tx.dtype
+        ));
+    }
+    if tw.dtype != tx.dtype && !(b == 1.0 && tw.dtype == DType::F32) {
+        return Err(format!(
+            "the norm weight is {} but the activation is {}; a mixed-dtype norm is only \
+             fused in the Gemma form (weight_bias = 1 with an f32 weight)",
+            tw.dtype, tx.dtype
+        ));
+    }
+    let w_ok = an
+        .shape(tw.shape)
+        .is_some_and(|s| s.rank() == 1 && s.last().and_then(|d| d.as_const()) == Some(h));
+    if !w_ok {
+        return Err(format!(
+            "the norm weight has shape {}, expected [{h}]",
+            shape_text(eg, tw.shape)
+        ));
+    }
+    if let Some(r) = r {
+        if eg[r].data.ty() != Some(tx) {
+            return Err(
+                "the residual's type differs from the all-reduce's (a broadcast or a cast \
+                 between them)"
+                    .into(),
+            );
+        }
+        if let Some(other) = all_reduce_in(eg, r) {
+            if an.instances.get(&other).is_some_and(|o| o.uses == 1) {
+                return Err(format!(
+                    "the add sums this all-reduce and another one (IR node #{other}) used \
+                     only by it: a layout with two reductions is never fused"
+                ));
+            }
+        }
+    }
+    if let Some(src) = all_reduce_in(eg, x) {
+        return Err(format!(
+            "the all-reduce reduces the output of another all-reduce (IR node #{src}): a \
+             layout with two reductions is never fused"
+        ));
+    }
+    let e = tx.dtype.size_bytes();
+    let row = h.saturating_mul(e);
+    if row % VECTOR_BYTES != 0 || row < MIN_ROW_BYTES {
+        return Err(format!(
+            "H = {h} at {} is a row of {row} bytes; the fused kernel needs a multiple of \
+             {VECTOR_BYTES} bytes and at least {MIN_ROW_BYTES} bytes (H >= {} at this dtype; \
+             domain.md §6)",
+            tx.dtype,
+            MIN_ROW_BYTES / e
+        ));
+    }
+    Ok(FKind {
+        residual: r.is_some(),
+        quant: QKind::None,
+        eps,
+        bias,
+    })
+}
+
+fn shape_text(eg: &FxGraph, s: u32) -> String {
+    eg.analysis
+        .shape(s)
+        .map(|s| s.to_string())
+        .unwrap_or_else(|| "?".into())
+}

@@ -1,0 +1,139 @@
+//! Views: shape-preserving reshapes between the all-reduce and the add (and the norm)
+//! are seen through (domain.md §2: `[B*S, H] <-> [B, S, H]`).
+//!
+//! - `reshape-identity`: `(reshape ?s ?x)` with `?x` already of shape `?s` is `?x`.
+//! - `reshape-of-reshape`: `(reshape ?s (reshape ?u ?x))` is `(reshape ?s ?x)`.
+//! - `add-of-view-l` / `-r`: `(add (reshape ?s ?a) ?b)` where `?a` holds an all-reduce,
+//!   the reshape keeps the last (hidden) dim, and `?b` has shape `?s` exactly (no
+//!   broadcast) and `?a`'s dtype: it is `(reshape ?s (add ?a (reshape shape(?a) ?b)))`.
+//!   The other operand order likewise, keeping the order.
+//! - `norm-of-view`: `(rms_norm ?n (reshape ?s ?y) ?w)` where `?y` holds an all-reduce
+//!   or an add of one, and the reshape keeps the last dim: it is
+//!   `(reshape ?s (rms_norm ?n ?y ?w))` (RMSNorm works per row of H).
+//!
+//! Only reshapes next to an all-reduce are pushed, so the e-graph does not grow with the
+//! rest of the model's views.
+
+use super::{leaf, rule, union, var};
+use crate::analysis::{all_reduce_in, FxAnalysis, FxGraph};
+use crate::lang::{Fx, Leaf};
+use egg::{Id, Rewrite, Subst};
+
+pub(crate) fn rules() -> Result<Vec<Rewrite<Fx, FxAnalysis>>, String> {
+    Ok(vec![
+        rule("reshape-identity", "(reshape ?s ?x)", reshape_identity)?,
+        rule(
+            "reshape-of-reshape",
+            "(reshape ?s (reshape ?u ?x))",
+            reshape_of_reshape,
+        )?,
+        rule("add-of-view-l", "(add (reshape ?s ?a) ?b)", add_of_view_l)?,
+        rule("add-of-view-r", "(add ?b (reshape ?s ?a))", add_of_view_r)?,
+        rule(
+            "norm-of-view",
+            "(rms_norm ?n (reshape ?s ?y) ?w)",
+            norm_of_view,
+        )?,
+    ])
+}
+
+fn shape_leaf(eg: &FxGraph, id: Id) -> Option<u32> {
+    match eg[id].data.leaf {
+        Some(Leaf::Shape(s)) => Some(s),
+        _ => None,
+    }
+}
+
+/// Whether reshaping a value of interned shape `from` to `to` keeps the last dim.
+fn keeps_hidden(eg: &FxGraph, from: u32, to: u32) -> bool {
+    match (eg.analysis.shape(from), eg.analysis.shape(to)) {
+        (Some(a), Some(b)) => a.last().is_some() && a.last() == b.last(),
+        _ => false,
+    }
+}
+
+fn reshape_identity(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
+    let mut changed = Vec::new();
+    if let (Some(s), Some(x)) = (var(subst, "?s"), var(subst, "?x")) {
+        if let (Some(s), Some(t)) = (shape_leaf(eg, s), eg[x].data.ty()) {
+            if t.shape == s {
+                union(eg, eclass, x, &mut changed);
+            }
+        }
+    }
+    changed
+}
+
+fn reshape_of_reshape(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
+    let mut changed = Vec::new();
+    if let (Some(s), Some(x)) = (var(subst, "?s"), var(subst, "?x")) {
+        let y = eg.add(Fx::Reshape([s, x]));
+        union(eg, eclass, y, &mut changed);
+    }
+    changed
+}
+
+/// The checks of `add-of-view-*`; returns the reshape of `b` to `a`'s shape.
+fn view_residual(eg: &mut FxGraph, subst: &Subst) -> Option<(Id, Id, Id)> {
+    let (s, a, b) = (var(subst, "?s")?, var(subst, "?a")?, var(subst, "?b")?);
+    all_reduce_in(eg, a)?;
+    let s_id = shape_leaf(eg, s)?;
+    let (ta, tb) = (eg[a].data.ty()?, eg[b].data.ty()?);
+    if tb.shape != s_id || ta.dtype != tb.dtype || !keeps_hidden(eg, ta.shape, s_id) {
+        return None;
+    }
+    let sa = leaf(eg, Leaf::Shape(ta.shape));
+    let rb = eg.add(Fx::Reshape([sa, b]));
+    Some((s, a, rb))
+}
+
+fn add_of_view_l(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
+    let mut changed = Vec::new();
+    if let Some((s, a, rb)) = view_residual(eg, subst) {
+        let inner = eg.add(Fx::Add([a, rb]));
+        let outer = eg.add(Fx::Reshape([s, inner]));
+        union(eg, eclass, outer, &mut changed);
+    }
+    changed
+}
+
+fn add_of_view_r(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
+    let mut changed = Vec::new();
+    if let Some((s, a, rb)) = view_residual(eg, subst) {
+        let inner = eg.add(Fx::Add([rb, a]));
+        let outer = eg.add(Fx::Reshape([s, inner]));
+        union(eg, eclass, outer, &mut changed);
+    }
+    changed
+}
+
+/// Whether class `y` holds an all-reduce or an add with an all-reduce operand.
+fn near_all_reduce(eg: &FxGraph, y: Id) -> bool {
+    all_reduce_in(eg, y).is_some()
+        || eg[y].nodes.iter().any(|n| match n {
+            Fx::Add([a, b]) => all_reduce_in(eg, *a).is_some() || all_reduce_in(eg, *b).is_some(),
+            _ => false,
+        })
+}
+
+fn norm_of_view(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
+    let mut changed = Vec::new();
+    let (Some(n), Some(s), Some(y), Some(w)) = (
+        var(subst, "?n"),
+        var(subst, "?s"),
+        var(subst, "?y"),
+        var(subst, "?w"),
+    ) else {
+        return changed;
+    };
+    let (Some(s_id), Some(ty)) = (shape_leaf(eg, s), eg[y].data.ty()) else {
+        return changed;
+    };
+    if !near_all_reduce(eg, y) || !keeps_hidden(eg, ty.shape, s_id) {
+        return changed;
+    }
+    let inner = eg.add(Fx::RmsNorm([n, y, w]));
+    let outer = eg.add(Fx::Reshape([s, inner]));
+    union(eg, eclass, outer, &mut changed);
+    changed
+}

@@ -1,0 +1,441 @@
+//! Sites: after saturation, the fused tuple nodes of every all-reduce are candidates;
+//! this module checks each against the IR (which values it replaces, which nodes it
+//! removes, whether anything outside the chain still reads an intermediate) and picks
+//! at most one per all-reduce.
+
+use crate::analysis::FxGraph;
+use crate::extract;
+use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
+use arfuse_ir::op::FusedOutput;
+use arfuse_ir::{Graph, Op, TensorType, Value};
+use egg::Id;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+/// Most IR nodes one site may replace (a decomposed norm with views and a quant has
+/// about 15); a larger region means the match is not the chain it should be.
+pub(crate) const MAX_REGION_NODES: usize = 64;
+
+/// An input of a fused node: an IR value, or an IR value seen through a view.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Input {
+    /// The value itself.
+    Value(Value),
+    /// The value reshaped to the type given (a `reshape` node is inserted).
+    View(Value, TensorType),
+}
+
+/// One output port the fused node writes, and the IR values it replaces.
+#[derive(Clone, Debug)]
+pub(crate) struct Port {
+    /// Which output.
+    pub output: FusedOutput,
+    /// Its type (in the all-reduce input's shape).
+    pub ty: TensorType,
+    /// Replaced values read in the port's own shape.
+    pub direct: Vec<Value>,
+    /// Replaced values read through a view, with their type.
+    pub views: Vec<(Value, TensorType)>,
+}
+
+/// A checked site: one all-reduce, the fused node that replaces its chain.
+#[derive(Clone, Debug)]
+pub(crate) struct Site {
+    /// IR node index of the all-reduce.
+    pub inst: u32,
+    /// The fused kind.
+    pub kind: FKind,
+    /// The all-reduce input.
+    pub x: Value,
+    /// The residual input.
+    pub residual: Option<Input>,
+    /// The weight.
+    pub weight: Input,
+    /// The static FP8 scale or NVFP4 global scale.
+    pub scale: Option<Input>,
+    /// IR nodes the site replaces (removed when fused).
+    pub region: BTreeSet<u32>,
+    /// Live outputs, in output order.
+    pub ports: Vec<Port>,
+    /// The IR node of the norm (for the module), when one exists in the region.
+    pub norm_node: Option<u32>,
+    /// Whether the norm was written decomposed (two roundings in HF's Llama order).
+    pub decomposed: bool,
+    /// x's type.
+    pub x_ty: TensorType,
+    /// DAG costs: (fused, unfused), each node counted once.
+    pub cost: (u64, u64),
+}
+
+/// Indexes over the saturated e-graph and the IR, built once.
+pub(crate) struct Index<'a> {
+    g: &'a Graph,
+    eg: &'a FxGraph,
+    value_class: Vec<Vec<Id>>,
+    /// IR values by canonical class, in graph order.
+    values_in: BTreeMap<Id, Vec<Value>>,
+    /// For a class c: classes holding IR values that contain `reshape(_, c)`.
+    view_parents: BTreeMap<Id, Vec<Id>>,
+    /// Consumers (node indices) of every value.
+    users: Vec<Vec<Vec<u32>>>,
+    outputs: HashSet<Value>,
+}
+
+impl<'a> Index<'a> {
+    pub fn new(g: &'a Graph, eg: &'a FxGraph, value_class: &[Vec<Id>]) -> Index<'a> {
+        let value_class: Vec<Vec<Id>> = value_class
+            .iter()
+            .map(|row| row.iter().map(|c| eg.find(*c)).collect())
+            .collect();
+        let mut values_in: BTreeMap<Id, Vec<Value>> = BTreeMap::new();
+        let mut users: Vec<Vec<Vec<u32>>> = Vec::with_capacity(g.len());
+        for (id, n) in g.nodes() {
+            for (k, c) in value_class[id.index()].iter().enumerate() {
+                values_in
+                    .entry(*c)
+                    .or_default()
+                    .push(Value::new(id, k as u32));
+            }
+            users.push(vec![Vec::new(); n.outputs.len()]);
+        }
+        for (id, n) in g.nodes() {
+            for v in &n.inputs {
+                users[v.node.index()][v.output as usize].push(id.index() as u32);
+            }
+        }
+        let mut view_parents: BTreeMap<Id, Vec<Id>> = BTreeMap::new();
+        for &c in values_in.keys() {
+            for node in &eg[c].nodes {
+                if let Fx::Reshape([_, child]) = node {
+                    view_parents.entry(eg.find(*child)).or_default().push(c);
+                }
+            }
+        }
+        for v in view_parents.values_mut() {
+            v.sort();
+            v.dedup();
+        }
+        Index {
+            g,
+            eg,
+            value_class,
+            values_in,
+            view_parents,
+            users,
+            outputs: g.outputs().iter().copied().collect(),
+        }
+    }
+
+    fn class(&self, v: Value) -> Id {
+        self.value_class[v.node.index()][v.output as usize]
+    }
+
+    fn node(&self, i: u32) -> &arfuse_ir::Node {
+        self.g.node(arfuse_ir::NodeId::new(i as usize))
+    }
+
+    /// An IR input for class `c`: a value in it, else a value whose view it is.
+    fn materialize(&self, c: Id) -> Option<Input> {
+        let c = self.eg.find(c);
+        if let Some(v) = self.values_in.get(&c).and_then(|vs| vs.first()) {
+            return Some(Input::Value(*v));
+        }
+        let ty = self.eg[c].data.ty()?;
+        let tt = self.eg.analysis.tensor_type(ty)?;
+        self.eg[c].nodes.iter().find_map(|n| match n {
+            Fx::Reshape([_, src]) => self
+                .values_in
+                .get(&self.eg.find(*src))
+                .and_then(|vs| vs.first())
+                .map(|v| Input::View(*v, tt.clone())),
+            _ => None,
+        })
+    }
+
+    /// Every fused candidate, by all-reduce instance, most complete first.
+    pub fn candidates(&self) -> BTreeMap<u32, Vec<(Id, [Id; 6], FKind)>> {
+        let mut out: BTreeMap<u32, Vec<(Id, [Id; 6], FKind)>> = BTreeMap::new();
+        for class in self.eg.classes() {
+            for node in &class.nodes {
+                let Fx::Fused(ch) = node else { continue };
+                let (Some(Leaf::Fused(k)), Some(Leaf::Inst(i))) =
+                    (self.eg[ch[0]].data.leaf, self.eg[ch[1]].data.leaf)
+                else {
+                    continue;
+                };
+                out.entry(i).or_default().push((class.id, *ch, k));
+            }
+        }
+        for v in out.values_mut() {
+            // Residual form before the first form, an epilogue before none, then a
+            // fixed order of kinds and classes.
+            v.sort_by_key(|(c, _, k)| (!k.residual, k.quant == QKind::None, k.quant, *c));
+            v.dedup();
+        }
+        out
+    }
+
+    /// Checks one candidate against the IR; the site, or why not.
+    pub fn check(
+        &self,
+        inst: u32,
+        fclass: Id,
+        ch: [Id; 6],
+        kind: FKind,
+        claimed: &BTreeSet<u32>,
+    ) -> Result<Site, String> {
+        let eg = self.eg;
+        let [_, _, x, r, w, s] = ch;
+        let none = |c: Id| eg[c].data.leaf == Some(Leaf::None);
+        let ar = self.node(inst);
+        let Some(&x_val) = ar.inputs.first() else {
+            return Err("internal: all-reduce without input".into());
+        };
+        let x_ty = self
+            .g
+            .value_type(x_val)
+            .cloned()
+            .ok_or("internal: untyped all-reduce input")?;
+        // Frontier: the fused node's inputs, and the values their views read.
+        let mut frontier: BTreeSet<Id> = BTreeSet::new();
+        for c in [x, r, w, s] {
+            if none(c) {
+                continue;
+            }
+            let c = eg.find(c);
+            frontier.insert(c);
+            for n in &eg[c].nodes {
+                if let Fx::Reshape([_, src]) = n {
+                    frontier.insert(eg.find(*src));
+                }
+            }
+        }
+        // Replaced values, per port.
+        let port_outputs = [
+            (PORT_NORM, FusedOutput::Norm),
+            (PORT_RESIDUAL, FusedOutput::Residual),
+            (PORT_QUANT, FusedOutput::Quant),
+            (PORT_SCALE, FusedOutput::Scale),
+        ];
+        let mut ports: Vec<Port> = Vec::new();
+        for (p, output) in port_outputs {
+            let Some(pl) = eg.lookup(Fx::Leaf(Leaf::Port(p))) else {
+                continue;
+            };
+            let Some(gc) = eg.lookup(Fx::Get([pl, fclass])) else {
+                continue;
+            };
+            let gc = eg.find(gc);
+            let Some(ty) = eg[gc].data.ty().and_then(|t| eg.analysis.tensor_type(t)) else {
+                continue;
+            };
+            let direct = self.values_in.get(&gc).cloned().unwrap_or_default();
+            let mut views = Vec::new();
+            for vc in self.view_parents.get(&gc).into_iter().flatten() {
+                for v in self.values_in.get(vc).into_iter().flatten() {
+                    if let Some(t) = self.g.value_type(*v) {
+                        views.push((*v, t.clone()));
+                    }
+                }
+            }
+            if direct.is_empty() && views.is_empty() {
+                continue;
+            }
+            ports.push(Port {
+                output,
+                ty,
+                direct,
+                views,
+            });
+        }
+        // The region: every IR node between the replaced values and the frontier.
+        let mut region: BTreeSet<u32> = BTreeSet::new();
+        let mut stack: Vec<u32> = ports
+            .iter()
+            .flat_map(|p| {
+                p.direct
+                    .iter()
+                    .chain(p.views.iter().map(|(v, _)| v))
+                    .map(|v| v.node.index() as u32)
+            })
+            .collect();
+        while let Some(n) = stack.pop() {
+            if !region.insert(n) {
+                continue;
+            }
+            if region.len() > MAX_REGION_NODES {
+                return Err(format!(
+                    "the chain spans more than {MAX_REGION_NODES} nodes; not the pattern"
+                ));
+            }
+            let node = self.node(n);
+            let modeled = matches!(
+                node.op,
+                Op::AllReduce { .. }
+                    | Op::Add
+                    | Op::Mul
+                    | Op::ToDtype { .. }
+                    | Op::Pow { .. }
+                    | Op::Mean { .. }
+                    | Op::Rsqrt
+                    | Op::Reshape
+                    | Op::RmsNorm { .. }
+                    | Op::FusedAddRmsNorm { .. }
+                    | Op::QuantFp8Static
+                    | Op::QuantFp8PerToken
+                    | Op::QuantFp8PerTokenGroup { .. }
+                    | Op::QuantNvfp4 { .. }
+            ) || (matches!(node.op, Op::Opaque { .. }) && self.is_wait_node(n));
+            if !modeled {
+                return Err(format!(
+                    "the chain reaches node `{}` ({}), which is not part of the pattern",
+                    node.id,
+                    node.op.name()
+                ));
+            }
+            if let Op::AllReduce { .. } = node.op {
+                if n != inst {
+                    return Err(format!(
+                        "the chain contains a second all-reduce (`{}`)",
+                        node.id
+                    ));
+                }
+            }
+            for v in &node.inputs {
+                if frontier.contains(&self.class(*v)) {
+                    continue;
+                }
+                let p = self.node(v.node.index() as u32);
+                if p.inputs.is_empty() {
+                    continue; // inputs and constants stay
+                }
+                stack.push(v.node.index() as u32);
+            }
+        }
+        if !region.contains(&inst) {
+            return Err("internal: the fused node does not replace its all-reduce".into());
+        }
+        if let Some(n) = region.iter().find(|n| claimed.contains(n)) {
+            return Err(format!(
+                "node `{}` belongs to another fused site",
+                self.node(*n).id
+            ));
+        }
+        // Nothing outside the chain may read an intermediate.
+        let replaced: HashSet<Value> = ports
+            .iter()
+            .flat_map(|p| {
+                p.direct
+                    .iter()
+                    .chain(p.views.iter().map(|(v, _)| v))
+                    .copied()
+            })
+            .collect();
+        for &n in &region {
+            let node = self.node(n);
+            for k in 0..node.outputs.len() {
+                let v = Value::new(arfuse_ir::NodeId::new(n as usize), k as u32);
+                if replaced.contains(&v) {
+                    continue;
+                }
+                let outside = self.users[n as usize][k]
+                    .iter()
+                    .find(|u| !region.contains(u))
+                    .map(|u| format!("node `{}`", self.node(*u).id))
+                    .or_else(|| {
+                        self.outputs
+                            .contains(&v)
+                            .then(|| "a graph output".to_string())
+                    });
+                if let Some(user) = outside {
+                    let what = if n == inst {
+                        "the all-reduce output".to_string()
+                    } else {
+                        format!("intermediate `{}`", node.id)
+                    };
+                    return Err(format!(
+                        "{what} is also read by {user} outside the chain, which the fused \
+                         node cannot provide"
+                    ));
+                }
+            }
+        }
+        // Live outputs: read by something outside the region.
+        let live = |v: &Value| {
+            self.outputs.contains(v)
+                || self.users[v.node.index()][v.output as usize]
+                    .iter()
+                    .any(|u| !region.contains(u))
+        };
+        ports.retain(|p| p.direct.iter().any(live) || p.views.iter().any(|(v, _)| live(v)));
+        for p in &mut ports {
+            p.direct.retain(|v| live(v));
+            p.views.retain(|(v, _)| live(v));
+        }
+        if ports.is_empty() {
+            return Err("no output of the chain is read".into());
+        }
+        let mat = |c: Id, what: &str| {
+            self.materialize(c)
+                .ok_or_else(|| format!("internal: no IR value for the {what}"))
+        };
+        let residual = if none(r) {
+            None
+        } else {
+            Some(mat(r, "residual")?)
+        };
+        let weight = mat(w, "weight")?;
+        let scale = if none(s) {
+            None
+        } else {
+            Some(mat(s, "scale")?)
+        };
+        let norm_node = region.iter().copied().find(|n| {
+            matches!(
+                self.node(*n).op,
+                Op::RmsNorm { .. } | Op::FusedAddRmsNorm { .. }
+            )
+        });
+        let decomposed = norm_node.is_none();
+        let norm_node = norm_node.or_else(|| {
+            ports
+                .iter()
+                .find(|p| p.output == FusedOutput::Norm)
+                .and_then(|p| p.direct.first().or(p.views.first().map(|(v, _)| v)))
+                .map(|v| v.node.index() as u32)
+        });
+        let views = ports.iter().map(|p| p.views.len() as u64).sum::<u64>()
+            + u64::from(matches!(residual, Some(Input::View(..))));
+        let cost = (
+            extract::fused_cost(ports.len() as u64, views),
+            extract::region_cost(region.iter().map(|n| &self.node(*n).op)),
+        );
+        Ok(Site {
+            inst,
+            kind,
+            x: x_val,
+            residual,
+            weight,
+            scale,
+            region,
+            ports,
+            norm_node,
+            decomposed,
+            x_ty,
+            cost,
+        })
+    }
+
+    fn is_wait_node(&self, n: u32) -> bool {
+        let v = Value::new(arfuse_ir::NodeId::new(n as usize), 0);
+        self.eg[self.class(v)]
+            .nodes
+            .iter()
+            .any(|e| matches!(e, Fx::Wait(_) | Fx::AllReduce(_)))
+    }
+
+    /// The largest token count of a value of type `t` (product of the leading dims at
+    /// the symbols' maxima), when known.
+    pub fn max_tokens(&self, t: &TensorType) -> Option<u64> {
+        t.shape.leading()?.max_value(self.g.symbols())
+    }
+}
