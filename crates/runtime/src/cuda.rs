@@ -1,0 +1,722 @@
+//! The GPU side: device probe, virtual-rank workspaces, kernel loading, fused and
+//! unfused launches, CUDA graph capture and replay. Everything returns
+//! [`Error::NoDriver`] on a machine without an NVIDIA driver (checked with a plain
+//! `dlopen` before cudarc is touched, since cudarc 0.16 panics when libcuda is absent).
+//!
+//! Virtual ranks: the W ranks' workspaces are W slices of ONE allocation; the fused
+//! kernel is launched once with grid `(nblocks, W, 1)` as a cooperative launch, which
+//! the driver accepts only when every CTA can be resident at once, so the spinning
+//! ranks cannot starve each other. Real peers later pass IPC or multicast-unicast
+//! addresses in the same `peer[]` array and launch `(nblocks, 1, 1)` per GPU.
+//!
+//! NOT YET RUN ON A GPU: this session had no device machine; this module compiles and
+//! its CPU-side parts (shapes, parameters) are unit-tested, the rest is unverified.
+
+use crate::error::{Error, Result};
+use crate::layout::{WorkspaceLayout, WorkspaceRequest};
+use crate::variants::{self, Arch, Dtype, KernelKind, Variant};
+use crate::workspace::{Backend, WorkspaceFactory};
+use cudarc::driver::sys;
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// Default polling timeout of the kernels (globaltimer ns): 5 s. A correct protocol
+/// never comes close; a broken one exits and reports instead of hanging.
+pub const DEFAULT_TIMEOUT_NS: u64 = 5_000_000_000;
+/// Largest thread block (and the kernels' `__launch_bounds__`).
+pub const MAX_BLOCK: u32 = 1024;
+/// Vectors per thread the default kernels hold (`ARF_MAX_VPT`).
+pub const MAX_VPT: u32 = 4;
+
+/// Checks that a driver library can be loaded, without touching cudarc.
+///
+/// # Errors
+/// [`Error::NoDriver`] when neither `libcuda.so.1` nor `libcuda.so` loads.
+pub fn driver_present() -> Result<()> {
+    for name in ["libcuda.so.1", "libcuda.so"] {
+        // SAFETY: loading the driver library runs no user code beyond its initialisers.
+        if unsafe { libloading::Library::new(name) }.is_ok() {
+            return Ok(());
+        }
+    }
+    Err(Error::NoDriver("libcuda.so.1 not loadable (no NVIDIA driver on this machine)".into()))
+}
+
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|_| Err(Error::NoDriver(format!("cudarc panicked during {what}"))))
+}
+
+fn check(rc: sys::CUresult, call: &str) -> Result<()> {
+    if rc == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Driver {
+            call: call.to_string(),
+            msg: format!("{rc:?}"),
+        })
+    }
+}
+
+/// What [`Gpu::probe`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Device name.
+    pub name: String,
+    /// Compute capability as `major * 10 + minor` (90 = H100/H200).
+    pub sm: u32,
+    /// Streaming multiprocessors.
+    pub sm_count: u32,
+    /// `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
+    pub multicast: bool,
+    /// Free device memory, bytes.
+    pub free_bytes: u64,
+    /// Total device memory, bytes.
+    pub total_bytes: u64,
+}
+
+/// A device allocation, freed on drop.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    bytes: u64,
+}
+
+impl DeviceBuffer {
+    /// Device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// Size in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            // SAFETY: allocated by cuMemAlloc_v2, freed once.
+            unsafe {
+                let _ = sys::cuMemFree_v2(self.ptr);
+            }
+        }
+    }
+}
+
+/// One tensor per rank: rank r at `ptr + r * rank_stride` (bytes). Mirrors `ArfTensor`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RankTensor {
+    /// Address of rank 0's tensor (0 = dead output / unused input).
+    pub ptr: u64,
+    /// Bytes between consecutive ranks' tensors.
+    pub rank_stride: u64,
+}
+
+/// Kernel parameters, layout-identical to `ArfParams` in `kernels/arfuse_common.cuh`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KernelParams {
+    /// Workspace base address of each rank.
+    pub peer: [u64; 16],
+    /// All-reduce input (local kernel: input).
+    pub x: RankTensor,
+    /// Residual input.
+    pub residual_in: RankTensor,
+    /// Residual output (0 = dead).
+    pub residual_out: RankTensor,
+    /// Norm output, or the all-reduce output without norm (0 = dead).
+    pub out: RankTensor,
+    /// Quant output (0 = dead).
+    pub quant_out: RankTensor,
+    /// Scale output (0 = dead).
+    pub scale_out: RankTensor,
+    /// RMSNorm weight `[H]`.
+    pub gamma: u64,
+    /// fp32 scalar: static fp8 dequant scale or NVFP4 global scale.
+    pub scale_in: u64,
+    /// Workspace offsets (see [`WorkspaceLayout`]).
+    pub off_os_state: u64,
+    /// Two-shot epochs.
+    pub off_ts_state: u64,
+    /// Two-shot flags.
+    pub off_ts_flags: u64,
+    /// Lamport buffers.
+    pub off_lamport: u64,
+    /// Bytes of one Lamport buffer.
+    pub lamport_stride: u64,
+    /// Two-shot scatter inbox.
+    pub off_scatter: u64,
+    /// Two-shot gather inbox.
+    pub off_gather: u64,
+    /// u32 error word.
+    pub err: u64,
+    /// Polling timeout, ns.
+    pub timeout_ns: u64,
+    /// Tokens T.
+    pub tokens: i32,
+    /// Hidden size H.
+    pub hidden: i32,
+    /// Rank of `blockIdx.y == 0`.
+    pub rank_base: i32,
+    /// Workspace M.
+    pub max_tokens: i32,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// 0 or 1 (Gemma-style weight offset).
+    pub weight_bias: f32,
+    /// Padding.
+    pub pad: [i32; 2],
+}
+
+const _: () = assert!(std::mem::size_of::<KernelParams>() == 344);
+
+impl KernelParams {
+    /// Fills the workspace fields from a layout and the base of rank 0's slice
+    /// (virtual ranks: rank r at `base + r * per_rank_bytes`).
+    pub fn with_virtual_workspace(mut self, layout: &WorkspaceLayout, base: u64, err: u64) -> Result<Self> {
+        let w = layout.request.world as usize;
+        for r in 0..w {
+            self.peer[r] = (r as u64)
+                .checked_mul(layout.per_rank_bytes)
+                .and_then(|o| o.checked_add(base))
+                .ok_or(Error::Overflow("peer address"))?;
+        }
+        self.off_os_state = layout.off_os_state;
+        self.off_ts_state = layout.off_ts_state;
+        self.off_ts_flags = layout.off_ts_flags;
+        self.off_lamport = layout.off_lamport;
+        self.lamport_stride = layout.lamport_stride;
+        self.off_scatter = layout.off_scatter;
+        self.off_gather = layout.off_gather;
+        self.err = err;
+        self.max_tokens = i32::try_from(layout.request.max_tokens).map_err(|_| Error::Overflow("M"))?;
+        Ok(self)
+    }
+}
+
+/// Threads per block for a token of `hidden` elements of `dtype`: 16-byte vectors,
+/// at most [`MAX_VPT`] per thread, a multiple of 32 and at least 128 threads (so no
+/// block reduction ever runs on a partial warp).
+///
+/// # Errors
+/// [`Error::Invalid`] when H * e is not a multiple of 16; [`Error::Unsupported`] when
+/// a token needs more than `MAX_BLOCK * MAX_VPT` vectors.
+pub fn block_size(hidden: u32, dtype: Dtype) -> Result<u32> {
+    let row = u64::from(hidden) * dtype.bytes() as u64;
+    if row == 0 || row % 16 != 0 {
+        return Err(Error::Invalid(format!("H * e = {row} must be a positive multiple of 16")));
+    }
+    let nvec = row / 16;
+    let vpt = nvec.div_ceil(u64::from(MAX_BLOCK));
+    if vpt > u64::from(MAX_VPT) {
+        return Err(Error::Unsupported(format!(
+            "H = {hidden} needs {vpt} vectors per thread; kernels are built for {MAX_VPT} (compile with ARF_MAX_VPT=8 for wider tokens)"
+        )));
+    }
+    let threads = nvec.div_ceil(vpt).div_ceil(32) * 32;
+    Ok(threads.max(128) as u32)
+}
+
+/// An open GPU: context, one stream, loaded kernels.
+pub struct Gpu {
+    _ctx: Arc<cudarc::driver::CudaContext>,
+    stream: sys::CUstream,
+    info: DeviceInfo,
+    arch: Option<Arch>,
+    kernels: HashMap<Variant, sys::CUfunction>,
+    capturing: std::cell::Cell<bool>,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`.
+    ///
+    /// # Errors
+    /// [`Error::NoDriver`] without a driver; [`Error::Driver`] when the device cannot
+    /// be opened.
+    pub fn open(ordinal: usize) -> Result<Gpu> {
+        driver_present()?;
+        guarded("device open", || {
+            let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| Error::Driver {
+                call: "CudaContext::new".into(),
+                msg: e.to_string(),
+            })?;
+            let attr = |a: sys::CUdevice_attribute| {
+                ctx.attribute(a).map_err(|e| Error::Driver {
+                    call: format!("cuDeviceGetAttribute({a:?})"),
+                    msg: e.to_string(),
+                })
+            };
+            use sys::CUdevice_attribute as A;
+            let major = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+            let minor = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+            let sm_count = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+            let multicast = attr(A::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED).unwrap_or(0) != 0;
+            let (free, total) = cudarc::driver::result::mem_get_info().map_err(|e| Error::Driver {
+                call: "cuMemGetInfo".into(),
+                msg: e.to_string(),
+            })?;
+            let name = ctx.name().unwrap_or_else(|_| "unknown".into());
+            let mut stream: sys::CUstream = std::ptr::null_mut();
+            // SAFETY: valid out-pointer; context is current (CudaContext::new binds it).
+            check(
+                unsafe { sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+                "cuStreamCreate",
+            )?;
+            let sm = (major as u32) * 10 + minor as u32;
+            Ok(Gpu {
+                _ctx: ctx,
+                stream,
+                info: DeviceInfo {
+                    name,
+                    sm,
+                    sm_count: sm_count as u32,
+                    multicast,
+                    free_bytes: free as u64,
+                    total_bytes: total as u64,
+                },
+                arch: Arch::for_sm(sm),
+                kernels: HashMap::new(),
+                capturing: std::cell::Cell::new(false),
+            })
+        })
+    }
+
+    /// The probe results.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The raw stream every launch of this handle uses.
+    pub fn stream(&self) -> sys::CUstream {
+        self.stream
+    }
+
+    /// Whether the stream is capturing (asks the driver, and our own flag).
+    pub fn capturing(&self) -> Result<bool> {
+        let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: valid stream and out-pointer.
+        check(unsafe { sys::cuStreamIsCapturing(self.stream, &mut st) }, "cuStreamIsCapturing")?;
+        Ok(self.capturing.get() || st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Allocates `bytes` of device memory, zeroed. Refused during capture.
+    ///
+    /// # Errors
+    /// [`Error::Capturing`] during capture; [`Error::Driver`] on failure.
+    pub fn alloc(&self, bytes: u64) -> Result<DeviceBuffer> {
+        if self.capturing()? {
+            return Err(Error::Capturing(format!("allocation of {bytes} bytes")));
+        }
+        let n = usize::try_from(bytes.max(1)).map_err(|_| Error::Overflow("allocation"))?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer.
+        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, n) }, "cuMemAlloc")?;
+        let buf = DeviceBuffer { ptr, bytes };
+        // SAFETY: `n` bytes were just allocated at `ptr`.
+        check(unsafe { sys::cuMemsetD8Async(ptr, 0, n, self.stream) }, "cuMemsetD8Async")?;
+        self.sync()?;
+        Ok(buf)
+    }
+
+    /// Copies host bytes to the device.
+    pub fn upload(&self, dst: &DeviceBuffer, offset: u64, src: &[u8]) -> Result<()> {
+        let end = offset.checked_add(src.len() as u64).ok_or(Error::Overflow("upload"))?;
+        if end > dst.bytes {
+            return Err(Error::Invalid(format!("upload of {} bytes at {offset} overruns {} bytes", src.len(), dst.bytes)));
+        }
+        // SAFETY: range checked above; host slice valid for its length.
+        check(
+            unsafe { sys::cuMemcpyHtoD_v2(dst.ptr + offset, src.as_ptr().cast::<c_void>(), src.len()) },
+            "cuMemcpyHtoD",
+        )
+    }
+
+    /// Copies device bytes to the host.
+    pub fn download(&self, src: &DeviceBuffer, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.sync()?;
+        let end = offset.checked_add(dst.len() as u64).ok_or(Error::Overflow("download"))?;
+        if end > src.bytes {
+            return Err(Error::Invalid("download overruns the buffer".into()));
+        }
+        // SAFETY: range checked above.
+        check(
+            unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast::<c_void>(), src.ptr + offset, dst.len()) },
+            "cuMemcpyDtoH",
+        )
+    }
+
+    /// Waits for the stream.
+    pub fn sync(&self) -> Result<()> {
+        // SAFETY: valid stream.
+        check(unsafe { sys::cuStreamSynchronize(self.stream) }, "cuStreamSynchronize")
+    }
+
+    /// Compiles (NVRTC, cubin for this device's `sm_XXa`) and loads a variant once.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] on a device that is not SM 90 / 100; NVRTC errors.
+    pub fn kernel(&mut self, v: &Variant) -> Result<sys::CUfunction> {
+        if let Some(f) = self.kernels.get(v) {
+            return Ok(*f);
+        }
+        if self.capturing()? {
+            return Err(Error::Capturing(format!("loading kernel {v}")));
+        }
+        let arch = self
+            .arch
+            .ok_or_else(|| Error::Unsupported(format!("SM {} has no kernel build (SM 90 and 100 only)", self.info.sm)))?;
+        let compiled = variants::compile(v, arch, false)?;
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: the cubin image lives for the call; the driver copies it.
+        check(
+            unsafe { sys::cuModuleLoadData(&mut module, compiled.cubin.as_ptr().cast::<c_void>()) },
+            "cuModuleLoadData",
+        )?;
+        let mut f: sys::CUfunction = std::ptr::null_mut();
+        let name = std::ffi::CString::new(v.entry()).map_err(|_| Error::Invalid("entry name".into()))?;
+        // SAFETY: module loaded above; NUL-terminated name.
+        check(unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) }, "cuModuleGetFunction")?;
+        self.kernels.insert(*v, f);
+        Ok(f)
+    }
+
+    /// CTAs of `f` with `block` threads that fit on the whole device at once.
+    pub fn resident_ctas(&self, f: sys::CUfunction, block: u32) -> Result<u32> {
+        let mut n: i32 = 0;
+        // SAFETY: valid function and out-pointer.
+        check(
+            unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f, block as i32, 0) },
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        )?;
+        Ok((n.max(0) as u32).saturating_mul(self.info.sm_count))
+    }
+
+    /// Launches `f` with `params` on grid `(gx, gy, 1)`; cooperative (all CTAs
+    /// resident) when `cooperative`; with programmatic dependent launch when `pdl`.
+    pub fn launch(&self, f: sys::CUfunction, gx: u32, gy: u32, block: u32, params: &KernelParams, cooperative: bool, pdl: bool) -> Result<()> {
+        // SAFETY: zeroed attribute structs are valid (plain C data).
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0usize;
+        if cooperative {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attrs[n].value.cooperative = 1;
+            n += 1;
+        }
+        if pdl {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: gx,
+            gridDimY: gy,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
+        };
+        let mut p = *params;
+        let mut args = [(&mut p as *mut KernelParams).cast::<c_void>()];
+        // SAFETY: one kernel parameter of the exact layout the kernel declares.
+        check(unsafe { sys::cuLaunchKernelEx(&cfg, f, args.as_mut_ptr(), std::ptr::null_mut()) }, "cuLaunchKernelEx")
+    }
+
+    /// Captures what `body` enqueues on the stream into an instantiated graph.
+    /// Allocation and kernel loading are refused while `body` runs.
+    pub fn capture(&self, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        // SAFETY: valid stream.
+        check(
+            unsafe { sys::cuStreamBeginCapture_v2(self.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) },
+            "cuStreamBeginCapture",
+        )?;
+        self.capturing.set(true);
+        let r = body();
+        self.capturing.set(false);
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: capture was begun on this stream.
+        let end = check(unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) }, "cuStreamEndCapture");
+        r?;
+        end?;
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: graph from a finished capture.
+        let inst = check(unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }, "cuGraphInstantiate");
+        // SAFETY: the exec does not need the graph after instantiation.
+        unsafe {
+            let _ = sys::cuGraphDestroy(graph);
+        }
+        inst?;
+        Ok(Graph { exec, stream: self.stream })
+    }
+
+    /// Milliseconds the stream takes for `body`, measured with events.
+    pub fn time_ms(&self, body: impl FnOnce() -> Result<()>) -> Result<f32> {
+        let mut a: sys::CUevent = std::ptr::null_mut();
+        let mut b: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: out-pointers valid; events destroyed below.
+        unsafe {
+            check(sys::cuEventCreate(&mut a, 0), "cuEventCreate")?;
+            check(sys::cuEventCreate(&mut b, 0), "cuEventCreate")?;
+            check(sys::cuEventRecord(a, self.stream), "cuEventRecord")?;
+        }
+        let r = body();
+        let mut ms = 0f32;
+        // SAFETY: events recorded on this stream.
+        let t = unsafe {
+            check(sys::cuEventRecord(b, self.stream), "cuEventRecord")
+                .and_then(|_| check(sys::cuEventSynchronize(b), "cuEventSynchronize"))
+                .and_then(|_| check(sys::cuEventElapsedTime(&mut ms, a, b), "cuEventElapsedTime"))
+        };
+        // SAFETY: created above.
+        unsafe {
+            let _ = sys::cuEventDestroy_v2(a);
+            let _ = sys::cuEventDestroy_v2(b);
+        }
+        r?;
+        t?;
+        Ok(ms)
+    }
+
+    /// Enqueues a device-to-device copy (for the bandwidth baseline).
+    pub fn copy_d2d(&self, dst: &DeviceBuffer, src: &DeviceBuffer, bytes: u64) -> Result<()> {
+        if bytes > dst.bytes || bytes > src.bytes {
+            return Err(Error::Invalid("copy larger than a buffer".into()));
+        }
+        // SAFETY: sizes checked.
+        check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr, src.ptr, bytes as usize, self.stream) }, "cuMemcpyDtoDAsync")
+    }
+}
+
+/// An instantiated CUDA graph.
+pub struct Graph {
+    exec: sys::CUgraphExec,
+    stream: sys::CUstream,
+}
+
+impl Graph {
+    /// Replays the graph on the stream it was captured on.
+    pub fn launch(&self) -> Result<()> {
+        // SAFETY: valid exec and stream.
+        check(unsafe { sys::cuGraphLaunch(self.exec, self.stream) }, "cuGraphLaunch")
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: destroyed once.
+        unsafe {
+            let _ = sys::cuGraphExecDestroy(self.exec);
+        }
+    }
+}
+
+/// W virtual ranks' workspaces in one allocation, plus the error word.
+pub struct VirtualWorkspace {
+    /// The layout of one rank.
+    pub layout: WorkspaceLayout,
+    /// All ranks' slices.
+    pub memory: DeviceBuffer,
+    /// u32 error word the kernels set instead of hanging.
+    pub err: DeviceBuffer,
+}
+
+impl VirtualWorkspace {
+    /// Allocates and initialises (Lamport buffers to the -0.0 sentinel, rest zero).
+    pub fn create(gpu: &Gpu, request: WorkspaceRequest) -> Result<VirtualWorkspace> {
+        let layout = WorkspaceLayout::new(request)?;
+        let bytes = layout.virtual_bytes()?;
+        if bytes > gpu.info.free_bytes {
+            return Err(Error::Unsupported(format!("workspace of {bytes} bytes exceeds free memory {}", gpu.info.free_bytes)));
+        }
+        let memory = gpu.alloc(bytes)?;
+        let err = gpu.alloc(4)?;
+        for r in 0..u64::from(request.world) {
+            let base = memory.ptr + r * layout.per_rank_bytes + layout.off_lamport;
+            let lam = 3 * layout.lamport_stride;
+            let rc = match request.dtype {
+                // SAFETY: the range lies inside `memory` (layout arithmetic is checked).
+                Dtype::Bf16 | Dtype::F16 => unsafe { sys::cuMemsetD16Async(base, 0x8000, (lam / 2) as usize, gpu.stream) },
+                // SAFETY: as above.
+                Dtype::F32 => unsafe { sys::cuMemsetD32Async(base, 0x8000_0000, (lam / 4) as usize, gpu.stream) },
+            };
+            check(rc, "cuMemsetD16/D32Async (Lamport sentinel)")?;
+        }
+        gpu.sync()?;
+        Ok(VirtualWorkspace { layout, memory, err })
+    }
+
+    /// Reads and clears the error word; `Err(KernelTimeout)` if a kernel gave up.
+    pub fn take_error(&self, gpu: &Gpu) -> Result<()> {
+        let mut w = [0u8; 4];
+        gpu.download(&self.err, 0, &mut w)?;
+        let v = u32::from_le_bytes(w);
+        if v != 0 {
+            gpu.upload(&self.err, 0, &[0u8; 4])?;
+            return Err(Error::KernelTimeout(v));
+        }
+        Ok(())
+    }
+}
+
+impl WorkspaceFactory for Gpu {
+    type Workspace = VirtualWorkspace;
+    fn is_capturing(&self) -> Result<bool> {
+        self.capturing()
+    }
+    fn create(&mut self, backend: Backend, request: &WorkspaceRequest) -> Result<VirtualWorkspace> {
+        match backend {
+            // One GPU: no multicast object between ranks exists here.
+            Backend::Mnnvl => Err(Error::Unsupported(
+                "mnnvl needs NVLink multicast between GPUs; virtual ranks use trtllm layout".into(),
+            )),
+            Backend::Trtllm => VirtualWorkspace::create(self, *request),
+            Backend::Unfused => Err(Error::Invalid("unfused needs no workspace".into())),
+        }
+    }
+}
+
+/// One fused (or local) call: the variant, shapes and per-rank tensors.
+#[derive(Debug, Clone, Copy)]
+pub struct FusedCall {
+    /// Kernel variant.
+    pub variant: Variant,
+    /// Tokens T.
+    pub tokens: u32,
+    /// Ranks in this launch (W for virtual ranks).
+    pub ranks: u32,
+    /// Tensors and scalars; workspace fields are filled by [`launch_fused`].
+    pub params: KernelParams,
+}
+
+/// Launches a fused call on virtual ranks (one cooperative launch for all W ranks).
+///
+/// # Errors
+/// [`Error::Invalid`] when the call does not fit the workspace; [`Error::Unsupported`]
+/// when the grid cannot be co-resident; driver errors.
+pub fn launch_fused(gpu: &mut Gpu, ws: &VirtualWorkspace, call: &FusedCall) -> Result<()> {
+    let KernelKind::Fused { strategy, world } = call.variant.kind else {
+        return Err(Error::Invalid("launch_fused needs a fused variant".into()));
+    };
+    if world != ws.layout.request.world || call.variant.dtype != ws.layout.request.dtype {
+        return Err(Error::Invalid("variant world size / dtype differ from the workspace".into()));
+    }
+    ws.layout.check_call(strategy, call.tokens)?;
+    let f = gpu.kernel(&call.variant)?;
+    let block = block_size(ws.layout.request.hidden, call.variant.dtype)?;
+    let resident = gpu.resident_ctas(f, block)?;
+    let gx = call.tokens.min(crate::layout::MAX_CTAS as u32).min(resident / world);
+    if gx == 0 {
+        return Err(Error::Unsupported(format!("{world} ranks x 1 CTA of {block} threads cannot be co-resident")));
+    }
+    let mut p = call.params.with_virtual_workspace(&ws.layout, ws.memory.ptr, ws.err.ptr)?;
+    p.tokens = call.tokens as i32;
+    p.hidden = ws.layout.request.hidden as i32;
+    p.rank_base = 0;
+    if p.timeout_ns == 0 {
+        p.timeout_ns = DEFAULT_TIMEOUT_NS;
+    }
+    gpu.launch(f, gx, world, block, &p, true, false)
+}
+
+/// Launches the local (unfused) kernel for every virtual rank.
+pub fn launch_local(gpu: &mut Gpu, call: &FusedCall, hidden: u32) -> Result<()> {
+    if call.variant.kind != KernelKind::Local {
+        return Err(Error::Invalid("launch_local needs a local variant".into()));
+    }
+    let f = gpu.kernel(&call.variant)?;
+    let block = block_size(hidden, call.variant.dtype)?;
+    let mut p = call.params;
+    p.tokens = call.tokens as i32;
+    p.hidden = hidden as i32;
+    let gx = call.tokens.clamp(1, 65_535);
+    gpu.launch(f, gx, call.ranks, block, &p, false, false)
+}
+
+/// One instantiated graph per capture size T.
+#[derive(Default)]
+pub struct CaptureSet {
+    graphs: BTreeMap<u32, Graph>,
+}
+
+impl CaptureSet {
+    /// Captures `launch(T)` for every T in `sizes` (all workspaces and kernels must
+    /// exist beforehand: nothing is created during capture).
+    pub fn capture(gpu: &Gpu, sizes: &[u32], mut launch: impl FnMut(u32) -> Result<()>) -> Result<CaptureSet> {
+        let mut graphs = BTreeMap::new();
+        for &t in sizes {
+            let g = gpu.capture(|| launch(t))?;
+            graphs.insert(t, g);
+        }
+        Ok(CaptureSet { graphs })
+    }
+    /// Replays the graph of capture size `t`.
+    pub fn replay(&self, t: u32) -> Result<()> {
+        self.graphs
+            .get(&t)
+            .ok_or_else(|| Error::Invalid(format!("no graph captured for T = {t}")))?
+            .launch()
+    }
+    /// Capture sizes held.
+    pub fn sizes(&self) -> Vec<u32> {
+        self.graphs.keys().copied().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_sizes_are_full_warps_and_at_least_128() {
+        assert_eq!(block_size(4096, Dtype::Bf16).unwrap(), 512);
+        assert_eq!(block_size(6144, Dtype::Bf16).unwrap(), 768);
+        assert_eq!(block_size(7168, Dtype::Bf16).unwrap(), 896);
+        assert_eq!(block_size(16384, Dtype::Bf16).unwrap(), 1024);
+        assert_eq!(block_size(2880, Dtype::Bf16).unwrap(), 384); // 360 vectors
+        assert_eq!(block_size(128, Dtype::Bf16).unwrap(), 128); // 16 vectors: padded block
+        assert_eq!(block_size(32768, Dtype::Bf16).unwrap(), 1024);
+        assert!(matches!(block_size(65536, Dtype::Bf16), Err(Error::Unsupported(_))));
+        assert!(matches!(block_size(100, Dtype::Bf16), Err(Error::Invalid(_))));
+        for h in [2048u32, 2688, 3072, 4096, 5120, 7168, 8192] {
+            let b = block_size(h, Dtype::Bf16).unwrap();
+            assert!(b % 32 == 0 && b >= 128 && b <= MAX_BLOCK, "{h} -> {b}");
+        }
+    }
+
+    #[test]
+    fn params_layout_and_virtual_peers() {
+        let layout = WorkspaceLayout::new(WorkspaceRequest {
+            world: 4,
+            hidden: 4096,
+            dtype: Dtype::Bf16,
+            max_tokens: 16,
+            oneshot_max_tokens: 16,
+        })
+        .unwrap();
+        let p = KernelParams::default().with_virtual_workspace(&layout, 0x1000_0000, 0x2000).unwrap();
+        assert_eq!(p.peer[3], 0x1000_0000 + 3 * layout.per_rank_bytes);
+        assert_eq!(p.peer[4], 0);
+        assert_eq!(p.lamport_stride, 16 * 4 * 4096 * 2);
+        assert_eq!(std::mem::offset_of!(KernelParams, x), 128);
+        assert_eq!(std::mem::offset_of!(KernelParams, gamma), 224);
+        assert_eq!(std::mem::offset_of!(KernelParams, tokens), 312);
+        assert_eq!(std::mem::offset_of!(KernelParams, eps), 328);
+    }
+
+    #[test]
+    fn without_a_driver_open_is_an_error_not_a_panic() {
+        match Gpu::open(0) {
+            Ok(g) => println!("GPU present: {:?}", g.info()),
+            Err(e) => {
+                println!("skipped: no CUDA driver ({e})");
+                assert!(matches!(e, Error::NoDriver(_) | Error::Driver { .. }), "{e}");
+            }
+        }
+    }
+}
