@@ -40,7 +40,9 @@ pub fn driver_present() -> Result<()> {
             return Ok(());
         }
     }
-    Err(Error::NoDriver("libcuda.so.1 not loadable (no NVIDIA driver on this machine)".into()))
+    Err(Error::NoDriver(
+        "libcuda.so.1 not loadable (no NVIDIA driver on this machine)".into(),
+    ))
 }
 
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -176,7 +178,12 @@ const _: () = assert!(std::mem::size_of::<KernelParams>() == 344);
 impl KernelParams {
     /// Fills the workspace fields from a layout and the base of rank 0's slice
     /// (virtual ranks: rank r at `base + r * per_rank_bytes`).
-    pub fn with_virtual_workspace(mut self, layout: &WorkspaceLayout, base: u64, err: u64) -> Result<Self> {
+    pub fn with_virtual_workspace(
+        mut self,
+        layout: &WorkspaceLayout,
+        base: u64,
+        err: u64,
+    ) -> Result<Self> {
         let w = layout.request.world as usize;
         for r in 0..w {
             self.peer[r] = (r as u64)
@@ -192,7 +199,8 @@ impl KernelParams {
         self.off_scatter = layout.off_scatter;
         self.off_gather = layout.off_gather;
         self.err = err;
-        self.max_tokens = i32::try_from(layout.request.max_tokens).map_err(|_| Error::Overflow("M"))?;
+        self.max_tokens =
+            i32::try_from(layout.request.max_tokens).map_err(|_| Error::Overflow("M"))?;
         Ok(self)
     }
 }
@@ -207,7 +215,9 @@ impl KernelParams {
 pub fn block_size(hidden: u32, dtype: Dtype) -> Result<u32> {
     let row = u64::from(hidden) * dtype.bytes() as u64;
     if row == 0 || row % 16 != 0 {
-        return Err(Error::Invalid(format!("H * e = {row} must be a positive multiple of 16")));
+        return Err(Error::Invalid(format!(
+            "H * e = {row} must be a positive multiple of 16"
+        )));
     }
     let nvec = row / 16;
     let vpt = nvec.div_ceil(u64::from(MAX_BLOCK));
@@ -254,15 +264,21 @@ impl Gpu {
             let minor = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
             let sm_count = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
             let multicast = attr(A::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED).unwrap_or(0) != 0;
-            let (free, total) = cudarc::driver::result::mem_get_info().map_err(|e| Error::Driver {
-                call: "cuMemGetInfo".into(),
-                msg: e.to_string(),
-            })?;
+            let (free, total) =
+                cudarc::driver::result::mem_get_info().map_err(|e| Error::Driver {
+                    call: "cuMemGetInfo".into(),
+                    msg: e.to_string(),
+                })?;
             let name = ctx.name().unwrap_or_else(|_| "unknown".into());
             let mut stream: sys::CUstream = std::ptr::null_mut();
             // SAFETY: valid out-pointer; context is current (CudaContext::new binds it).
             check(
-                unsafe { sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+                unsafe {
+                    sys::cuStreamCreate(
+                        &mut stream,
+                        sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                    )
+                },
                 "cuStreamCreate",
             )?;
             let sm = (major as u32) * 10 + minor as u32;
@@ -298,7 +314,10 @@ impl Gpu {
     pub fn capturing(&self) -> Result<bool> {
         let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: valid stream and out-pointer.
-        check(unsafe { sys::cuStreamIsCapturing(self.stream, &mut st) }, "cuStreamIsCapturing")?;
+        check(
+            unsafe { sys::cuStreamIsCapturing(self.stream, &mut st) },
+            "cuStreamIsCapturing",
+        )?;
         Ok(self.capturing.get() || st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
@@ -316,20 +335,31 @@ impl Gpu {
         check(unsafe { sys::cuMemAlloc_v2(&mut ptr, n) }, "cuMemAlloc")?;
         let buf = DeviceBuffer { ptr, bytes };
         // SAFETY: `n` bytes were just allocated at `ptr`.
-        check(unsafe { sys::cuMemsetD8Async(ptr, 0, n, self.stream) }, "cuMemsetD8Async")?;
+        check(
+            unsafe { sys::cuMemsetD8Async(ptr, 0, n, self.stream) },
+            "cuMemsetD8Async",
+        )?;
         self.sync()?;
         Ok(buf)
     }
 
     /// Copies host bytes to the device.
     pub fn upload(&self, dst: &DeviceBuffer, offset: u64, src: &[u8]) -> Result<()> {
-        let end = offset.checked_add(src.len() as u64).ok_or(Error::Overflow("upload"))?;
+        let end = offset
+            .checked_add(src.len() as u64)
+            .ok_or(Error::Overflow("upload"))?;
         if end > dst.bytes {
-            return Err(Error::Invalid(format!("upload of {} bytes at {offset} overruns {} bytes", src.len(), dst.bytes)));
+            return Err(Error::Invalid(format!(
+                "upload of {} bytes at {offset} overruns {} bytes",
+                src.len(),
+                dst.bytes
+            )));
         }
         // SAFETY: range checked above; host slice valid for its length.
         check(
-            unsafe { sys::cuMemcpyHtoD_v2(dst.ptr + offset, src.as_ptr().cast::<c_void>(), src.len()) },
+            unsafe {
+                sys::cuMemcpyHtoD_v2(dst.ptr + offset, src.as_ptr().cast::<c_void>(), src.len())
+            },
             "cuMemcpyHtoD",
         )
     }
@@ -337,13 +367,21 @@ impl Gpu {
     /// Copies device bytes to the host.
     pub fn download(&self, src: &DeviceBuffer, offset: u64, dst: &mut [u8]) -> Result<()> {
         self.sync()?;
-        let end = offset.checked_add(dst.len() as u64).ok_or(Error::Overflow("download"))?;
+        let end = offset
+            .checked_add(dst.len() as u64)
+            .ok_or(Error::Overflow("download"))?;
         if end > src.bytes {
             return Err(Error::Invalid("download overruns the buffer".into()));
         }
         // SAFETY: range checked above.
         check(
-            unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast::<c_void>(), src.ptr + offset, dst.len()) },
+            unsafe {
+                sys::cuMemcpyDtoH_v2(
+                    dst.as_mut_ptr().cast::<c_void>(),
+                    src.ptr + offset,
+                    dst.len(),
+                )
+            },
             "cuMemcpyDtoH",
         )
     }
@@ -351,7 +389,10 @@ impl Gpu {
     /// Waits for the stream.
     pub fn sync(&self) -> Result<()> {
         // SAFETY: valid stream.
-        check(unsafe { sys::cuStreamSynchronize(self.stream) }, "cuStreamSynchronize")
+        check(
+            unsafe { sys::cuStreamSynchronize(self.stream) },
+            "cuStreamSynchronize",
+        )
     }
 
     /// Compiles (NVRTC, cubin for this device's `sm_XXa`) and loads a variant once.
@@ -365,9 +406,12 @@ impl Gpu {
         if self.capturing()? {
             return Err(Error::Capturing(format!("loading kernel {v}")));
         }
-        let arch = self
-            .arch
-            .ok_or_else(|| Error::Unsupported(format!("SM {} has no kernel build (SM 90 and 100 only)", self.info.sm)))?;
+        let arch = self.arch.ok_or_else(|| {
+            Error::Unsupported(format!(
+                "SM {} has no kernel build (SM 90 and 100 only)",
+                self.info.sm
+            ))
+        })?;
         let compiled = variants::compile(v, arch, false)?;
         let mut module: sys::CUmodule = std::ptr::null_mut();
         // SAFETY: the cubin image lives for the call; the driver copies it.
@@ -376,9 +420,13 @@ impl Gpu {
             "cuModuleLoadData",
         )?;
         let mut f: sys::CUfunction = std::ptr::null_mut();
-        let name = std::ffi::CString::new(v.entry()).map_err(|_| Error::Invalid("entry name".into()))?;
+        let name =
+            std::ffi::CString::new(v.entry()).map_err(|_| Error::Invalid("entry name".into()))?;
         // SAFETY: module loaded above; NUL-terminated name.
-        check(unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) }, "cuModuleGetFunction")?;
+        check(
+            unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) },
+            "cuModuleGetFunction",
+        )?;
         self.kernels.insert(*v, f);
         Ok(f)
     }
@@ -396,7 +444,16 @@ impl Gpu {
 
     /// Launches `f` with `params` on grid `(gx, gy, 1)`; cooperative (all CTAs
     /// resident) when `cooperative`; with programmatic dependent launch when `pdl`.
-    pub fn launch(&self, f: sys::CUfunction, gx: u32, gy: u32, block: u32, params: &KernelParams, cooperative: bool, pdl: bool) -> Result<()> {
+    pub fn launch(
+        &self,
+        f: sys::CUfunction,
+        gx: u32,
+        gy: u32,
+        block: u32,
+        params: &KernelParams,
+        cooperative: bool,
+        pdl: bool,
+    ) -> Result<()> {
         // SAFETY: zeroed attribute structs are valid (plain C data).
         let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
         let mut n = 0usize;
@@ -406,7 +463,8 @@ impl Gpu {
             n += 1;
         }
         if pdl {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attrs[n].value.programmaticStreamSerializationAllowed = 1;
             n += 1;
         }
@@ -425,7 +483,10 @@ impl Gpu {
         let mut p = *params;
         let mut args = [(&mut p as *mut KernelParams).cast::<c_void>()];
         // SAFETY: one kernel parameter of the exact layout the kernel declares.
-        check(unsafe { sys::cuLaunchKernelEx(&cfg, f, args.as_mut_ptr(), std::ptr::null_mut()) }, "cuLaunchKernelEx")
+        check(
+            unsafe { sys::cuLaunchKernelEx(&cfg, f, args.as_mut_ptr(), std::ptr::null_mut()) },
+            "cuLaunchKernelEx",
+        )
     }
 
     /// Captures what `body` enqueues on the stream into an instantiated graph.
@@ -433,7 +494,12 @@ impl Gpu {
     pub fn capture(&self, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
         // SAFETY: valid stream.
         check(
-            unsafe { sys::cuStreamBeginCapture_v2(self.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) },
+            unsafe {
+                sys::cuStreamBeginCapture_v2(
+                    self.stream,
+                    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+            },
             "cuStreamBeginCapture",
         )?;
         self.capturing.set(true);
@@ -441,22 +507,37 @@ impl Gpu {
         self.capturing.set(false);
         let mut graph: sys::CUgraph = std::ptr::null_mut();
         // SAFETY: capture was begun on this stream.
-        let end = check(unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) }, "cuStreamEndCapture");
+        let end = check(
+            unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) },
+            "cuStreamEndCapture",
+        );
         r?;
         end?;
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
         // SAFETY: graph from a finished capture.
-        let inst = check(unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }, "cuGraphInstantiate");
+        let inst = check(
+            unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) },
+            "cuGraphInstantiate",
+        );
         // SAFETY: the exec does not need the graph after instantiation.
         unsafe {
             let _ = sys::cuGraphDestroy(graph);
         }
         inst?;
-        Ok(Graph { exec, stream: self.stream })
+        Ok(Graph {
+            exec,
+            stream: self.stream,
+        })
     }
 
-    /// Milliseconds the stream takes for `body`, measured with events.
-    pub fn time_ms(&self, body: impl FnOnce() -> Result<()>) -> Result<f32> {
+    /// The handle of a variant loaded earlier, without compiling (usable during
+    /// capture, when [`Gpu::kernel`] refuses to load anything new).
+    pub fn cached_kernel(&self, v: &Variant) -> Option<sys::CUfunction> {
+        self.kernels.get(v).copied()
+    }
+
+    /// Milliseconds the stream takes for what `body` enqueues, measured with events.
+    pub fn time_ms(&mut self, body: impl FnOnce(&mut Gpu) -> Result<()>) -> Result<f32> {
         let mut a: sys::CUevent = std::ptr::null_mut();
         let mut b: sys::CUevent = std::ptr::null_mut();
         // SAFETY: out-pointers valid; events destroyed below.
@@ -465,7 +546,7 @@ impl Gpu {
             check(sys::cuEventCreate(&mut b, 0), "cuEventCreate")?;
             check(sys::cuEventRecord(a, self.stream), "cuEventRecord")?;
         }
-        let r = body();
+        let r = body(self);
         let mut ms = 0f32;
         // SAFETY: events recorded on this stream.
         let t = unsafe {
@@ -489,7 +570,10 @@ impl Gpu {
             return Err(Error::Invalid("copy larger than a buffer".into()));
         }
         // SAFETY: sizes checked.
-        check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr, src.ptr, bytes as usize, self.stream) }, "cuMemcpyDtoDAsync")
+        check(
+            unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr, src.ptr, bytes as usize, self.stream) },
+            "cuMemcpyDtoDAsync",
+        )
     }
 }
 
@@ -503,7 +587,10 @@ impl Graph {
     /// Replays the graph on the stream it was captured on.
     pub fn launch(&self) -> Result<()> {
         // SAFETY: valid exec and stream.
-        check(unsafe { sys::cuGraphLaunch(self.exec, self.stream) }, "cuGraphLaunch")
+        check(
+            unsafe { sys::cuGraphLaunch(self.exec, self.stream) },
+            "cuGraphLaunch",
+        )
     }
 }
 
@@ -532,7 +619,10 @@ impl VirtualWorkspace {
         let layout = WorkspaceLayout::new(request)?;
         let bytes = layout.virtual_bytes()?;
         if bytes > gpu.info.free_bytes {
-            return Err(Error::Unsupported(format!("workspace of {bytes} bytes exceeds free memory {}", gpu.info.free_bytes)));
+            return Err(Error::Unsupported(format!(
+                "workspace of {bytes} bytes exceeds free memory {}",
+                gpu.info.free_bytes
+            )));
         }
         let memory = gpu.alloc(bytes)?;
         let err = gpu.alloc(4)?;
@@ -541,14 +631,22 @@ impl VirtualWorkspace {
             let lam = 3 * layout.lamport_stride;
             let rc = match request.dtype {
                 // SAFETY: the range lies inside `memory` (layout arithmetic is checked).
-                Dtype::Bf16 | Dtype::F16 => unsafe { sys::cuMemsetD16Async(base, 0x8000, (lam / 2) as usize, gpu.stream) },
+                Dtype::Bf16 | Dtype::F16 => unsafe {
+                    sys::cuMemsetD16Async(base, 0x8000, (lam / 2) as usize, gpu.stream)
+                },
                 // SAFETY: as above.
-                Dtype::F32 => unsafe { sys::cuMemsetD32Async(base, 0x8000_0000, (lam / 4) as usize, gpu.stream) },
+                Dtype::F32 => unsafe {
+                    sys::cuMemsetD32Async(base, 0x8000_0000, (lam / 4) as usize, gpu.stream)
+                },
             };
             check(rc, "cuMemsetD16/D32Async (Lamport sentinel)")?;
         }
         gpu.sync()?;
-        Ok(VirtualWorkspace { layout, memory, err })
+        Ok(VirtualWorkspace {
+            layout,
+            memory,
+            err,
+        })
     }
 
     /// Reads and clears the error word; `Err(KernelTimeout)` if a kernel gave up.
@@ -604,17 +702,26 @@ pub fn launch_fused(gpu: &mut Gpu, ws: &VirtualWorkspace, call: &FusedCall) -> R
         return Err(Error::Invalid("launch_fused needs a fused variant".into()));
     };
     if world != ws.layout.request.world || call.variant.dtype != ws.layout.request.dtype {
-        return Err(Error::Invalid("variant world size / dtype differ from the workspace".into()));
+        return Err(Error::Invalid(
+            "variant world size / dtype differ from the workspace".into(),
+        ));
     }
     ws.layout.check_call(strategy, call.tokens)?;
     let f = gpu.kernel(&call.variant)?;
     let block = block_size(ws.layout.request.hidden, call.variant.dtype)?;
     let resident = gpu.resident_ctas(f, block)?;
-    let gx = call.tokens.min(crate::layout::MAX_CTAS as u32).min(resident / world);
+    let gx = call
+        .tokens
+        .min(crate::layout::MAX_CTAS as u32)
+        .min(resident / world);
     if gx == 0 {
-        return Err(Error::Unsupported(format!("{world} ranks x 1 CTA of {block} threads cannot be co-resident")));
+        return Err(Error::Unsupported(format!(
+            "{world} ranks x 1 CTA of {block} threads cannot be co-resident"
+        )));
     }
-    let mut p = call.params.with_virtual_workspace(&ws.layout, ws.memory.ptr, ws.err.ptr)?;
+    let mut p = call
+        .params
+        .with_virtual_workspace(&ws.layout, ws.memory.ptr, ws.err.ptr)?;
     p.tokens = call.tokens as i32;
     p.hidden = ws.layout.request.hidden as i32;
     p.rank_base = 0;
@@ -647,7 +754,11 @@ pub struct CaptureSet {
 impl CaptureSet {
     /// Captures `launch(T)` for every T in `sizes` (all workspaces and kernels must
     /// exist beforehand: nothing is created during capture).
-    pub fn capture(gpu: &Gpu, sizes: &[u32], mut launch: impl FnMut(u32) -> Result<()>) -> Result<CaptureSet> {
+    pub fn capture(
+        gpu: &Gpu,
+        sizes: &[u32],
+        mut launch: impl FnMut(u32) -> Result<()>,
+    ) -> Result<CaptureSet> {
         let mut graphs = BTreeMap::new();
         for &t in sizes {
             let g = gpu.capture(|| launch(t))?;
@@ -681,8 +792,14 @@ mod tests {
         assert_eq!(block_size(2880, Dtype::Bf16).unwrap(), 384); // 360 vectors
         assert_eq!(block_size(128, Dtype::Bf16).unwrap(), 128); // 16 vectors: padded block
         assert_eq!(block_size(32768, Dtype::Bf16).unwrap(), 1024);
-        assert!(matches!(block_size(65536, Dtype::Bf16), Err(Error::Unsupported(_))));
-        assert!(matches!(block_size(100, Dtype::Bf16), Err(Error::Invalid(_))));
+        assert!(matches!(
+            block_size(65536, Dtype::Bf16),
+            Err(Error::Unsupported(_))
+        ));
+        assert!(matches!(
+            block_size(100, Dtype::Bf16),
+            Err(Error::Invalid(_))
+        ));
         for h in [2048u32, 2688, 3072, 4096, 5120, 7168, 8192] {
             let b = block_size(h, Dtype::Bf16).unwrap();
             assert!(b % 32 == 0 && b >= 128 && b <= MAX_BLOCK, "{h} -> {b}");
@@ -699,7 +816,9 @@ mod tests {
             oneshot_max_tokens: 16,
         })
         .unwrap();
-        let p = KernelParams::default().with_virtual_workspace(&layout, 0x1000_0000, 0x2000).unwrap();
+        let p = KernelParams::default()
+            .with_virtual_workspace(&layout, 0x1000_0000, 0x2000)
+            .unwrap();
         assert_eq!(p.peer[3], 0x1000_0000 + 3 * layout.per_rank_bytes);
         assert_eq!(p.peer[4], 0);
         assert_eq!(p.lamport_stride, 16 * 4 * 4096 * 2);
@@ -715,7 +834,10 @@ mod tests {
             Ok(g) => println!("GPU present: {:?}", g.info()),
             Err(e) => {
                 println!("skipped: no CUDA driver ({e})");
-                assert!(matches!(e, Error::NoDriver(_) | Error::Driver { .. }), "{e}");
+                assert!(
+                    matches!(e, Error::NoDriver(_) | Error::Driver { .. }),
+                    "{e}"
+                );
             }
         }
     }

@@ -706,3 +706,37 @@ mod tests {
         assert!(matches!(err, Error::Invalid(_)));
     }
 }
+
+/// Host mirror of the kernels' residual + RMSNorm epilogue for bf16 (the contract in
+/// `kernels/arfuse_common.cuh`), on `[T, H]` row-major data: returns
+/// `(residual_out, norm_out)`. `a` is the all-reduce output (already rounded). The
+/// sum of squares is sequential here and block-tree ordered on the GPU, so norm_out
+/// may differ by 1 ulp; residual_out must match bit for bit.
+pub fn res_norm_reference(
+    a: &[bf16],
+    residual: Option<&[bf16]>,
+    gamma: &[bf16],
+    eps: f32,
+    weight_bias: f32,
+) -> (Vec<bf16>, Vec<bf16>) {
+    let h = gamma.len().max(1);
+    let res_out: Vec<bf16> = match residual {
+        Some(r) => a
+            .iter()
+            .zip(r)
+            .map(|(x, y)| bf16::from_f32(x.to_f32() + y.to_f32()))
+            .collect(),
+        None => a.to_vec(),
+    };
+    let mut norm = Vec::with_capacity(res_out.len());
+    for row in res_out.chunks(h) {
+        let ss: f32 = row.iter().map(|x| x.to_f32() * x.to_f32()).sum();
+        let rstd = 1.0 / (ss / h as f32 + eps).sqrt();
+        for (x, g) in row.iter().zip(gamma) {
+            norm.push(bf16::from_f32(
+                (x.to_f32() * rstd) * (g.to_f32() + weight_bias),
+            ));
+        }
+    }
+    (res_out, norm)
+}

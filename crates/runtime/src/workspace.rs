@@ -105,7 +105,11 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
     /// [`Error::Capturing`] when a workspace would have to be created while a stream
     /// captures; [`Error::NoBackend`] when the chain has no `Unfused` entry and every
     /// fused backend failed.
-    pub fn acquire(&mut self, request: WorkspaceRequest, chain: &[Backend]) -> Result<Acquired<'_, F::Workspace>> {
+    pub fn acquire(
+        &mut self,
+        request: WorkspaceRequest,
+        chain: &[Backend],
+    ) -> Result<Acquired<'_, F::Workspace>> {
         if self.live.contains_key(&request) {
             let (backend, ws) = &self.live[&request];
             return Ok(Acquired::Fused {
@@ -120,7 +124,10 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
                 return Ok(Acquired::Unfused { reasons });
             }
             if let Some(why) = self.failures.get(&(backend, request)) {
-                reasons.push(format!("{}: failed earlier (not retried): {why}", backend.name()));
+                reasons.push(format!(
+                    "{}: failed earlier (not retried): {why}",
+                    backend.name()
+                ));
                 continue;
             }
             if !capture_checked {
@@ -180,7 +187,10 @@ mod tests {
             if ok {
                 Ok(backend)
             } else {
-                Err(Error::Unsupported(format!("{} not available", backend.name())))
+                Err(Error::Unsupported(format!(
+                    "{} not available",
+                    backend.name()
+                )))
             }
         }
     }
@@ -215,7 +225,10 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(m.factory().created, vec![Backend::Mnnvl, Backend::Trtllm]);
-        assert!(m.failure(Backend::Mnnvl, &req(6144)).unwrap().contains("mnnvl not available"));
+        assert!(m
+            .failure(Backend::Mnnvl, &req(6144))
+            .unwrap()
+            .contains("mnnvl not available"));
         // Same key again: no device call at all.
         m.acquire(req(6144), &FALLBACK_CHAIN).unwrap();
         assert_eq!(m.attempts(), 2);
@@ -235,11 +248,15 @@ mod tests {
             other => panic!("{other:?}"),
         }
         match m.acquire(req(6144), &FALLBACK_CHAIN).unwrap() {
-            Acquired::Unfused { reasons } => assert!(reasons.iter().all(|r| r.contains("not retried"))),
+            Acquired::Unfused { reasons } => {
+                assert!(reasons.iter().all(|r| r.contains("not retried")))
+            }
             other => panic!("{other:?}"),
         }
         assert_eq!(m.attempts(), 2, "failures must never be retried");
-        let err = m.acquire(req(6144), &[Backend::Mnnvl, Backend::Trtllm]).unwrap_err();
+        let err = m
+            .acquire(req(6144), &[Backend::Mnnvl, Backend::Trtllm])
+            .unwrap_err();
         assert!(matches!(err, Error::NoBackend(_)));
     }
 
