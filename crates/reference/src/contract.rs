@@ -213,7 +213,7 @@ pub enum Epilogue {
 pub fn group_scale_rounding(layout: GroupScaleLayout) -> GroupScaleRounding {
     match layout {
         GroupScaleLayout::PackedUe8m0 => GroupScaleRounding::PowerOfTwo,
-        GroupScaleLayout::Fp32RowMajor => GroupScaleRounding::Exact,
+        GroupScaleLayout::F32RowMajor => GroupScaleRounding::Exact,
     }
 }
 

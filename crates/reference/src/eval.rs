@@ -27,14 +27,11 @@
 use crate::contract::{self, Epilogue, QuantOut};
 use crate::error::{ReferenceError, Result};
 use crate::numerics::fp8::{e4m3_from_f32, e4m3_to_f32, Saturation};
-use crate::numerics::quant::{nvfp4_scale_offset, GroupScaleLayout, GroupScales, Nvfp4ScaleLayout};
+use crate::numerics::quant::{nvfp4_scale_offset, GroupScales, Nvfp4ScaleLayout};
 use crate::numerics::ue8m0::ue8m0_to_f32;
 use crate::numerics::FloatFormat;
 use crate::tensor::{float_format, is_int_dtype, numel, Storage, Tensor, TensorData};
-use arfuse_ir::{
-    op, DType, FusedOutput, FusedQuant, Graph, InputKind, Node, Op, Shape, TensorType,
-};
-use half::{bf16, f16};
+use arfuse_ir::{DType, FusedOutput, FusedQuant, Graph, InputKind, Node, Op, Shape, TensorType};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
@@ -501,12 +498,8 @@ fn eval_node(
         }
         Op::Constant { value } => {
             let (dt, shape) = &declared[0];
-            let v = match dt {
-                DType::Bf16 => bf16::from_f64(*value).to_f32(),
-                DType::F16 => f16::from_f64(*value).to_f32(),
-                DType::F32 => *value as f32,
-                other => return Err(e(format!("constant of dtype {other}"))),
-            };
+            let fmt = float_format(*dt).ok_or_else(|| e(format!("constant of dtype {dt}")))?;
+            let v = fmt.round_f64(*value);
             Ok(replicate(Tensor::from_f32(*dt, shape.clone(), vec![v])?))
         }
         Op::AllReduce { .. } => {
@@ -751,14 +744,12 @@ fn to_dtype(x: &Tensor, to: DType) -> std::result::Result<Tensor, String> {
         if !(from_is_real || int_like(x.dtype)) {
             return Err(unsupported());
         }
-        let v = src
-            .iter()
-            .map(|&s| match fmt {
-                FloatFormat::Bf16 => bf16::from_f64(s).to_f32(),
-                FloatFormat::F16 => f16::from_f64(s).to_f32(),
-                FloatFormat::F32 => s as f32,
-            })
-            .collect();
+        // f32-held sources round once from their exact f32 value; integers
+        // round once from f64 (exact up to 2^53).
+        let v = match &x.data {
+            TensorData::F32(vals) => vals.iter().map(|&s| fmt.round(s)).collect(),
+            TensorData::I64(_) => src.iter().map(|&s| fmt.round_f64(s)).collect(),
+        };
         return Tensor::from_f32(to, shape, v).map_err(|e| e.to_string());
     }
     match to {
@@ -931,20 +922,6 @@ fn scalar_of(t: &Tensor, what: &str) -> std::result::Result<f32, String> {
     }
 }
 
-fn map_group_layout(l: op::GroupScaleLayout) -> GroupScaleLayout {
-    match l {
-        op::GroupScaleLayout::F32RowMajor => GroupScaleLayout::Fp32RowMajor,
-        op::GroupScaleLayout::PackedUe8m0 => GroupScaleLayout::PackedUe8m0,
-    }
-}
-
-fn map_nvfp4_layout(l: op::Nvfp4ScaleLayout) -> Nvfp4ScaleLayout {
-    match l {
-        op::Nvfp4ScaleLayout::Swizzled128x4 => Nvfp4ScaleLayout::Swizzled128x4,
-        op::Nvfp4ScaleLayout::Linear => Nvfp4ScaleLayout::Linear,
-    }
-}
-
 /// The contract epilogue of an IR quant kind; `extra` is the scale / global
 /// scale input when the kind has one.
 fn epilogue_of(q: FusedQuant, extra: Option<&Tensor>) -> std::result::Result<Epilogue, String> {
@@ -960,11 +937,11 @@ fn epilogue_of(q: FusedQuant, extra: Option<&Tensor>) -> std::result::Result<Epi
         } => Epilogue::Fp8PerTokenGroup {
             group_size: usize::try_from(group_size)
                 .map_err(|_| "group size too large".to_string())?,
-            layout: map_group_layout(scale_layout),
+            layout: scale_layout,
         },
         FusedQuant::Nvfp4 { scale_layout } => Epilogue::Nvfp4 {
             global_scale: scalar_of(extra.ok_or("missing global scale input")?, "global scale")?,
-            layout: map_nvfp4_layout(scale_layout),
+            layout: scale_layout,
         },
     })
 }

@@ -66,6 +66,57 @@ impl FloatFormat {
         }
     }
 
+    /// Round an f64 to this format, to nearest, ties to even, in ONE rounding
+    /// (no double rounding through f32), returned as f32.
+    ///
+    /// Used for f64 attributes (constants) and integer casts. `half`'s own
+    /// `bf16::from_f64` is not used: it drops the low 32 bits of the f64
+    /// before its sticky-bit test, so an f64 just above a bf16 tie is rounded
+    /// as a tie (to even) instead of up.
+    pub fn round_f64(self, v: f64) -> f32 {
+        let c = self.round(v as f32);
+        if self == FloatFormat::F32 || v.is_nan() || c.is_infinite() || f64::from(c) == v {
+            return c;
+        }
+        // c is one of the two format neighbours of v; find the other one.
+        let up = f64::from(c) < v;
+        let o = self.step(c, up);
+        let (dc, d_o) = ((f64::from(c) - v).abs(), (f64::from(o) - v).abs());
+        if dc < d_o || o.is_nan() {
+            c
+        } else if d_o < dc {
+            o
+        } else if self.to_bits(c) & 1 == 0 {
+            c
+        } else {
+            o
+        }
+    }
+
+    /// The next value of this format after `x` (a value of the format) towards
+    /// +inf (`up`) or -inf.
+    fn step(self, x: f32, up: bool) -> f32 {
+        let bits = self.to_bits(x);
+        let sign = self.sign_bit();
+        let mag = bits & ((1u32 << sign) - 1);
+        let neg = bits >> sign & 1 == 1;
+        // Moving away from zero increases the magnitude.
+        let away = up != neg;
+        let new_bits = if mag == 0 && !away {
+            // From +-0 towards the other side: the smallest value of the other sign.
+            (u32::from(!neg) << sign) | 1
+        } else if away {
+            bits + 1
+        } else {
+            bits - 1
+        };
+        match self {
+            FloatFormat::Bf16 => bf16::from_bits(new_bits as u16).to_f32(),
+            FloatFormat::F16 => f16::from_bits(new_bits as u16).to_f32(),
+            FloatFormat::F32 => f32::from_bits(new_bits),
+        }
+    }
+
     /// Storage bits of `round(x)` in this format (16 or 32 significant bits).
     pub fn to_bits(self, x: f32) -> u32 {
         match self {
@@ -173,6 +224,43 @@ mod tests {
             assert_eq!(h.round(x).to_bits(), want.to_bits(), "f16 round({x:e})");
         }
         assert!(h.round(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn f64_rounding_is_a_single_rounding() {
+        let b = FloatFormat::Bf16;
+        let p = |k: i32| 2f64.powi(k);
+        let table: &[(f64, f32)] = &[
+            (1.0, 1.0),
+            // exact tie 1 + 2^-8 -> even (1.0)
+            (1.0 + p(-8), 1.0),
+            // just above the tie by 2^-30: half's from_f64 ignores these bits.
+            (1.0 + p(-8) + p(-30), 1.0 + 1.0 / 128.0),
+            // just above by 2^-40: `as f32` lands on the tie (double rounding).
+            (1.0 + p(-8) + p(-40), 1.0 + 1.0 / 128.0),
+            (-(1.0 + p(-8) + p(-40)), -(1.0 + 1.0 / 128.0)),
+            // just below the tie 1 + 3*2^-8 (whose even neighbour is above).
+            (1.0 + 3.0 * p(-8) - p(-40), 1.0 + 1.0 / 128.0),
+            (1e-6, 9.983778e-7),
+            (0.0, 0.0),
+            (1e300, f32::INFINITY),
+        ];
+        for &(v, want) in table {
+            assert_eq!(
+                b.round_f64(v).to_bits(),
+                want.to_bits(),
+                "bf16 round_f64({v:e})"
+            );
+        }
+        assert_eq!(b.round_f64(-0.0).to_bits(), (-0.0f32).to_bits());
+        // half's from_f64 gets the first of these wrong (documented reason for round_f64).
+        assert_eq!(half::bf16::from_f64(1.0 + p(-8) + p(-30)).to_f32(), 1.0);
+        let h = FloatFormat::F16;
+        assert_eq!(h.round_f64(1.0 + p(-11) + p(-40)), 1.0 + 1.0 / 1024.0);
+        assert_eq!(h.round_f64(1.0 + p(-11)), 1.0);
+        assert_eq!(FloatFormat::F32.round_f64(1e-6), 1e-6f32);
+        // Across zero: a tiny negative f64 rounds to -0 in bf16.
+        assert_eq!(b.round_f64(-1e-50).to_bits(), (-0.0f32).to_bits());
     }
 
     #[test]

@@ -100,25 +100,21 @@ pub fn dynamic_per_token_fp8_quant(
     Ok((codes, scales))
 }
 
-/// How the per-token-group FP8 scales are stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum GroupScaleLayout {
-    /// DeepGEMM's packed layout (FlashInfer patterns 8/9): UE8M0 codes, four
-    /// consecutive groups of a token per little-endian int32 (group `4j + k`
-    /// in byte `k` of word column `j`); the `[padded_tokens, ceil(G/4)]`
-    /// int32 matrix is stored column-major, `padded_tokens = round_up(T, 4)`;
-    /// padding rows and padding bytes are zero. Requires power-of-two scales.
-    PackedUe8m0,
-    /// Plain fp32 `[T, G]` row-major, `G = H / group_size`.
-    Fp32RowMajor,
-}
+/// How the per-token-group FP8 scales are stored (the IR's enum):
+/// - `PackedUe8m0`: DeepGEMM's packed layout (FlashInfer patterns 8/9): UE8M0
+///   codes, four consecutive groups of a token per little-endian int32 (group
+///   `4j + k` in byte `k` of word column `j`); the `[padded_tokens, ceil(G/4)]`
+///   int32 matrix is stored column-major, `padded_tokens = round_up(T, 4)`;
+///   padding rows and padding bytes are zero. Requires power-of-two scales.
+/// - `F32RowMajor`: plain fp32 `[T, G]` row-major, `G = H / group_size`.
+pub use arfuse_ir::GroupScaleLayout;
 
 /// Whether the per-token-group scale is rounded up to a power of two.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GroupScaleRounding {
     /// `scale = ue8m0_round_up(max(amax / 448, 1e-10))` (DeepGEMM / domain.md).
     PowerOfTwo,
-    /// `scale = max(amax / 448, 1e-10)` (only with [`GroupScaleLayout::Fp32RowMajor`]).
+    /// `scale = max(amax / 448, 1e-10)` (only with [`GroupScaleLayout::F32RowMajor`]).
     Exact,
 }
 
@@ -231,7 +227,7 @@ pub fn per_token_group_fp8_quant(
         );
     }
     let scales = match layout {
-        GroupScaleLayout::Fp32RowMajor => GroupScales::Fp32 {
+        GroupScaleLayout::F32RowMajor => GroupScales::Fp32 {
             values: scale_vals,
             groups,
         },
@@ -264,17 +260,13 @@ pub fn per_token_group_fp8_quant(
     Ok(GroupQuant { data, scales })
 }
 
-/// Layout of the NVFP4 scale factors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Nvfp4ScaleLayout {
-    /// Swizzled 128x4 (the default; what block-scaled GEMMs consume): rows
-    /// padded to a multiple of 128, scale columns (`H / 16`) padded to a
-    /// multiple of 4, 512-byte tiles of 128 rows x 4 columns ordered row-tile
-    /// major; see [`nvfp4_scale_offset`]. Padding bytes are zero.
-    Swizzled128x4,
-    /// Row-major `[T, H / 16]`, no padding.
-    Linear,
-}
+/// Layout of the NVFP4 scale factors (the IR's enum):
+/// - `Swizzled128x4` (the default; what block-scaled GEMMs consume): rows
+///   padded to a multiple of 128, scale columns (`H / 16`) padded to a
+///   multiple of 4, 512-byte tiles of 128 rows x 4 columns ordered row-tile
+///   major; see [`nvfp4_scale_offset`]. Padding bytes are zero.
+/// - `Linear`: row-major `[T, H / 16]`, no padding.
+pub use arfuse_ir::Nvfp4ScaleLayout;
 
 /// Bytes of the NVFP4 data tensor `[T, H / 2]` u8: `T * H / 2`.
 /// Worked: T = 1, H = 16384 -> 8,192 bytes.
@@ -630,7 +622,7 @@ mod tests {
             2,
             256,
             128,
-            GroupScaleLayout::Fp32RowMajor,
+            GroupScaleLayout::F32RowMajor,
             GroupScaleRounding::PowerOfTwo,
         )
         .unwrap();
@@ -647,7 +639,7 @@ mod tests {
             2,
             256,
             128,
-            GroupScaleLayout::Fp32RowMajor,
+            GroupScaleLayout::F32RowMajor,
             GroupScaleRounding::Exact,
         )
         .unwrap();
@@ -672,7 +664,7 @@ mod tests {
             4,
             128,
             96,
-            GroupScaleLayout::Fp32RowMajor,
+            GroupScaleLayout::F32RowMajor,
             GroupScaleRounding::Exact
         )
         .is_err());

@@ -388,3 +388,205 @@ pub fn quant_kinds() -> Vec<FusedQuant> {
         },
     ]
 }
+
+/// Configuration of the small real-shaped decoder of the model test.
+#[derive(Debug, Clone)]
+pub struct ModelCfg {
+    pub dtype: DType,
+    pub hidden: u64,
+    pub layers: usize,
+    pub vocab: u64,
+    /// Per-rank width of the attention stand-in (q/k/v heads of this rank).
+    pub attn: u64,
+    /// Per-rank MLP intermediate size.
+    pub inter: u64,
+    /// Static FP8 quant after every input / post-attention norm (the GEMM
+    /// inputs), dequantised to the activation dtype before the matmul.
+    pub fp8: bool,
+    pub eps: f64,
+}
+
+/// A tensor-parallel decoder with `layers` layers:
+/// embedding -> all-reduce -> input norm; per layer an attention stand-in
+/// (qkv matmul, o_proj matmul) -> all-reduce -> add -> post-attention norm ->
+/// MLP (gate and up matmuls, their product, down_proj) -> all-reduce -> add ->
+/// next input norm (the final norm after the last layer, residual dead) ->
+/// lm_head matmul. Outputs: `[logits, final_norm]`.
+///
+/// Column- and row-parallel weights (qkv, o_proj, gate, up, down, lm_head)
+/// are declared as ACTIVATION inputs: the reference samples those per rank,
+/// which models each rank holding a different shard (so the all-reduces sum
+/// genuinely different partial results). Norm weights, the embedding table
+/// and the FP8 scales are replicated parameters. The token ids are per-rank
+/// activations, a stand-in for the vocab-parallel split of the embedding.
+///
+/// `lowered = false`: the unfused graph (all_reduce, add, rms_norm,
+/// quant_fp8_static). `lowered = true`: every all-reduce site written as a
+/// `fused_allreduce_norm` node (2L + 1 of them), outputs chosen as a pass
+/// would: norm (or quant) plus residual, only norm for the final norm.
+pub fn build_model(cfg: &ModelCfg, t_max: u64, lowered: bool) -> Graph {
+    let mut b = Builder::new(t_max);
+    let h = cfg.hidden;
+    let dt = cfg.dtype;
+    let act = tt(dt, tdims(h));
+    let param = |b: &mut Builder, id: &str, dims: Vec<u64>| {
+        b.input(
+            id,
+            InputKind::Parameter,
+            tt(dt, dims.into_iter().map(Dim::constant).collect()),
+        )
+    };
+    let shard = |b: &mut Builder, id: &str, k: u64, n: u64| {
+        b.input(
+            id,
+            InputKind::Activation,
+            tt(dt, vec![Dim::constant(k), Dim::constant(n)]),
+        )
+    };
+    let ids = b.input(
+        "ids",
+        InputKind::Activation,
+        tt(DType::I64, vec![Dim::symbol("T")]),
+    );
+    let table = param(&mut b, "embed_w", vec![cfg.vocab, h]);
+    let emb = b.node("embed", Op::Embedding, vec![table, ids], vec![act.clone()]);
+
+    // One fusion site: returns (activation fed to the next GEMM, residual out).
+    // `ar_in` is the per-rank all-reduce input; `residual` the incoming residual.
+    let site = |b: &mut Builder,
+                name: &str,
+                ar_in: Value,
+                residual: Option<Value>,
+                last: bool|
+     -> (Value, Option<Value>) {
+        let w = param(b, &format!("{name}_w"), vec![h]);
+        let quant = if cfg.fp8 && !last {
+            FusedQuant::Fp8Static
+        } else {
+            FusedQuant::None
+        };
+        let scale = (quant == FusedQuant::Fp8Static).then(|| {
+            b.input(
+                &format!("{name}_scale"),
+                InputKind::Parameter,
+                tt(DType::F32, vec![Dim::constant(1)]),
+            )
+        });
+        let (gemm_in, res_out);
+        if lowered {
+            let mut outs = vec![if quant == FusedQuant::None {
+                FusedOutput::Norm
+            } else {
+                FusedOutput::Quant
+            }];
+            if !last {
+                outs.push(FusedOutput::Residual);
+            }
+            let qt = quant_types(&act, quant).map(|q| q.0);
+            let types = outs
+                .iter()
+                .map(|o| {
+                    if *o == FusedOutput::Quant {
+                        qt.clone().expect("fp8")
+                    } else {
+                        act.clone()
+                    }
+                })
+                .collect();
+            let mut ins = vec![ar_in];
+            ins.extend(residual);
+            ins.push(w);
+            ins.extend(scale);
+            let f = b.node(
+                &format!("{name}_fused"),
+                Op::FusedAllreduceNorm(FusedAllReduceNorm {
+                    group: "tp".into(),
+                    eps: cfg.eps,
+                    weight_bias: 0.0,
+                    residual: residual.is_some(),
+                    quant,
+                    outputs: outs,
+                    plan: None,
+                }),
+                ins,
+                types,
+            );
+            gemm_in = f;
+            res_out = (!last).then(|| Value::new(f.node, 1));
+        } else {
+            let a = b.all_reduce(&format!("{name}_ar"), ar_in);
+            let hh = match residual {
+                Some(r) => b.add(&format!("{name}_add"), a, r),
+                None => a,
+            };
+            let y = b.rms_norm(&format!("{name}_norm"), hh, w, cfg.eps, 0.0);
+            gemm_in = match scale {
+                Some(s) => {
+                    let qt = quant_types(&act, quant).expect("fp8").0;
+                    b.node(
+                        &format!("{name}_quant"),
+                        Op::QuantFp8Static,
+                        vec![y, s],
+                        vec![qt],
+                    )
+                }
+                None => y,
+            };
+            res_out = (!last).then_some(hh);
+        }
+        // Dequantise for the bf16 GEMM stand-in.
+        let x = match scale {
+            Some(s) => {
+                let qv = b.to_dtype(&format!("{name}_dq"), gemm_in, dt);
+                let sv = b.to_dtype(&format!("{name}_dqs"), s, dt);
+                b.mul(&format!("{name}_dqm"), qv, sv)
+            }
+            None => gemm_in,
+        };
+        (x, res_out)
+    };
+
+    let (mut x, mut resid) = site(&mut b, "l0_in", emb, None, false);
+    let mut final_norm = x;
+    for l in 0..cfg.layers {
+        let wqkv = shard(&mut b, &format!("l{l}_wqkv"), h, cfg.attn);
+        let wo = shard(&mut b, &format!("l{l}_wo"), cfg.attn, h);
+        let qkv = b.matmul(&format!("l{l}_qkv"), x, wqkv, cfg.attn);
+        let o = b.matmul(&format!("l{l}_o_proj"), qkv, wo, h);
+        let (xm, r1) = site(&mut b, &format!("l{l}_post"), o, resid, false);
+        let wg = shard(&mut b, &format!("l{l}_wgate"), h, cfg.inter);
+        let wu = shard(&mut b, &format!("l{l}_wup"), h, cfg.inter);
+        let wd = shard(&mut b, &format!("l{l}_wdown"), cfg.inter, h);
+        let g = b.matmul(&format!("l{l}_gate"), xm, wg, cfg.inter);
+        let u = b.matmul(&format!("l{l}_up"), xm, wu, cfg.inter);
+        let gu = b.mul(&format!("l{l}_act"), g, u);
+        let d = b.matmul(&format!("l{l}_down_proj"), gu, wd, h);
+        let last = l + 1 == cfg.layers;
+        let name = if last {
+            "final".to_string()
+        } else {
+            format!("l{}_in", l + 1)
+        };
+        let (nx, nr) = site(&mut b, &name, d, r1, last);
+        x = nx;
+        resid = nr;
+        final_norm = nx;
+    }
+    let lm = shard(&mut b, "lm_head", h, cfg.vocab);
+    let logits = b.matmul("logits", final_norm, lm, cfg.vocab);
+    b.set_outputs(vec![logits, final_norm]);
+    b.finish()
+}
+
+/// (all_reduce nodes, fused nodes) of a graph.
+pub fn count_sites(g: &Graph) -> (usize, usize) {
+    let ar = g
+        .nodes()
+        .filter(|(_, n)| matches!(n.op, Op::AllReduce { .. }))
+        .count();
+    let fused = g
+        .nodes()
+        .filter(|(_, n)| matches!(n.op, Op::FusedAllreduceNorm(_)))
+        .count();
+    (ar, fused)
+}
