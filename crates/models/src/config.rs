@@ -379,73 +379,74 @@ impl ModelSpec {
             }
             _ => None,
         };
-        let (layer_kinds, mamba) =
-            if family == Family::NemotronH {
-                let field = "hybrid_override_pattern";
-                let pattern = cfg.str(field)?;
-                if pattern.chars().count() as u64 != n_layers {
-                    return Err(BuildError::bad(
-                        field,
-                        format!(
-                            "has {} entries, num_hidden_layers is {n_layers}",
-                            pattern.chars().count()
-                        ),
-                    ));
-                }
-                let mut kinds = Vec::new();
-                for c in pattern.chars() {
-                    kinds.push(LayerKind::Block(match c {
-                        'M' => BlockMixer::Mamba,
-                        '*' => BlockMixer::Attention,
-                        'E' => BlockMixer::Moe,
-                        '-' => BlockMixer::Mlp,
-                        _ => return Err(BuildError::bad(
+        let (layer_kinds, mamba) = if family == Family::NemotronH {
+            let field = "hybrid_override_pattern";
+            let pattern = cfg.str(field)?;
+            if pattern.chars().count() as u64 != n_layers {
+                return Err(BuildError::bad(
+                    field,
+                    format!(
+                        "has {} entries, num_hidden_layers is {n_layers}",
+                        pattern.chars().count()
+                    ),
+                ));
+            }
+            let mut kinds = Vec::new();
+            for c in pattern.chars() {
+                kinds.push(LayerKind::Block(match c {
+                    'M' => BlockMixer::Mamba,
+                    '*' => BlockMixer::Attention,
+                    'E' => BlockMixer::Moe,
+                    '-' => BlockMixer::Mlp,
+                    _ => {
+                        return Err(BuildError::bad(
                             field,
                             format!(
                                 "unknown block {c:?} (M = Mamba2, * = attention, E = MoE, - = MLP)"
                             ),
-                        )),
-                    }));
-                }
-                let mamba = if pattern.contains('M') {
-                    Some(Mamba {
-                        heads: cfg.u64("mamba_num_heads")?,
-                        head_dim: cfg.u64("mamba_head_dim")?,
-                        groups: cfg.u64("n_groups")?,
-                        state: cfg.u64("ssm_state_size")?,
-                        conv_kernel: cfg.u64("conv_kernel")?,
-                    })
-                } else {
-                    None
-                };
-                if pattern.contains('E') && moe.is_none() {
-                    return Err(BuildError::missing("n_routed_experts"));
-                }
-                (kinds, mamba)
+                        ))
+                    }
+                }));
+            }
+            let mamba = if pattern.contains('M') {
+                Some(Mamba {
+                    heads: cfg.u64("mamba_num_heads")?,
+                    head_dim: cfg.u64("mamba_head_dim")?,
+                    groups: cfg.u64("n_groups")?,
+                    state: cfg.u64("ssm_state_size")?,
+                    conv_kernel: cfg.u64("conv_kernel")?,
+                })
             } else {
-                let mut kinds = Vec::new();
-                let first_dense = cfg.opt_u64("first_k_dense_replace")?.unwrap_or(0);
-                let freq = cfg.opt_u64("moe_layer_freq")?.unwrap_or(1).max(1);
-                let step = cfg.opt_u64("decoder_sparse_step")?.unwrap_or(1).max(1);
-                let mlp_only: Vec<u64> = match cfg.get("mlp_only_layers") {
-                    None => Vec::new(),
-                    Some(v) => v
-                        .as_array()
-                        .map(|a| a.iter().filter_map(Json::as_u64).collect())
-                        .ok_or_else(|| {
-                            BuildError::bad("mlp_only_layers", "expected a list of layer indices")
-                        })?,
-                };
-                for i in 0..n_layers {
-                    let is_moe = moe.is_some()
-                        && i >= first_dense
-                        && i % freq == 0
-                        && (i + 1) % step == 0
-                        && !mlp_only.contains(&i);
-                    kinds.push(LayerKind::Decoder { moe: is_moe });
-                }
-                (kinds, None)
+                None
             };
+            if pattern.contains('E') && moe.is_none() {
+                return Err(BuildError::missing("n_routed_experts"));
+            }
+            (kinds, mamba)
+        } else {
+            let mut kinds = Vec::new();
+            let first_dense = cfg.opt_u64("first_k_dense_replace")?.unwrap_or(0);
+            let freq = cfg.opt_u64("moe_layer_freq")?.unwrap_or(1).max(1);
+            let step = cfg.opt_u64("decoder_sparse_step")?.unwrap_or(1).max(1);
+            let mlp_only: Vec<u64> = match cfg.get("mlp_only_layers") {
+                None => Vec::new(),
+                Some(v) => v
+                    .as_array()
+                    .map(|a| a.iter().filter_map(Json::as_u64).collect())
+                    .ok_or_else(|| {
+                        BuildError::bad("mlp_only_layers", "expected a list of layer indices")
+                    })?,
+            };
+            for i in 0..n_layers {
+                let is_moe = moe.is_some()
+                    && i >= first_dense
+                    && i % freq == 0
+                    && (i + 1) % step == 0
+                    && !mlp_only.contains(&i);
+                kinds.push(LayerKind::Decoder { moe: is_moe });
+            }
+            (kinds, None)
+        };
         let needs_dense = layer_kinds[..keep as usize].iter().any(|k| {
             matches!(
                 k,

@@ -184,7 +184,7 @@ pub(crate) fn attention_with(
     id: &str,
 ) -> Result<Value> {
     if c.spec.mla.is_some() {
-        return mla(c, layer, no, id);
+        return mla(c, no, id);
     }
     let spec = c.spec;
     let (h, hd) = (spec.hidden, spec.head_dim);
@@ -239,7 +239,7 @@ pub(crate) fn attention_with(
 /// site: no all-reduce before it), q_b_proj, kv_a_proj_with_mqa, the optional DSA
 /// indexer projections, opaque `mla_attention` (kv_a_layernorm, kv_b_proj, RoPE and
 /// the attention itself), o_proj.
-fn mla(c: &mut Ctx, layer: usize, no: &mut NormOut, id: &str) -> Result<Value> {
+fn mla(c: &mut Ctx, no: &mut NormOut, id: &str) -> Result<Value> {
     let spec = c.spec;
     let Some(mla) = spec.mla.clone() else {
         return Err(BuildError::missing("kv_lora_rank"));
@@ -310,7 +310,6 @@ fn mla(c: &mut Ctx, layer: usize, no: &mut NormOut, id: &str) -> Result<Value> {
         c.act(hq * mla.v_head_dim),
         &m,
     )?;
-    let _ = layer;
     c.linear(
         attn,
         hq * mla.v_head_dim,

@@ -14,10 +14,10 @@
 //! - No `quantization_config`: bf16, no quant ops.
 //!
 //! Exclusion matching (documented choice): an entry excludes a module path when it is
-//! equal to it, matches it as a `*` glob (`model.layers.*.self_attn`,
-//! `model.layers.61*`), names a parent module (`model.layers.3.self_attn` excludes
-//! `model.layers.3.self_attn.q_a_proj`) or equals its trailing components (`gate`
-//! excludes `model.layers.3.block_sparse_moe.gate` but not `...mlp.gate_proj`). Entries
+//! equal to it, matches it or one of its parents as a `*` glob
+//! (`model.layers.*.self_attn`, `model.layers.61*`), names a parent module
+//! (`model.layers.3.self_attn` excludes `model.layers.3.self_attn.q_a_proj`) or equals
+//! its trailing components (`gate` excludes `model.layers.3.block_sparse_moe.gate` but not `...mlp.gate_proj`). Entries
 //! naming norms, biases, the embedding or lm_head change no activation quantisation.
 
 use crate::config::Cfg;
@@ -239,7 +239,11 @@ fn strings(v: Option<&Json>, field: &str) -> Result<Vec<String>> {
 /// True when the exclusion entry `pattern` names `module`.
 pub(crate) fn excludes(pattern: &str, module: &str) -> bool {
     if pattern.contains('*') {
-        return glob(pattern.as_bytes(), module.as_bytes());
+        // The glob names the module or one of its parents.
+        let parents = module.match_indices('.').map(|(i, _)| &module[..i]);
+        return std::iter::once(module)
+            .chain(parents)
+            .any(|m| glob(pattern.as_bytes(), m.as_bytes()));
     }
     module == pattern
         || module

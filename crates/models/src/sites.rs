@@ -171,16 +171,20 @@ pub(crate) fn count(spec: &ModelSpec) -> Result<SiteCount> {
 }
 
 /// The expected sites of `build(config, opts)` (see the module docs for the rules).
+/// Fails exactly when `build` fails (the graph is built to check the TP split; the
+/// count itself comes from the rule, not from the graph).
 pub fn expected_sites(config: &serde_json::Value, opts: &BuildOptions) -> Result<SiteCount> {
     opts.check()?;
-    count(&ModelSpec::from_config(config, opts.layers)?)
+    let spec = ModelSpec::from_config(config, opts.layers)?;
+    crate::decoder::build_decoder(&spec, opts)?;
+    count(&spec)
 }
 
 /// The expected sites of `build_eagle3_draft(config, opts)`: 3 (2L + 1 with L = 1).
 pub fn expected_draft_sites(config: &serde_json::Value, opts: &BuildOptions) -> Result<SiteCount> {
     opts.check()?;
-    // Validates the target config the draft is built from.
-    crate::draft::draft_spec(config)?;
+    // Fails exactly when the draft build fails.
+    crate::draft::build_eagle3_draft(config, opts)?;
     Ok(SiteCount {
         layers: 1,
         all_reduces: 3,
