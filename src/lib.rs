@@ -17,7 +17,7 @@
 //! compiler pass never links CUDA.
 //!
 //! ```no_run
-//! let bytes = std::fs::read("ir-fixtures/models/llama-3.1-8b-tp8.json")?;
+//! let bytes = std::fs::read("ir-fixtures/models/llama31_8b_tp8.json")?;
 //! let graph = arfuse::import::load_any(&bytes)?.graph;
 //! let target = arfuse::Target::preset("h200-sxm-x8")?;
 //! let lowered = arfuse::lower(&graph, &target)?;

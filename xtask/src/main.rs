@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// The bundled model graph `cargo xtask lower` lowers when given no path.
-const DEFAULT_GRAPH: &str = "ir-fixtures/models/llama-3.1-8b-tp8.json";
+const DEFAULT_GRAPH: &str = "ir-fixtures/models/llama31_8b_tp8.json";
 /// The target preset used when `--target` is not given.
 const DEFAULT_TARGET: &str = "h200-sxm-x8";
 /// Largest graph file read, in bytes (the importers have their own, smaller limits).
