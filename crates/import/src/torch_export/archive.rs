@@ -23,9 +23,7 @@ pub fn program_member(names: &[String]) -> Result<String, ImportError> {
             return false;
         };
         match rest.rsplit_once('/') {
-            Some((dir, file)) => {
-                !file.is_empty() && (dir == "models" || dir.ends_with("/models"))
-            }
+            Some((dir, file)) => !file.is_empty() && (dir == "models" || dir.ends_with("/models")),
             None => false,
         }
     };

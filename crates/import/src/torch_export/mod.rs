@@ -19,10 +19,13 @@
 //! - Nodes that only compute symbolic integers (`sym_size`, `operator.mul` on sizes)
 //!   have no IR counterpart; sizes come from the tensor metadata.
 //! - Node ids are the torch node names with `:` and whitespace replaced by `_`.
-//! - `module` is the innermost `nn_module_stack` entry, with the leading path segments
-//!   that every parameter and buffer name shares removed (the wrapper the exporter put
-//!   around the model: `m.model.layers.1.mlp` becomes `model.layers.1.mlp` when every
-//!   parameter starts with `m.`). The removed prefix is kept in the graph metadata.
+//! - `module` is the innermost `nn_module_stack` entry, without the wrapper the exporter
+//!   put around the model: when every parameter and buffer name starts with the same
+//!   first segment (and has at least two more), that segment is removed, so
+//!   `m.model.layers.1.mlp` becomes `model.layers.1.mlp` when every parameter starts
+//!   with `m.`, and a model exported directly keeps its paths as they are. A first
+//!   segment followed by a list index (`layers.0.`) is never removed. The removed
+//!   prefix is kept in the graph metadata (`module_prefix_removed`).
 //! - Symbolic sizes: each torch symbol (`s70`) becomes an IR symbol with the range of
 //!   `range_constraints`; a size expression that is a monomial (`4*s70`) becomes that
 //!   dimension; any other expression becomes a fresh symbol `x<k>` whose range comes
@@ -41,8 +44,7 @@ pub use archive::MAX_ARCHIVE_MEMBERS;
 
 use crate::{check_size, Format, ImportError, Imported};
 use arfuse_ir::{
-    DType, Dim, Graph, InputKind, Node, NodeId, Op, SymbolRange, TensorType, Value,
-    MAX_ID_LEN,
+    DType, Dim, Graph, InputKind, Node, NodeId, Op, SymbolRange, TensorType, Value, MAX_ID_LEN,
 };
 use schema::{Header, NamedArg, Program, RawNode, TensorMeta};
 use serde_json::{json, Value as Json};
@@ -371,30 +373,25 @@ impl<'p> Builder<'p> {
             .iter()
             .map(|(k, v)| (k.as_str(), v))
             .collect();
-        // The wrapper prefix: leading segments shared by every parameter and buffer
-        // name, never a name's last segment.
+        // The wrapper prefix: the first segment, when every parameter and buffer name
+        // has more than one segment and starts with it, and what follows it is not a
+        // list index (`layers.0...` keeps its `layers`).
         let mut names: Vec<Vec<&str>> = Vec::new();
         if let Some(sig) = &p.graph_module.signature {
             for spec in &sig.input_specs {
-                if let Some((_, fqn, _)) = input_spec(spec) {
-                    if let Some(fqn) = fqn {
-                        names.push(fqn.split('.').collect());
-                    }
+                if let Some((_, Some(fqn), _)) = input_spec(spec) {
+                    names.push(fqn.split('.').collect());
                 }
             }
         }
         let mut prefix: Vec<String> = Vec::new();
         if let Some(first) = names.first() {
-            let mut k = 0;
-            'outer: while k + 1 < first.len() {
-                for n in &names {
-                    if k + 1 >= n.len() || n[k] != first[k] {
-                        break 'outer;
-                    }
-                }
-                k += 1;
+            let shared = names.iter().all(|n| {
+                n.len() > 2 && n[0] == first[0] && !n[1].bytes().all(|b| b.is_ascii_digit())
+            });
+            if shared {
+                prefix.push(first[0].to_string());
             }
-            prefix = first[..k].iter().map(|s| s.to_string()).collect();
         }
         let mut md = json!({
             "source": "torch.export",
@@ -422,12 +419,12 @@ impl<'p> Builder<'p> {
     fn strip_module(&self, path: &str) -> Option<String> {
         let segs: Vec<&str> = path.split('.').collect();
         let k = self.prefix.len();
-        let rest: &[&str] = if segs.len() >= k && segs[..k].iter().zip(&self.prefix).all(|(a, b)| a == b)
-        {
-            &segs[k..]
-        } else {
-            &segs[..]
-        };
+        let rest: &[&str] =
+            if segs.len() >= k && segs[..k].iter().zip(&self.prefix).all(|(a, b)| a == b) {
+                &segs[k..]
+            } else {
+                &segs[..]
+            };
         (!rest.is_empty()).then(|| rest.join("."))
     }
 
@@ -469,13 +466,11 @@ impl<'p> Builder<'p> {
         }
         let mut dims = Vec::with_capacity(m.sizes.len());
         for (i, s) in m.sizes.iter().enumerate() {
-            let d = self
-                .sym_dim(s)
-                .map_err(|message| ImportError::Dimension {
-                    tensor: tensor.to_string(),
-                    dim: i,
-                    message,
-                })?;
+            let d = self.sym_dim(s).map_err(|message| ImportError::Dimension {
+                tensor: tensor.to_string(),
+                dim: i,
+                message,
+            })?;
             dims.push(d);
         }
         if is_bool {
@@ -531,8 +526,13 @@ impl<'p> Builder<'p> {
             .map(|k| format!("x{k}"))
             .find(|n| !self.g.symbols().contains_key(n))
             .unwrap_or_else(|| "x".into());
-        self.g
-            .set_symbol(name.clone(), SymbolRange { min, max: max.max(min) });
+        self.g.set_symbol(
+            name.clone(),
+            SymbolRange {
+                min,
+                max: max.max(min),
+            },
+        );
         self.notes.line(format!(
             "size expression {key} is not a monomial; imported as fresh symbol {name} in {min}..={}",
             max.max(min)
@@ -605,10 +605,13 @@ impl<'p> Builder<'p> {
                 ));
                 continue;
             };
-            let b = self.tensors.get(name).ok_or_else(|| ImportError::MissingTensor {
-                node: format!("graph output {i}"),
-                tensor: name.to_string(),
-            })?;
+            let b = self
+                .tensors
+                .get(name)
+                .ok_or_else(|| ImportError::MissingTensor {
+                    node: format!("graph output {i}"),
+                    tensor: name.to_string(),
+                })?;
             outputs.push(b.value);
         }
         self.g.set_outputs(outputs)?;
@@ -658,7 +661,10 @@ impl<'p> Builder<'p> {
                     tensor: format!("{t} (the output of a dropped check)"),
                 });
             }
-            return Err(ImportError::MissingTensor { node: loc, tensor: t });
+            return Err(ImportError::MissingTensor {
+                node: loc,
+                tensor: t,
+            });
         }
         let mut outs = Vec::with_capacity(out_names.len());
         for t in &out_names {
@@ -710,7 +716,8 @@ impl<'p> Builder<'p> {
                 self.notes.count(1, target.to_string());
                 let is_bool = outs.first().map(|o| o.1).unwrap_or(false);
                 if let Some(t) = out_names.first() {
-                    self.tensors.insert(t.to_string(), Bound { value: v, is_bool });
+                    self.tensors
+                        .insert(t.to_string(), Bound { value: v, is_bool });
                 }
             }
             Lowering::Nodes(nodes) => {
@@ -817,7 +824,13 @@ impl<'p> Builder<'p> {
 
     /// The opaque node of a torch node: every argument in attrs, tensors as
     /// `{"input": k}`.
-    fn opaque(&self, target: &str, args: &[NamedArg], ins: &[Bound], outs: &[(TensorType, bool)]) -> PNode {
+    fn opaque(
+        &self,
+        target: &str,
+        args: &[NamedArg],
+        ins: &[Bound],
+        outs: &[(TensorType, bool)],
+    ) -> PNode {
         let mut attrs = serde_json::Map::new();
         let mut k = 0usize;
         for a in args {

@@ -80,7 +80,11 @@ impl NodeView<'_> {
                         .get("as_optional_tensor")
                         .and_then(|o| o.get("as_tensor"))
                         .is_some();
-                return if single { self.ins.get(k).copied() } else { None };
+                return if single {
+                    self.ins.get(k).copied()
+                } else {
+                    None
+                };
             }
             k += n;
         }
@@ -94,7 +98,10 @@ impl NodeView<'_> {
     fn one_out(&self) -> Result<&(TensorType, bool), Option<String>> {
         match self.outs {
             [o] => Ok(o),
-            _ => Err(Some(format!("{} tensor outputs, one expected", self.outs.len()))),
+            _ => Err(Some(format!(
+                "{} tensor outputs, one expected",
+                self.outs.len()
+            ))),
         }
     }
 }
@@ -294,7 +301,10 @@ fn binary(v: &NodeView<'_>, op: Op, has_alpha: bool) -> Plan {
         return Err(why("a non-numeric scalar operand"));
     };
     if !ty.dtype.is_float() {
-        return Err(why(format!("a scalar operand with an integer ({}) tensor", ty.dtype)));
+        return Err(why(format!(
+            "a scalar operand with an integer ({}) tensor",
+            ty.dtype
+        )));
     }
     let constant = PNode {
         suffix: Some("scalar"),
@@ -304,7 +314,11 @@ fn binary(v: &NodeView<'_>, op: Op, has_alpha: bool) -> Plan {
     };
     Ok(Lowering::Nodes(vec![
         constant,
-        node(op, vec![PIn::Ext(b.value), PIn::Local(0)], vec![out.0.clone()]),
+        node(
+            op,
+            vec![PIn::Ext(b.value), PIn::Local(0)],
+            vec![out.0.clone()],
+        ),
     ]))
 }
 
@@ -359,8 +373,12 @@ fn unary_float(v: &NodeView<'_>, op: Op) -> Plan {
 }
 
 fn linear(v: &NodeView<'_>) -> Plan {
-    let x = v.tensor_arg("input").ok_or_else(|| why("no input tensor"))?;
-    let w = v.tensor_arg("weight").ok_or_else(|| why("no weight tensor"))?;
+    let x = v
+        .tensor_arg("input")
+        .ok_or_else(|| why("no input tensor"))?;
+    let w = v
+        .tensor_arg("weight")
+        .ok_or_else(|| why("no weight tensor"))?;
     let out = v.one_out()?;
     let mm = node(
         Op::Matmul { transpose_b: true },
@@ -399,7 +417,9 @@ fn matmul(v: &NodeView<'_>) -> Plan {
 }
 
 fn embedding(v: &NodeView<'_>) -> Plan {
-    let w = v.tensor_arg("weight").ok_or_else(|| why("no weight tensor"))?;
+    let w = v
+        .tensor_arg("weight")
+        .ok_or_else(|| why("no weight tensor"))?;
     let ids = v
         .tensor_arg("indices")
         .ok_or_else(|| why("no indices tensor"))?;
@@ -413,7 +433,9 @@ fn embedding(v: &NodeView<'_>) -> Plan {
 }
 
 fn rms_norm(v: &NodeView<'_>) -> Plan {
-    let x = v.tensor_arg("input").ok_or_else(|| why("no input tensor"))?;
+    let x = v
+        .tensor_arg("input")
+        .ok_or_else(|| why("no input tensor"))?;
     let w = v
         .tensor_arg("weight")
         .ok_or_else(|| why("no weight (elementwise_affine=False)"))?;

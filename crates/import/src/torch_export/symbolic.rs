@@ -306,14 +306,12 @@ pub fn bounds(e: &Expr, symbols: &Symbols) -> Option<(i128, i128)> {
             let b: Option<Vec<(i128, i128)>> = args.iter().map(|a| bounds(a, symbols)).collect();
             let b = b?;
             match (name.as_str(), b.as_slice()) {
-                ("Max", [_, ..]) => Some((
-                    b.iter().map(|x| x.0).max()?,
-                    b.iter().map(|x| x.1).max()?,
-                )),
-                ("Min", [_, ..]) => Some((
-                    b.iter().map(|x| x.0).min()?,
-                    b.iter().map(|x| x.1).min()?,
-                )),
+                ("Max", [_, ..]) => {
+                    Some((b.iter().map(|x| x.0).max()?, b.iter().map(|x| x.1).max()?))
+                }
+                ("Min", [_, ..]) => {
+                    Some((b.iter().map(|x| x.0).min()?, b.iter().map(|x| x.1).min()?))
+                }
                 ("FloorDiv" | "CeilDiv" | "CleanDiv", [(alo, ahi), (blo, bhi)]) => {
                     if *blo <= 0 || *alo < 0 {
                         return None;
@@ -346,10 +344,7 @@ pub fn render(e: &Expr) -> String {
     match e {
         Expr::Int(n) => n.to_string(),
         Expr::Sym(s) => s.clone(),
-        Expr::Add(v) => format!(
-            "({})",
-            v.iter().map(render).collect::<Vec<_>>().join(" + ")
-        ),
+        Expr::Add(v) => format!("({})", v.iter().map(render).collect::<Vec<_>>().join(" + ")),
         Expr::Mul(v) => v.iter().map(render).collect::<Vec<_>>().join("*"),
         Expr::Call(n, a) => format!(
             "{n}({})",
@@ -370,8 +365,14 @@ mod tests {
         assert_eq!(as_monomial(&b), as_monomial(&a));
         let c = parse("Symbol('s0', positive=True, integer=True)").unwrap();
         assert_eq!(as_monomial(&c).unwrap().to_string(), "s0");
-        assert_eq!(as_monomial(&parse("s0*s1").unwrap()).unwrap().to_string(), "s0*s1");
-        assert_eq!(as_monomial(&parse("s0**2").unwrap()).unwrap().to_string(), "s0*s0");
+        assert_eq!(
+            as_monomial(&parse("s0*s1").unwrap()).unwrap().to_string(),
+            "s0*s1"
+        );
+        assert_eq!(
+            as_monomial(&parse("s0**2").unwrap()).unwrap().to_string(),
+            "s0*s0"
+        );
     }
 
     #[test]
@@ -390,7 +391,16 @@ mod tests {
 
     #[test]
     fn rejects_garbage_without_panicking() {
-        for s in ["", "(", "Mul(", "s0 +", "'abc", "4 $ 5", "99999999999999999999999999999999999999999", ")"] {
+        for s in [
+            "",
+            "(",
+            "Mul(",
+            "s0 +",
+            "'abc",
+            "4 $ 5",
+            "99999999999999999999999999999999999999999",
+            ")",
+        ] {
             assert!(parse(s).is_err(), "{s}");
         }
         let deep = "(".repeat(1000) + "1" + &")".repeat(1000);

@@ -1,0 +1,236 @@
+//! Malformed input: each gives a clear error naming what is wrong, and nothing panics.
+
+mod common;
+
+use arfuse_import::{detect, load_any, torch_export, Format, ImportError};
+use common::{arg, bytes, export_bytes, meta, node, program, t};
+use serde_json::json;
+
+fn err(b: &[u8]) -> ImportError {
+    match load_any(b) {
+        Ok(_) => panic!("expected an error"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn truncated_file() {
+    let full = export_bytes("llama31_8b_L2_tp8");
+    let half = &full[..full.len() / 2];
+    assert_eq!(detect(half), Format::TorchExportJson);
+    let e = err(half);
+    assert!(matches!(e, ImportError::Json { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(msg.contains("EOF") && msg.contains("line"), "{msg}");
+}
+
+#[test]
+fn every_truncation_is_an_error_not_a_panic() {
+    let full = export_bytes("qwen3_30b_a3b_L2_tp4");
+    let mut at = 0;
+    while at < full.len() {
+        assert!(load_any(&full[..at]).is_err(), "prefix of {at} bytes");
+        at += 7919;
+    }
+}
+
+#[test]
+fn wrong_schema_major_version() {
+    let text = String::from_utf8(export_bytes("gemma3_1b_L2_tp2")).unwrap();
+    let changed = text.replacen("\"major\": 8", "\"major\": 9", 1);
+    assert_ne!(changed, text, "the fixture spells the version as expected");
+    let e = err(changed.as_bytes());
+    assert!(matches!(e, ImportError::SchemaVersion { .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "unsupported torch.export schema version 9.20: this importer reads schema major version 8"
+    );
+    // Missing entirely.
+    let mut v = program(vec![], vec![], &["x"]);
+    v.as_object_mut().unwrap().remove("schema_version");
+    let e = err(&bytes(&v));
+    assert!(e.to_string().contains("<missing>"), "{e}");
+}
+
+#[test]
+fn node_referring_to_a_missing_tensor() {
+    let mut v: serde_json::Value =
+        serde_json::from_slice(&export_bytes("llama31_8b_L2_tp8")).unwrap();
+    let nodes = v["graph_module"]["graph"]["nodes"].as_array_mut().unwrap();
+    let ar = nodes
+        .iter_mut()
+        .find(|n| n["name"] == "all_reduce_1")
+        .expect("the o_proj all-reduce");
+    ar["inputs"][0]["arg"]["as_tensor"]["name"] = json!("no_such_tensor");
+    let e = err(&bytes(&v));
+    assert!(matches!(e, ImportError::MissingTensor { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("all_reduce_1") && msg.contains("no_such_tensor"),
+        "{msg}"
+    );
+    // A graph output naming nothing.
+    let v = program(vec![], vec![], &["nothing"]);
+    let e = err(&bytes(&v));
+    assert!(
+        matches!(e, ImportError::MissingTensor { ref node, .. } if node == "graph output 0"),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn tensor_without_metadata() {
+    let v = program(
+        vec![node(
+            "y",
+            "aten.rsqrt.default",
+            vec![arg("self", t("x"))],
+            "m.layer",
+        )],
+        vec![],
+        &["y"],
+    );
+    let e = err(&bytes(&v));
+    assert!(matches!(e, ImportError::MissingMetadata { .. }), "{e:?}");
+    assert!(e.to_string().contains("\"y\""), "{e}");
+}
+
+#[test]
+fn unsupported_dtype_names_the_tensor() {
+    let v = program(
+        vec![node(
+            "y",
+            "aten.rsqrt.default",
+            vec![arg("self", t("x"))],
+            "m.layer",
+        )],
+        vec![("y", meta(8, &[json!("s0"), json!(8)]))],
+        &["y"],
+    );
+    let e = err(&bytes(&v));
+    assert_eq!(
+        e.to_string(),
+        "tensor \"y\" has dtype DOUBLE (float64) (8), which arfuse IR cannot represent"
+    );
+}
+
+#[test]
+fn size_expression_without_a_range() {
+    let v = program(
+        vec![node(
+            "y",
+            "aten.rsqrt.default",
+            vec![arg("self", t("x"))],
+            "m.layer",
+        )],
+        vec![("y", meta(13, &[json!("Foo(s0)"), json!(8)]))],
+        &["y"],
+    );
+    let e = err(&bytes(&v));
+    assert!(matches!(e, ImportError::Dimension { dim: 0, .. }), "{e:?}");
+    assert!(e.to_string().contains("Foo(s0)"), "{e}");
+}
+
+#[test]
+fn garbage_and_other_formats() {
+    for (b, want) in [
+        (&b""[..], "empty"),
+        (b"   \n", "empty"),
+        (b"\x00\x01\x02garbage", "starts with bytes 00 01 02"),
+        (b"[1, 2, 3]", "starts with bytes"),
+        (b"{\"hello\": 1}", "neither an arfuse graph"),
+    ] {
+        let e = err(b);
+        assert!(matches!(e, ImportError::UnknownFormat { .. }), "{e:?}");
+        assert!(e.to_string().contains(want), "{e}");
+    }
+    // Looks like torch.export JSON but the structure is wrong.
+    let e = err(br#"{"schema_version": {"major": 8, "minor": 20}, "graph_module": 3}"#);
+    assert!(matches!(e, ImportError::Json { .. }), "{e:?}");
+    // Not UTF-8.
+    let e = torch_export::import(b"{\"graph_module\": \"\xff\"}").unwrap_err();
+    assert!(matches!(e, ImportError::Utf8 { offset: 18 }), "{e:?}");
+    // arfuse JSON errors come from the IR loader.
+    let e = err(br#"{"format": "arfuse-graph", "version": 2, "nodes": []}"#);
+    assert!(matches!(e, ImportError::Arfuse(_)), "{e:?}");
+}
+
+#[test]
+fn broken_archives() {
+    // Zip magic, then junk.
+    let e = err(b"PK\x03\x04 this is not a zip");
+    assert!(matches!(e, ImportError::Archive { .. }), "{e:?}");
+    // A valid zip without a program.
+    let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    w.start_file(
+        "x/data/weights/w.pt",
+        zip::write::SimpleFileOptions::default(),
+    )
+    .unwrap();
+    let z = w.finish().unwrap().into_inner();
+    let e = err(&z);
+    assert!(e.to_string().contains("no program JSON"), "{e}");
+    assert!(e.to_string().contains("x/data/weights/w.pt"), "{e}");
+}
+
+#[test]
+fn random_mutations_never_panic() {
+    let base = bytes(&program(
+        vec![
+            node(
+                "f",
+                "aten.to.dtype",
+                vec![
+                    arg("self", t("x")),
+                    arg("dtype", json!({"as_scalar_type": 7})),
+                ],
+                "m.layer.norm",
+            ),
+            node(
+                "p",
+                "aten.pow.Tensor_Scalar",
+                vec![arg("self", t("f")), arg("exponent", json!({"as_int": 2}))],
+                "m.layer.norm",
+            ),
+            node(
+                "y",
+                "aten.linear.default",
+                vec![
+                    arg("input", t("x")),
+                    arg("weight", t("lw")),
+                    arg("bias", t("lb")),
+                ],
+                "m.layer.proj",
+            ),
+        ],
+        vec![
+            ("f", meta(7, &[json!("s0"), json!(8)])),
+            ("p", meta(7, &[json!("s0"), json!(8)])),
+            ("y", meta(13, &[json!("s0"), json!(4)])),
+        ],
+        &["p", "y"],
+    ));
+    assert!(load_any(&base).is_ok());
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut rand = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let alphabet = b"{}[]\":,0123456789-eE.abcdefghijklmnopqrstuvwxyz_ \x00\xff";
+    for _ in 0..3000 {
+        let mut b = base.clone();
+        for _ in 0..(1 + rand() % 4) {
+            let at = (rand() % b.len() as u64) as usize;
+            match rand() % 3 {
+                0 => b[at] = alphabet[(rand() % alphabet.len() as u64) as usize],
+                1 => {
+                    b.remove(at);
+                }
+                _ => b.insert(at, alphabet[(rand() % alphabet.len() as u64) as usize]),
+            }
+        }
+        let _ = load_any(&b);
+    }
+}
