@@ -283,7 +283,8 @@ fn sample_tensor(
 /// representable in its dtype. Sampling per use (see the module source):
 /// token ids in `[0, vocab)`, matmul weights scaled by `1/sqrt(K)`, static
 /// FP8 scales in `[0.004, 0.016)`, NVFP4 global scales in `[64, 512)`,
-/// other floats in `[-2, 2)`, other integers in `[0, 16)`.
+/// other floats in `[-2, 2)` before rounding to the dtype (so `[-2, 2]`
+/// after), other integers in `[0, 16)`.
 ///
 /// The stream of an input depends only on (`seed`, node id, rank), not on
 /// the node's position, so two graphs sharing input ids get the same values.
@@ -863,7 +864,7 @@ fn matmul(x: &Tensor, wt: &Tensor, transpose_b: bool) -> std::result::Result<Ten
         return Err(format!("matmul inner dims differ: {k} vs {wk}"));
     }
     let (xv, wv) = (f32s(x)?, f32s(wt)?);
-    let rows = if k == 0 { 0 } else { xv.len() / k };
+    let rows = xv.len().checked_div(k).unwrap_or(0);
     let mut out = Vec::with_capacity(rows * n);
     for i in 0..rows {
         let xr = &xv[i * k..(i + 1) * k];
@@ -953,11 +954,7 @@ fn quant_tensors(
     x_shape: &[usize],
 ) -> std::result::Result<(Tensor, Option<Tensor>), String> {
     let h = *x_shape.last().ok_or("quant of a scalar")?;
-    let tokens = if h == 0 {
-        0
-    } else {
-        numel(x_shape).unwrap_or(0) / h
-    };
+    let tokens = numel(x_shape).unwrap_or(0).checked_div(h).unwrap_or(0);
     let with_last = |last: usize| {
         let mut s = x_shape.to_vec();
         if let Some(l) = s.last_mut() {
@@ -1106,4 +1103,350 @@ fn fused(n: &Node, f: &arfuse_ir::FusedAllReduceNorm, ins: &[&[Tensor]], w: usiz
         }
     }
     Ok(outs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn graph(nodes: &str, outputs: &str, t_max: u64) -> Graph {
+        let text = format!(
+            r#"{{"format": "arfuse-graph", "version": 1, "symbols": {{"T": {{"min": 1, "max": {t_max}}}}},
+               "nodes": [{nodes}], "outputs": [{outputs}]}}"#
+        );
+        Graph::from_json_str(&text).unwrap_or_else(|e| panic!("{e}\n{text}"))
+    }
+
+    fn f(dtype: DType, shape: &[usize], v: &[f32]) -> Tensor {
+        Tensor::from_f32(dtype, shape.to_vec(), v.to_vec()).unwrap()
+    }
+
+    fn run(g: &Graph, w: u32, t: u64, inputs: Vec<(&str, Vec<Tensor>)>) -> Result<Evaluation> {
+        let b = bind_tokens(g, t)?;
+        let ins: RankInputs = inputs
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        evaluate(g, w, &b, &ins)
+    }
+
+    const X2: &str =
+        r#"{"id": "x", "op": "input", "outputs": [{"dtype": "bf16", "shape": ["T", 2]}]}"#;
+
+    #[test]
+    fn all_reduce_sums_in_rank_order_and_rounds_once() {
+        let g = graph(
+            &format!(
+                r#"{X2}, {{"id": "ar", "op": "all_reduce", "attrs": {{"group": "tp"}}, "inputs": ["x"],
+                 "outputs": [{{"dtype": "bf16", "shape": ["T", 2]}}]}}"#
+            ),
+            r#""ar""#,
+            4,
+        );
+        let e = 1.0 / 256.0;
+        let ranks = vec![
+            f(DType::Bf16, &[1, 2], &[1.0, 3.0]),
+            f(DType::Bf16, &[1, 2], &[e, -1.0]),
+            f(DType::Bf16, &[1, 2], &[e, 0.5]),
+        ];
+        let out = run(&g, 3, 1, vec![("x", ranks)]).unwrap();
+        for r in 0..3 {
+            // 1 + 2^-8 + 2^-8 = 1 + 2^-7 in f32 (pairwise bf16 additions would give 1.0).
+            assert_eq!(out.outputs[0][r].f32s().unwrap(), &[1.0 + 1.0 / 128.0, 2.5]);
+        }
+    }
+
+    #[test]
+    fn broadcasting_add_and_mul() {
+        let g = graph(
+            r#"{"id": "a", "op": "input", "outputs": [{"dtype": "f32", "shape": ["T", 3]}]},
+               {"id": "b", "op": "input", "attrs": {"kind": "parameter"}, "outputs": [{"dtype": "f32", "shape": [3]}]},
+               {"id": "c", "op": "input", "outputs": [{"dtype": "f32", "shape": ["T", 1]}]},
+               {"id": "s", "op": "add", "inputs": ["a", "b"], "outputs": [{"dtype": "f32", "shape": ["T", 3]}]},
+               {"id": "p", "op": "mul", "inputs": ["s", "c"], "outputs": [{"dtype": "f32", "shape": ["T", 3]}]}"#,
+            r#""s", "p""#,
+            4,
+        );
+        let out = run(
+            &g,
+            1,
+            2,
+            vec![
+                (
+                    "a",
+                    vec![f(DType::F32, &[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])],
+                ),
+                ("b", vec![f(DType::F32, &[3], &[10.0, 20.0, 30.0])]),
+                ("c", vec![f(DType::F32, &[2, 1], &[2.0, -1.0])]),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            out.outputs[0][0].f32s().unwrap(),
+            &[11.0, 22.0, 33.0, 14.0, 25.0, 36.0]
+        );
+        assert_eq!(
+            out.outputs[1][0].f32s().unwrap(),
+            &[22.0, 44.0, 66.0, -14.0, -25.0, -36.0]
+        );
+    }
+
+    #[test]
+    fn mean_pow_rsqrt_and_bf16_rounding() {
+        let g = graph(
+            r#"{"id": "x", "op": "input", "outputs": [{"dtype": "f32", "shape": ["T", 4]}]},
+               {"id": "sq", "op": "pow", "attrs": {"exponent": 2.0}, "inputs": ["x"], "outputs": [{"dtype": "f32", "shape": ["T", 4]}]},
+               {"id": "m", "op": "mean", "attrs": {"dims": [-1], "keepdim": true}, "inputs": ["sq"], "outputs": [{"dtype": "f32", "shape": ["T", 1]}]},
+               {"id": "m0", "op": "mean", "attrs": {"dims": [0]}, "inputs": ["x"], "outputs": [{"dtype": "f32", "shape": [4]}]},
+               {"id": "r", "op": "rsqrt", "inputs": ["m"], "outputs": [{"dtype": "f32", "shape": ["T", 1]}]},
+               {"id": "b", "op": "to_dtype", "attrs": {"dtype": "bf16"}, "inputs": ["x"], "outputs": [{"dtype": "bf16", "shape": ["T", 4]}]}"#,
+            r#""m", "m0", "r", "b""#,
+            4,
+        );
+        let x = [
+            1.0,
+            2.0,
+            3.0,
+            4.0,
+            1.0,
+            1.0,
+            1.0,
+            1.0 + 1.0 / 256.0 + 1.0 / 65536.0,
+        ];
+        let out = run(&g, 1, 2, vec![("x", vec![f(DType::F32, &[2, 4], &x)])]).unwrap();
+        let m = out.outputs[0][0].f32s().unwrap();
+        assert_eq!(m[0], 7.5);
+        assert_eq!(
+            out.outputs[1][0].f32s().unwrap(),
+            &[
+                1.0,
+                1.5,
+                2.0,
+                (4.0 + 1.0 + 1.0 / 256.0 + 1.0 / 65536.0) / 2.0
+            ]
+        );
+        assert_eq!(out.outputs[2][0].f32s().unwrap()[0], 1.0 / 7.5f32.sqrt());
+        // 1 + 2^-8 + 2^-16 is above the bf16 tie: rounds up to 1 + 2^-7.
+        assert_eq!(out.outputs[3][0].f32s().unwrap()[7], 1.0078125);
+    }
+
+    #[test]
+    fn matmul_both_layouts_round_once() {
+        let g = graph(
+            r#"{"id": "x", "op": "input", "outputs": [{"dtype": "bf16", "shape": ["T", 2]}]},
+               {"id": "w", "op": "input", "attrs": {"kind": "parameter"}, "outputs": [{"dtype": "bf16", "shape": [2, 3]}]},
+               {"id": "wt", "op": "input", "attrs": {"kind": "parameter"}, "outputs": [{"dtype": "bf16", "shape": [3, 2]}]},
+               {"id": "y", "op": "matmul", "inputs": ["x", "w"], "outputs": [{"dtype": "bf16", "shape": ["T", 3]}]},
+               {"id": "yt", "op": "matmul", "attrs": {"transpose_b": true}, "inputs": ["x", "wt"], "outputs": [{"dtype": "bf16", "shape": ["T", 3]}]}"#,
+            r#""y", "yt""#,
+            4,
+        );
+        let e = 1.0 / 256.0;
+        // Row [1, 1] times column [1, e] = 1 + 2^-8 (a tie: bf16 gives 1); [1, 3e] -> 1 + 3*2^-8 -> 1 + 2^-6.
+        let w = [1.0, 2.0, 1.0, e, 0.5, 3.0 * e];
+        let wt = [1.0, e, 2.0, 0.5, 1.0, 3.0 * e];
+        let out = run(
+            &g,
+            1,
+            1,
+            vec![
+                ("x", vec![f(DType::Bf16, &[1, 2], &[1.0, 1.0])]),
+                ("w", vec![f(DType::Bf16, &[2, 3], &w)]),
+                ("wt", vec![f(DType::Bf16, &[3, 2], &wt)]),
+            ],
+        )
+        .unwrap();
+        assert_eq!(out.outputs[0][0].f32s().unwrap(), &[1.0, 2.5, 1.015625]);
+        assert_eq!(out.outputs[1][0], out.outputs[0][0]);
+    }
+
+    #[test]
+    fn embedding_and_out_of_range_ids() {
+        let g = graph(
+            r#"{"id": "tab", "op": "input", "attrs": {"kind": "parameter"}, "outputs": [{"dtype": "f32", "shape": [3, 2]}]},
+               {"id": "ids", "op": "input", "outputs": [{"dtype": "i64", "shape": ["T"]}]},
+               {"id": "emb", "op": "embedding", "inputs": ["tab", "ids"], "outputs": [{"dtype": "f32", "shape": ["T", 2]}]}"#,
+            r#""emb""#,
+            4,
+        );
+        let tab = f(DType::F32, &[3, 2], &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        let ids = Tensor::from_i64(DType::I64, vec![2], vec![2, 0]).unwrap();
+        let out = run(
+            &g,
+            1,
+            2,
+            vec![("tab", vec![tab.clone()]), ("ids", vec![ids])],
+        )
+        .unwrap();
+        assert_eq!(out.outputs[0][0].f32s().unwrap(), &[4.0, 5.0, 0.0, 1.0]);
+        let bad = Tensor::from_i64(DType::I64, vec![1], vec![3]).unwrap();
+        match run(&g, 1, 1, vec![("tab", vec![tab]), ("ids", vec![bad])]) {
+            Err(ReferenceError::Eval { node, message }) => {
+                assert_eq!(node, "emb");
+                assert!(message.contains("token id 3"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn to_dtype_semantics() {
+        let g = graph(
+            r#"{"id": "x", "op": "input", "outputs": [{"dtype": "f32", "shape": ["T", 3]}]},
+               {"id": "q", "op": "to_dtype", "attrs": {"dtype": "fp8_e4m3"}, "inputs": ["x"], "outputs": [{"dtype": "fp8_e4m3", "shape": ["T", 3]}]},
+               {"id": "i", "op": "to_dtype", "attrs": {"dtype": "i32"}, "inputs": ["x"], "outputs": [{"dtype": "i32", "shape": ["T", 3]}]},
+               {"id": "c", "op": "constant", "attrs": {"value": 1.00390625000001}, "outputs": [{"dtype": "bf16", "shape": []}]}"#,
+            r#""q", "i", "c""#,
+            4,
+        );
+        let out = run(
+            &g,
+            2,
+            1,
+            vec![("x", vec![f(DType::F32, &[1, 3], &[500.0, -1.5, 0.3]); 2])],
+        )
+        .unwrap();
+        let q = out.outputs[0][1].f32s().unwrap();
+        assert!(q[0].is_nan(), "PyTorch-style cast: no saturation");
+        assert_eq!(&q[1..], &[-1.5, 0.3125]);
+        assert_eq!(out.outputs[1][0].i64s().unwrap(), &[500, -1, 0]);
+        // A constant just above a bf16 tie rounds up (one rounding from f64).
+        assert_eq!(out.outputs[2][0].f32s().unwrap(), &[1.0078125]);
+    }
+
+    #[test]
+    fn opaque_missing_and_mistyped_inputs_name_the_node() {
+        let g = graph(
+            &format!(
+                r#"{X2}, {{"id": "attn", "op": "opaque", "attrs": {{"target": "aten.silu.default"}}, "inputs": ["x"],
+                 "outputs": [{{"dtype": "bf16", "shape": ["T", 2]}}]}}"#
+            ),
+            r#""attn""#,
+            4,
+        );
+        let x = || vec![f(DType::Bf16, &[1, 2], &[1.0, 2.0])];
+        assert_eq!(
+            run(&g, 1, 1, vec![("x", x())]),
+            Err(ReferenceError::OpaqueOp {
+                node: "attn".into(),
+                op: "aten.silu.default".into()
+            })
+        );
+        assert!(
+            matches!(run(&g, 1, 1, vec![]), Err(ReferenceError::Eval { node, .. }) if node == "x")
+        );
+        assert!(
+            matches!(run(&g, 1, 2, vec![("x", x())]), Err(ReferenceError::Eval { node, .. }) if node == "x")
+        );
+        assert!(
+            matches!(run(&g, 2, 1, vec![("x", x())]), Err(ReferenceError::Eval { node, .. }) if node == "x")
+        );
+        assert!(matches!(
+            run(&g, 0, 1, vec![("x", x())]),
+            Err(ReferenceError::InvalidParameter(_))
+        ));
+        assert!(matches!(
+            run(&g, 65, 1, vec![("x", x())]),
+            Err(ReferenceError::InvalidParameter(_))
+        ));
+    }
+
+    #[test]
+    fn element_budget_is_enforced_before_allocation() {
+        let g = graph(
+            r#"{"id": "x", "op": "input", "outputs": [{"dtype": "bf16", "shape": ["T", 1048576]}]}"#,
+            r#""x""#,
+            1 << 20,
+        );
+        let b = bind_tokens(&g, 65).unwrap();
+        match random_inputs(&g, 1, &b, 0) {
+            Err(ReferenceError::TensorTooLarge {
+                node,
+                elements,
+                budget,
+            }) => {
+                assert_eq!(node, "x");
+                assert_eq!(elements, 65 << 20);
+                assert_eq!(budget, MAX_TENSOR_ELEMENTS);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            evaluate(&g, 1, &b, &RankInputs::new()),
+            Err(ReferenceError::TensorTooLarge { .. })
+        ));
+        // Under the per-tensor budget but over the live budget with 8 ranks.
+        let b = bind_tokens(&g, 40).unwrap();
+        assert!(matches!(
+            evaluate(&g, 8, &b, &RankInputs::new()),
+            Err(ReferenceError::TensorTooLarge {
+                budget: MAX_LIVE_ELEMENTS,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn token_binding_rules() {
+        let t = graph(X2, r#""x""#, 16);
+        assert_eq!(
+            bind_tokens(&t, 5).unwrap(),
+            Bindings::from([("T".to_string(), 5)])
+        );
+        assert!(bind_tokens(&t, 17).is_err());
+        assert!(bind_tokens(&t, 0).is_err());
+        let bs = Graph::from_json_str(
+            r#"{"format": "arfuse-graph", "version": 1, "symbols": {"B": {"min": 1, "max": 4}, "S": {"min": 1, "max": 64}, "V": {"min": 8, "max": 8}},
+                "nodes": [{"id": "x", "op": "input", "outputs": [{"dtype": "bf16", "shape": ["B", "S", "V"]}]}], "outputs": ["x"]}"#,
+        )
+        .unwrap();
+        let b = bind_tokens(&bs, 7).unwrap();
+        assert_eq!((b["B"], b["S"], b["V"]), (1, 7, 8));
+        let odd = Graph::from_json_str(
+            r#"{"format": "arfuse-graph", "version": 1, "symbols": {"N": {"min": 1, "max": 4}, "M": {"min": 1, "max": 4}},
+                "nodes": [{"id": "x", "op": "input", "outputs": [{"dtype": "bf16", "shape": ["N", "M"]}]}], "outputs": ["x"]}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            bind_tokens(&odd, 2),
+            Err(ReferenceError::InvalidParameter(_))
+        ));
+    }
+
+    #[test]
+    fn random_inputs_are_representable_shared_for_parameters_and_deterministic() {
+        let g = graph(
+            r#"{"id": "x", "op": "input", "outputs": [{"dtype": "bf16", "shape": ["T", 64]}]},
+               {"id": "w", "op": "input", "attrs": {"kind": "parameter"}, "outputs": [{"dtype": "f16", "shape": [64]}]},
+               {"id": "tab", "op": "input", "attrs": {"kind": "parameter"}, "outputs": [{"dtype": "bf16", "shape": [10, 64]}]},
+               {"id": "ids", "op": "input", "outputs": [{"dtype": "i32", "shape": ["T"]}]},
+               {"id": "e", "op": "embedding", "inputs": ["tab", "ids"], "outputs": [{"dtype": "bf16", "shape": ["T", 64]}]}"#,
+            r#""e""#,
+            64,
+        );
+        let b = bind_tokens(&g, 32).unwrap();
+        let a = random_inputs(&g, 4, &b, 42).unwrap();
+        assert_eq!(a, random_inputs(&g, 4, &b, 42).unwrap());
+        assert_ne!(a, random_inputs(&g, 4, &b, 43).unwrap());
+        let (x, w, ids) = (&a["x"], &a["w"], &a["ids"]);
+        assert_eq!(x.len(), 4);
+        assert_ne!(x[0], x[1], "activations differ per rank");
+        assert!(w.iter().all(|t| *t == w[0]), "parameters are replicated");
+        for t in x {
+            assert!(t
+                .f32s()
+                .unwrap()
+                .iter()
+                .all(|&v| FloatFormat::Bf16.is_exact(v) && (-2.0..=2.0).contains(&v)));
+        }
+        assert!(w[0]
+            .f32s()
+            .unwrap()
+            .iter()
+            .all(|&v| FloatFormat::F16.is_exact(v)));
+        for t in ids {
+            assert!(t.i64s().unwrap().iter().all(|&i| (0..10).contains(&i)));
+        }
+        assert!(evaluate(&g, 4, &b, &a).is_ok());
+    }
 }

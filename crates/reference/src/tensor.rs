@@ -210,7 +210,7 @@ impl Tensor {
             .shape
             .last()
             .ok_or_else(|| layout_err("scale tensor has rank 0"))?;
-        let r = if c == 0 { 0 } else { self.numel() / c };
+        let r = self.numel().checked_div(c).unwrap_or(0);
         Ok((r, c))
     }
 

@@ -111,7 +111,7 @@ fn gemma_decomposed(decomposed: bool) -> Graph {
     let a = b.all_reduce("ar", x);
     let hh = b.add("h", a, res);
     let y = if decomposed {
-        let hf = b.to_dtype("hf", hh, DType::F32);
+        let hf = b.cast("hf", hh, DType::F32);
         let sq = b.node(
             "sq",
             Op::Pow { exponent: 2.0 },
@@ -144,7 +144,7 @@ fn gemma_decomposed(decomposed: bool) -> Graph {
         );
         let w1 = b.add("w1", w, one);
         let nw = b.mul("nw", n, w1);
-        b.to_dtype("y", nw, DType::Bf16)
+        b.cast("y", nw, DType::Bf16)
     } else {
         b.rms_norm("y", hh, w, 1e-6, 1.0)
     };

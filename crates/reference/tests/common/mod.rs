@@ -90,7 +90,7 @@ impl Builder {
         self.node(id, Op::Mul, vec![a, b], vec![t])
     }
 
-    pub fn to_dtype(&mut self, id: &str, x: Value, dtype: DType) -> Value {
+    pub fn cast(&mut self, id: &str, x: Value, dtype: DType) -> Value {
         let mut t = self.ty(x);
         t.dtype = dtype;
         self.node(id, Op::ToDtype { dtype }, vec![x], vec![t])
@@ -537,8 +537,8 @@ pub fn build_model(cfg: &ModelCfg, t_max: u64, lowered: bool) -> Graph {
         // Dequantise for the bf16 GEMM stand-in.
         let x = match scale {
             Some(s) => {
-                let qv = b.to_dtype(&format!("{name}_dq"), gemm_in, dt);
-                let sv = b.to_dtype(&format!("{name}_dqs"), s, dt);
+                let qv = b.cast(&format!("{name}_dq"), gemm_in, dt);
+                let sv = b.cast(&format!("{name}_dqs"), s, dt);
                 b.mul(&format!("{name}_dqm"), qv, sv)
             }
             None => gemm_in,
