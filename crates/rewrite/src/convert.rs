@@ -54,7 +54,7 @@ pub(crate) fn convert(g: &Graph, group: &str) -> Converted {
                 id.index() as u32,
                 Instance {
                     group: group.clone(),
-                    uses: g.use_count(Value::new(id, 0)),
+                    uses: uses_through_views(g, Value::new(id, 0)),
                 },
             );
         }
@@ -198,4 +198,33 @@ fn is_last_dim(g: &Graph, n: &arfuse_ir::Node, dims: &[i64]) -> bool {
         return false;
     };
     matches!(dims, [d] if *d == -1 || *d == rank - 1) && rank > 0
+}
+
+/// Most views followed when counting the real users of a value.
+const MAX_VIEW_DEPTH: usize = 16;
+
+/// Users of `v` that are not views: reshapes and waits are followed (up to
+/// [`MAX_VIEW_DEPTH`] deep), graph outputs count.
+pub(crate) fn uses_through_views(g: &Graph, v: Value) -> usize {
+    fn go(g: &Graph, v: Value, depth: usize) -> usize {
+        let mut n = g.outputs().iter().filter(|o| **o == v).count();
+        for (u, e) in g.users(v.node) {
+            if e.output != v.output {
+                continue;
+            }
+            let node = g.node(u);
+            let view = match &node.op {
+                Op::Reshape => true,
+                Op::Opaque { target, .. } => is_wait(target) && node.inputs.len() == 1,
+                _ => false,
+            };
+            if view && depth < MAX_VIEW_DEPTH && node.outputs.len() == 1 {
+                n += go(g, Value::new(u, 0), depth + 1);
+            } else {
+                n += 1;
+            }
+        }
+        n
+    }
+    go(g, v, 0)
 }

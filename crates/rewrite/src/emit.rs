@@ -204,6 +204,16 @@ pub(crate) fn emit(g: &Graph, sites: &[Emit<'_>]) -> Result<(Graph, Vec<String>)
                 Input::Value(v) => refs.push(resolve(v, &remap)?),
                 Input::View(v, t) => {
                     let src = resolve(v, &remap)?;
+                    // A view of a view of a fused output is that output.
+                    if let [(inner, k)] = pending[src.0].inputs[..] {
+                        if matches!(pending[src.0].op, Op::Reshape)
+                            && matches!(pending[inner].op, Op::FusedAllreduceNorm(_))
+                            && pending[inner].outputs.get(k as usize) == Some(&t)
+                        {
+                            refs.push((inner, k));
+                            continue;
+                        }
+                    }
                     let base = pending[fslot].id.clone();
                     let key = (pending[fslot].key.0, 1);
                     let module = pending[fslot].module.clone();

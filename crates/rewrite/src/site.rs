@@ -367,10 +367,8 @@ impl<'a> Index<'a> {
                     .any(|u| !region.contains(u))
         };
         ports.retain(|p| p.direct.iter().any(live) || p.views.iter().any(|(v, _)| live(v)));
-        for p in &mut ports {
-            p.direct.retain(|v| live(v));
-            p.views.retain(|(v, _)| live(v));
-        }
+        // Every replaced value of a written port stays mapped (a later fused node may
+        // read one of them as its residual), even one only the chain itself read.
         if ports.is_empty() {
             return Err("no output of the chain is read".into());
         }

@@ -251,7 +251,13 @@ impl B {
             vec![ty(DType::F32, &[])],
             module,
         );
-        let var = self.node(&format!("{id}.var"), Op::Add, &[ms, e], vec![red.clone()], module);
+        let var = self.node(
+            &format!("{id}.var"),
+            Op::Add,
+            &[ms, e],
+            vec![red.clone()],
+            module,
+        );
         let inv = self.node(&format!("{id}.rsqrt"), Op::Rsqrt, &[var], vec![red], module);
         let nf = self.node(&format!("{id}.nf"), Op::Mul, &[xf, inv], vec![f32t], module);
         let cast = self.node(
@@ -279,7 +285,11 @@ impl B {
         let (op, ins, outs) = match q {
             Quant::Fp8Static => {
                 let sc = self.param(&format!("{id}.scale"), ty(DType::F32, &[c(1)]));
-                (Op::QuantFp8Static, vec![x, sc], vec![with_last(DType::Fp8E4m3, h)])
+                (
+                    Op::QuantFp8Static,
+                    vec![x, sc],
+                    vec![with_last(DType::Fp8E4m3, h)],
+                )
             }
             Quant::Fp8PerToken => (
                 Op::QuantFp8PerToken,
@@ -406,7 +416,14 @@ impl Stack {
     }
 
     /// Quant after a norm; the value the next block reads.
-    fn epilogue(&self, b: &mut B, id: &str, n: Value, module: &str, live: &mut Vec<Value>) -> Value {
+    fn epilogue(
+        &self,
+        b: &mut B,
+        id: &str,
+        n: Value,
+        module: &str,
+        live: &mut Vec<Value>,
+    ) -> Value {
         match self.quant {
             None => n,
             Some(q) => {
@@ -445,15 +462,33 @@ impl Stack {
         let emb_ar = self.reduce(&mut b, "embed.ar", emb, "model.embed_tokens");
         let mut live: Vec<Value> = Vec::new();
         let w0 = self.norm_weight(&mut b, "layers.0.ln_in.w");
-        let n0 = self.norm(&mut b, "layers.0.ln_in", emb_ar, w0, "model.layers.0.input_layernorm");
-        let mut x = self.epilogue(&mut b, "layers.0.ln_in.q", n0, "model.layers.0.self_attn", &mut live);
+        let n0 = self.norm(
+            &mut b,
+            "layers.0.ln_in",
+            emb_ar,
+            w0,
+            "model.layers.0.input_layernorm",
+        );
+        let mut x = self.epilogue(
+            &mut b,
+            "layers.0.ln_in.q",
+            n0,
+            "model.layers.0.self_attn",
+            &mut live,
+        );
         let mut res = emb_ar;
         let act = ty(self.dtype, &emb_t);
         let mut final_out = None;
         for l in 0..self.layers {
             let p = format!("layers.{l}");
             let m = format!("model.layers.{l}");
-            let attn = b.opaque(&format!("{p}.attn"), "attention", &[x], act.clone(), Some(&format!("{m}.self_attn")));
+            let attn = b.opaque(
+                &format!("{p}.attn"),
+                "attention",
+                &[x],
+                act.clone(),
+                Some(&format!("{m}.self_attn")),
+            );
             let o_w = b.param(&format!("{p}.o.w"), ty(self.dtype, &[c(h), c(h)]));
             let o = b.node(
                 &format!("{p}.o_proj"),
@@ -464,9 +499,28 @@ impl Stack {
             );
             let o_ar = self.reduce(&mut b, &format!("{p}.o.ar"), o, &format!("{m}.self_attn"));
             let w1 = self.norm_weight(&mut b, &format!("{p}.ln_post.w"));
-            let (n1, h1) = self.add_norm(&mut b, &format!("{p}.ln_post"), o_ar, res, w1, &format!("{m}.post_attention_layernorm"));
-            let x1 = self.epilogue(&mut b, &format!("{p}.ln_post.q"), n1, &format!("{m}.mlp"), &mut live);
-            let mlp = b.opaque(&format!("{p}.mlp"), "mlp", &[x1], act.clone(), Some(&format!("{m}.mlp")));
+            let (n1, h1) = self.add_norm(
+                &mut b,
+                &format!("{p}.ln_post"),
+                o_ar,
+                res,
+                w1,
+                &format!("{m}.post_attention_layernorm"),
+            );
+            let x1 = self.epilogue(
+                &mut b,
+                &format!("{p}.ln_post.q"),
+                n1,
+                &format!("{m}.mlp"),
+                &mut live,
+            );
+            let mlp = b.opaque(
+                &format!("{p}.mlp"),
+                "mlp",
+                &[x1],
+                act.clone(),
+                Some(&format!("{m}.mlp")),
+            );
             let d_w = b.param(&format!("{p}.down.w"), ty(self.dtype, &[c(h), c(h)]));
             let d = b.node(
                 &format!("{p}.down_proj"),
@@ -480,7 +534,10 @@ impl Stack {
             let (nid, nm) = if last {
                 ("final_norm".to_string(), "model.norm".to_string())
             } else {
-                (format!("layers.{}.ln_in", l + 1), format!("model.layers.{}.input_layernorm", l + 1))
+                (
+                    format!("layers.{}.ln_in", l + 1),
+                    format!("model.layers.{}.input_layernorm", l + 1),
+                )
             };
             let w2 = self.norm_weight(&mut b, &format!("{nid}.w"));
             let (n2, h2) = self.add_norm(&mut b, &nid, d_ar, h1, w2, &nm);
@@ -488,7 +545,13 @@ impl Stack {
             if last {
                 final_out = Some(n2);
             } else {
-                x = self.epilogue(&mut b, &format!("{nid}.q"), n2, &format!("model.layers.{}.self_attn", l + 1), &mut live);
+                x = self.epilogue(
+                    &mut b,
+                    &format!("{nid}.q"),
+                    n2,
+                    &format!("model.layers.{}.self_attn", l + 1),
+                    &mut live,
+                );
             }
         }
         let mut outputs = vec![final_out.unwrap_or(x)];
