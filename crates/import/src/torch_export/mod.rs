@@ -211,7 +211,6 @@ struct Builder<'p> {
     fresh: HashMap<String, String>,
     prefix: Vec<String>,
     notes: Notes,
-    version: String,
 }
 
 /// Location text for a node: `nodes[12] (linear_3)`.
@@ -411,7 +410,6 @@ impl<'p> Builder<'p> {
             fresh: HashMap::new(),
             prefix,
             notes,
-            version,
         })
     }
 
@@ -573,6 +571,12 @@ impl<'p> Builder<'p> {
                 let owner = f.rsplit_once('.').map(|(o, _)| o.to_string())?;
                 self.strip_module(&owner)
             });
+            if self.tensors.contains_key(name) {
+                return Err(ImportError::malformed(
+                    format!("graph.inputs[{i}]"),
+                    format!("tensor {name:?} is listed twice"),
+                ));
+            }
             let id = self.unique_id(name);
             let n = self.g.add_node(Node {
                 id,
@@ -616,7 +620,6 @@ impl<'p> Builder<'p> {
         }
         self.g.set_outputs(outputs)?;
         self.g.validate().map_err(ImportError::Invalid)?;
-        let _ = &self.version;
         Ok(Imported::from_graph(self.g, self.notes.render()))
     }
 
@@ -668,6 +671,12 @@ impl<'p> Builder<'p> {
         }
         let mut outs = Vec::with_capacity(out_names.len());
         for t in &out_names {
+            if self.tensors.contains_key(*t) || self.dropped.contains(*t) {
+                return Err(ImportError::malformed(
+                    loc,
+                    format!("tensor {t:?} is produced twice"),
+                ));
+            }
             outs.push(self.tensor_type(t, &loc)?);
         }
         let module = n
