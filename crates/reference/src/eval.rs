@@ -27,7 +27,7 @@
 use crate::contract::{self, Epilogue, QuantOut};
 use crate::error::{ReferenceError, Result};
 use crate::numerics::fp8::{e4m3_from_f32, e4m3_to_f32, Saturation};
-use crate::numerics::quant::{nvfp4_scale_offset, GroupScales, Nvfp4ScaleLayout};
+use crate::numerics::quant::{nvfp4_scale_offset, GroupScales};
 use crate::numerics::ue8m0::ue8m0_to_f32;
 use crate::numerics::FloatFormat;
 use crate::tensor::{float_format, is_int_dtype, numel, Storage, Tensor, TensorData};
@@ -297,6 +297,7 @@ pub fn random_inputs(
     let w = check_world(world_size)?;
     let roles = input_roles(graph, bindings);
     let mut out = RankInputs::new();
+    let mut total: u64 = 0;
     for (_, n) in graph.nodes() {
         let Op::Input { kind } = n.op else { continue };
         let t = n
@@ -304,6 +305,16 @@ pub fn random_inputs(
             .first()
             .ok_or_else(|| eval_err(&n.id, "input node without an output type"))?;
         let shape = concrete_shape(&t.shape, bindings, &n.id)?;
+        total = total.saturating_add(
+            (shape.iter().map(|&d| d as u64).product::<u64>()).saturating_mul(w as u64),
+        );
+        if total > MAX_LIVE_ELEMENTS {
+            return Err(ReferenceError::TensorTooLarge {
+                node: n.id.clone(),
+                elements: total,
+                budget: MAX_LIVE_ELEMENTS,
+            });
+        }
         let role = roles.get(&n.id).copied().unwrap_or(InputRole::Data);
         let base = seed ^ fnv1a(&n.id).rotate_left(17);
         let per_rank = kind == InputKind::Activation;
@@ -952,6 +963,7 @@ fn epilogue_of(q: FusedQuant, extra: Option<&Tensor>) -> std::result::Result<Epi
 fn quant_tensors(
     q: QuantOut,
     x_shape: &[usize],
+    epilogue: Epilogue,
 ) -> std::result::Result<(Tensor, Option<Tensor>), String> {
     let h = *x_shape.last().ok_or("quant of a scalar")?;
     let tokens = numel(x_shape).unwrap_or(0).checked_div(h).unwrap_or(0);
@@ -1006,10 +1018,8 @@ fn quant_tensors(
             .map_err(err)?;
             // Scales come back in their physical layout; keep them logical.
             let cols = h / 16;
-            let layout = if scales.len() == tokens * cols {
-                Nvfp4ScaleLayout::Linear
-            } else {
-                Nvfp4ScaleLayout::Swizzled128x4
+            let Epilogue::Nvfp4 { layout, .. } = epilogue else {
+                return Err("NVFP4 output from a non-NVFP4 epilogue".into());
             };
             let mut logical = Vec::with_capacity(tokens * cols);
             for t in 0..tokens {
@@ -1045,7 +1055,7 @@ fn quant_op(
     let out = contract::apply_epilogue(f32s(x)?, tokens, h, ep)
         .map_err(|e| e.to_string())?
         .ok_or("no quant epilogue")?;
-    let (qt, st) = quant_tensors(out, &x.shape)?;
+    let (qt, st) = quant_tensors(out, &x.shape, ep)?;
     Ok(std::iter::once(qt).chain(st).collect())
 }
 
@@ -1085,7 +1095,7 @@ fn fused(n: &Node, f: &arfuse_ir::FusedAllReduceNorm, ins: &[&[Tensor]], w: usiz
             let q = contract::apply_epilogue(&y, tokens, hidden, ep)
                 .map_err(|er| e(er.to_string()))?
                 .ok_or_else(|| e("quant output requested without an epilogue".into()))?;
-            let (qt, st) = quant_tensors(q, &x[r].shape).map_err(e)?;
+            let (qt, st) = quant_tensors(q, &x[r].shape, ep).map_err(e)?;
             (Some(qt), st)
         } else {
             (None, None)
@@ -1108,6 +1118,7 @@ fn fused(n: &Node, f: &arfuse_ir::FusedAllReduceNorm, ins: &[&[Tensor]], w: usiz
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::numerics::quant::Nvfp4ScaleLayout;
 
     fn graph(nodes: &str, outputs: &str, t_max: u64) -> Graph {
         let text = format!(
@@ -1384,6 +1395,50 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn nvfp4_swizzled_scales_at_t128_are_unswizzled_correctly() {
+        // T = 128, H = 64: the swizzled image (128 x 4 bytes) has exactly the
+        // logical element count, so the layout must come from the attribute.
+        let g = graph(
+            r#"{"id": "x", "op": "input", "outputs": [{"dtype": "bf16", "shape": ["T", 64]}]},
+               {"id": "gs", "op": "input", "attrs": {"kind": "parameter"}, "outputs": [{"dtype": "f32", "shape": [1]}]},
+               {"id": "q", "op": "quant_nvfp4", "attrs": {"scale_layout": "swizzled_128x4"}, "inputs": ["x", "gs"],
+                "outputs": [{"dtype": "fp4_e2m1x2", "shape": ["T", 32]}, {"dtype": "fp8_e4m3", "shape": ["T", 4]}]}"#,
+            r#""q", "q:1""#,
+            256,
+        );
+        let b = bind_tokens(&g, 128).unwrap();
+        let ins = random_inputs(&g, 1, &b, 3).unwrap();
+        let out = evaluate(&g, 1, &b, &ins).unwrap();
+        let x = ins["x"][0].f32s().unwrap();
+        let gs = ins["gs"][0].f32s().unwrap()[0];
+        let direct =
+            crate::numerics::quant::nvfp4_quant(x, 128, 64, gs, Nvfp4ScaleLayout::Swizzled128x4)
+                .unwrap();
+        let st = &out.outputs[1][0];
+        assert_eq!(st.physical_bytes().unwrap(), direct.scales);
+        // Logical [t, c] is the block scale of token t, block c.
+        for t in [0usize, 1, 33, 127] {
+            for c in 0..4 {
+                let want = crate::numerics::quant::nvfp4_block_scale(
+                    &x[t * 64 + c * 16..t * 64 + c * 16 + 16],
+                    gs,
+                );
+                assert_eq!(
+                    e4m3_from_f32(st.f32s().unwrap()[t * 4 + c], Saturation::SatFinite),
+                    want
+                );
+            }
+        }
+        let data: Vec<u8> = out.outputs[0][0]
+            .f32s()
+            .unwrap()
+            .iter()
+            .map(|&v| v as u8)
+            .collect();
+        assert_eq!(data, direct.data);
     }
 
     #[test]
