@@ -230,13 +230,17 @@ pub fn block_size(hidden: u32, dtype: Dtype) -> Result<u32> {
     Ok(threads.max(128) as u32)
 }
 
+/// A loaded kernel entry point (opaque driver handle, valid while its [`Gpu`] lives).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelFn(sys::CUfunction);
+
 /// An open GPU: context, one stream, loaded kernels.
 pub struct Gpu {
     _ctx: Arc<cudarc::driver::CudaContext>,
     stream: sys::CUstream,
     info: DeviceInfo,
     arch: Option<Arch>,
-    kernels: HashMap<Variant, sys::CUfunction>,
+    kernels: HashMap<Variant, KernelFn>,
     capturing: std::cell::Cell<bool>,
 }
 
@@ -399,7 +403,7 @@ impl Gpu {
     ///
     /// # Errors
     /// [`Error::Unsupported`] on a device that is not SM 90 / 100; NVRTC errors.
-    pub fn kernel(&mut self, v: &Variant) -> Result<sys::CUfunction> {
+    pub fn kernel(&mut self, v: &Variant) -> Result<KernelFn> {
         if let Some(f) = self.kernels.get(v) {
             return Ok(*f);
         }
@@ -427,16 +431,18 @@ impl Gpu {
             unsafe { sys::cuModuleGetFunction(&mut f, module, name.as_ptr()) },
             "cuModuleGetFunction",
         )?;
-        self.kernels.insert(*v, f);
-        Ok(f)
+        self.kernels.insert(*v, KernelFn(f));
+        Ok(KernelFn(f))
     }
 
     /// CTAs of `f` with `block` threads that fit on the whole device at once.
-    pub fn resident_ctas(&self, f: sys::CUfunction, block: u32) -> Result<u32> {
+    pub fn resident_ctas(&self, f: KernelFn, block: u32) -> Result<u32> {
         let mut n: i32 = 0;
         // SAFETY: valid function and out-pointer.
         check(
-            unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f, block as i32, 0) },
+            unsafe {
+                sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f.0, block as i32, 0)
+            },
             "cuOccupancyMaxActiveBlocksPerMultiprocessor",
         )?;
         Ok((n.max(0) as u32).saturating_mul(self.info.sm_count))
@@ -444,9 +450,10 @@ impl Gpu {
 
     /// Launches `f` with `params` on grid `(gx, gy, 1)`; cooperative (all CTAs
     /// resident) when `cooperative`; with programmatic dependent launch when `pdl`.
+    #[allow(clippy::too_many_arguments)]
     pub fn launch(
         &self,
-        f: sys::CUfunction,
+        f: KernelFn,
         gx: u32,
         gy: u32,
         block: u32,
@@ -484,7 +491,7 @@ impl Gpu {
         let mut args = [(&mut p as *mut KernelParams).cast::<c_void>()];
         // SAFETY: one kernel parameter of the exact layout the kernel declares.
         check(
-            unsafe { sys::cuLaunchKernelEx(&cfg, f, args.as_mut_ptr(), std::ptr::null_mut()) },
+            unsafe { sys::cuLaunchKernelEx(&cfg, f.0, args.as_mut_ptr(), std::ptr::null_mut()) },
             "cuLaunchKernelEx",
         )
     }
@@ -532,7 +539,7 @@ impl Gpu {
 
     /// The handle of a variant loaded earlier, without compiling (usable during
     /// capture, when [`Gpu::kernel`] refuses to load anything new).
-    pub fn cached_kernel(&self, v: &Variant) -> Option<sys::CUfunction> {
+    pub fn cached_kernel(&self, v: &Variant) -> Option<KernelFn> {
         self.kernels.get(v).copied()
     }
 
@@ -802,7 +809,7 @@ mod tests {
         ));
         for h in [2048u32, 2688, 3072, 4096, 5120, 7168, 8192] {
             let b = block_size(h, Dtype::Bf16).unwrap();
-            assert!(b % 32 == 0 && b >= 128 && b <= MAX_BLOCK, "{h} -> {b}");
+            assert!(b % 32 == 0 && (128..=MAX_BLOCK).contains(&b), "{h} -> {b}");
         }
     }
 

@@ -188,7 +188,7 @@ impl Waiter<'_> {
         let mut spins = 0u32;
         while !ready() {
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 {
+            if spins & 63 == 0 {
                 if self.abort.load(Ordering::Relaxed) {
                     return Err(Error::Model(format!(
                         "aborted while waiting for {}",
@@ -470,6 +470,40 @@ impl Model {
     }
 }
 
+/// Host mirror of the kernels' residual + RMSNorm epilogue for bf16 (the contract in
+/// `kernels/arfuse_common.cuh`), on `[T, H]` row-major data: returns
+/// `(residual_out, norm_out)`. `a` is the all-reduce output (already rounded). The
+/// sum of squares is sequential here and block-tree ordered on the GPU, so norm_out
+/// may differ by 1 ulp; residual_out must match bit for bit.
+pub fn res_norm_reference(
+    a: &[bf16],
+    residual: Option<&[bf16]>,
+    gamma: &[bf16],
+    eps: f32,
+    weight_bias: f32,
+) -> (Vec<bf16>, Vec<bf16>) {
+    let h = gamma.len().max(1);
+    let res_out: Vec<bf16> = match residual {
+        Some(r) => a
+            .iter()
+            .zip(r)
+            .map(|(x, y)| bf16::from_f32(x.to_f32() + y.to_f32()))
+            .collect(),
+        None => a.to_vec(),
+    };
+    let mut norm = Vec::with_capacity(res_out.len());
+    for row in res_out.chunks(h) {
+        let ss: f32 = row.iter().map(|x| x.to_f32() * x.to_f32()).sum();
+        let rstd = 1.0 / (ss / h as f32 + eps).sqrt();
+        for (x, g) in row.iter().zip(gamma) {
+            norm.push(bf16::from_f32(
+                (x.to_f32() * rstd) * (g.to_f32() + weight_bias),
+            ));
+        }
+    }
+    (res_out, norm)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -542,7 +576,7 @@ mod tests {
             0x0000
         );
         // Fixed order matters: (1 + 2^-8) + (-1) in fp32 then bf16.
-        let a = vec![
+        let a = [
             bf16::from_f32(1.0),
             bf16::from_f32(0.00390625),
             bf16::from_f32(-1.0),
@@ -612,6 +646,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::needless_range_loop)]
     fn negative_zero_and_negative_subnormal_inputs_never_hang() {
         let w = 4;
         let h = 8;
@@ -705,38 +740,4 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, Error::Invalid(_)));
     }
-}
-
-/// Host mirror of the kernels' residual + RMSNorm epilogue for bf16 (the contract in
-/// `kernels/arfuse_common.cuh`), on `[T, H]` row-major data: returns
-/// `(residual_out, norm_out)`. `a` is the all-reduce output (already rounded). The
-/// sum of squares is sequential here and block-tree ordered on the GPU, so norm_out
-/// may differ by 1 ulp; residual_out must match bit for bit.
-pub fn res_norm_reference(
-    a: &[bf16],
-    residual: Option<&[bf16]>,
-    gamma: &[bf16],
-    eps: f32,
-    weight_bias: f32,
-) -> (Vec<bf16>, Vec<bf16>) {
-    let h = gamma.len().max(1);
-    let res_out: Vec<bf16> = match residual {
-        Some(r) => a
-            .iter()
-            .zip(r)
-            .map(|(x, y)| bf16::from_f32(x.to_f32() + y.to_f32()))
-            .collect(),
-        None => a.to_vec(),
-    };
-    let mut norm = Vec::with_capacity(res_out.len());
-    for row in res_out.chunks(h) {
-        let ss: f32 = row.iter().map(|x| x.to_f32() * x.to_f32()).sum();
-        let rstd = 1.0 / (ss / h as f32 + eps).sqrt();
-        for (x, g) in row.iter().zip(gamma) {
-            norm.push(bf16::from_f32(
-                (x.to_f32() * rstd) * (g.to_f32() + weight_bias),
-            ));
-        }
-    }
-    (res_out, norm)
 }

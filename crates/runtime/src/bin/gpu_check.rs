@@ -266,7 +266,7 @@ fn run(hidden: u32, replays: u32) -> Result<usize> {
 
 /// The kernel handle for a variant already loaded by a direct launch (nothing is
 /// compiled or allocated while capturing).
-fn gpu_kernel_cached(gpu: &Gpu, v: &Variant) -> Result<cudarc::driver::sys::CUfunction> {
+fn gpu_kernel_cached(gpu: &Gpu, v: &Variant) -> Result<cuda::KernelFn> {
     gpu.cached_kernel(v)
         .ok_or_else(|| Error::Invalid(format!("{v} not loaded before capture")))
 }
