@@ -45,6 +45,8 @@ impl Data {
 /// One all-reduce of the input graph.
 #[derive(Clone, Debug)]
 pub(crate) struct Instance {
+    /// Its node id in the input graph.
+    pub id: String,
     /// Its process group.
     pub group: String,
     /// Uses of its output in the input graph (node inputs and graph outputs).

@@ -53,6 +53,7 @@ pub(crate) fn convert(g: &Graph, group: &str) -> Converted {
             an.instances.insert(
                 id.index() as u32,
                 Instance {
+                    id: n.id.clone(),
                     group: group.clone(),
                     uses: uses_through_views(g, Value::new(id, 0)),
                 },

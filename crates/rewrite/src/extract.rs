@@ -112,3 +112,76 @@ pub(crate) fn tree_cost<'a>(
         })
         .sum()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis::FxAnalysis;
+    use crate::lang::{FKind, Leaf, QKind};
+
+    /// A fused node read through four projections costs one fused node under the DAG
+    /// cost, four under a tree cost; the unfused alternative shares its all-reduce and
+    /// add the same way.
+    #[test]
+    fn dag_cost_counts_a_shared_tuple_once() {
+        let mut eg: FxGraph = egg::EGraph::new(FxAnalysis::default());
+        let leaf = |eg: &mut FxGraph, l| eg.add(Fx::Leaf(l));
+        let x = leaf(&mut eg, Leaf::Value(0, 0));
+        let r = leaf(&mut eg, Leaf::Value(1, 0));
+        let w = leaf(&mut eg, Leaf::Value(2, 0));
+        let s = leaf(&mut eg, Leaf::Value(3, 0));
+        let k = leaf(
+            &mut eg,
+            Leaf::Fused(FKind {
+                residual: true,
+                quant: QKind::Fp8PerToken,
+                eps: 1e-6f64.to_bits(),
+                bias: 0,
+            }),
+        );
+        let i = leaf(&mut eg, Leaf::Inst(9));
+        let f = eg.add(Fx::Fused([k, i, x, r, w, s]));
+        let ports: Vec<Id> = (0..4u8)
+            .map(|p| {
+                let pl = leaf(&mut eg, Leaf::Port(p));
+                eg.add(Fx::Get([pl, f]))
+            })
+            .collect();
+        let nodes: Vec<Fx> = ports.iter().map(|c| eg[*c].nodes[0].clone()).collect();
+        let fnode = eg[f].nodes[0].clone();
+        let choose = |c: Id| {
+            if c == eg.find(f) {
+                return Some(&fnode);
+            }
+            ports
+                .iter()
+                .position(|p| eg.find(*p) == c)
+                .map(|k| &nodes[k])
+        };
+        assert_eq!(dag_cost(&eg, &ports, choose), COST_FUSED);
+        assert_eq!(tree_cost(&eg, &ports, &choose), 4 * COST_FUSED);
+
+        // Unfused: norm and residual share the add and the all-reduce.
+        let ar = eg.add(Fx::AllReduce([i, x]));
+        let h = eg.add(Fx::Add([ar, r]));
+        let nl = leaf(
+            &mut eg,
+            Leaf::Norm {
+                eps: 1e-6f64.to_bits(),
+                bias: 0,
+            },
+        );
+        let y = eg.add(Fx::RmsNorm([nl, h, w]));
+        let un: Vec<(Id, Fx)> = [ar, h, y]
+            .iter()
+            .map(|c| (*c, eg[*c].nodes[0].clone()))
+            .collect();
+        let pick = |c: Id| un.iter().find(|(id, _)| eg.find(*id) == c).map(|(_, n)| n);
+        let roots = [y, h];
+        let dag = dag_cost(&eg, &roots, pick);
+        assert_eq!(dag, COST_ALL_REDUCE + COST_ELEMENTWISE + COST_NORM);
+        assert!(tree_cost(&eg, &roots, &pick) > dag);
+        // Fusing pays under the DAG cost.
+        assert!(COST_FUSED < dag);
+    }
+}

@@ -195,18 +195,20 @@ fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<
             );
         }
         if let Some(other) = all_reduce_in(eg, r) {
-            if an.instances.get(&other).is_some_and(|o| o.uses == 1) {
+            if let Some(o) = an.instances.get(&other).filter(|o| o.uses == 1) {
                 return Err(format!(
-                    "the add sums this all-reduce and another one (IR node #{other}) used \
-                     only by it: a layout with two reductions is never fused"
+                    "the add sums this all-reduce and another one (`{}`) used only by it: \
+                     a layout with two reductions is never fused",
+                    o.id
                 ));
             }
         }
     }
     if let Some(src) = all_reduce_in(eg, x) {
+        let src = an.instances.get(&src).map(|i| i.id.as_str()).unwrap_or("?");
         return Err(format!(
-            "the all-reduce reduces the output of another all-reduce (IR node #{src}): a \
-             layout with two reductions is never fused"
+            "the all-reduce reduces the output of another all-reduce (`{src}`): a layout \
+             with two reductions is never fused"
         ));
     }
     let e = tx.dtype.size_bytes();
