@@ -6,7 +6,7 @@
 //! - Graph inputs become `input` nodes: parameters `parameter`, buffers and lifted
 //!   tensor constants `buffer`, user inputs `activation`. Their id is the torch tensor
 //!   name; a parameter's or buffer's `module` is its owning module.
-//! - Each node becomes the IR op it maps to (see [`mod@self`]'s table in the docs), or
+//! - Each node becomes the IR op it maps to (the table is in `docs/torch-export.md`), or
 //!   `opaque` with its target (without the `torch.ops.` prefix), every argument in
 //!   `attrs` (a tensor argument as `{"input": k}`, its position among the node's
 //!   inputs) and outputs typed from `tensor_values`. A mapped node that the IR's type
@@ -78,7 +78,7 @@ pub const CHECK_TARGETS: &[&str] = &[
 ];
 
 /// Imports a torch.export ExportedProgram: the bare JSON, or a `.pt2` zip archive
-/// holding it (see [`archive`](self) member rules in `docs/torch-export.md`).
+/// holding it (which archive member is read: `docs/torch-export.md`).
 ///
 /// Errors: size limits, [`ImportError::Archive`], [`ImportError::Json`] (a truncated
 /// file), [`ImportError::SchemaVersion`] for a major version other than
@@ -1043,5 +1043,49 @@ fn for_each_tensor(a: &Json, f: &mut dyn FnMut(&str)) {
                 f(&n);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn module_stack_innermost_entry() {
+        let s = "L__self__,,__main__.Wrap;L__self__m.model,m.model,x.LlamaModel;\
+                 L__self__m.model.layers.0.mlp,m.model.layers.0.mlp,x.LlamaMLP";
+        assert_eq!(innermost_module(s), Some("m.model.layers.0.mlp"));
+        assert_eq!(innermost_module("L__self__,,__main__.Wrap"), None);
+        assert_eq!(
+            innermost_module("_empty_nn_module_stack_from_metadata_hook"),
+            None
+        );
+        assert_eq!(innermost_module(""), None);
+    }
+
+    #[test]
+    fn ids_and_dtypes() {
+        assert_eq!(sanitize_id("a b:c\t"), "a_b_c_");
+        assert_eq!(sanitize_id(""), "node");
+        let long = "\u{e9}".repeat(400);
+        assert!(sanitize_id(&long).len() <= MAX_ID_LEN);
+        assert_eq!(scalar_type(13), Ok((DType::Bf16, false)));
+        assert_eq!(scalar_type(5), Ok((DType::I64, false)));
+        assert_eq!(scalar_type(4), Ok((DType::I32, false)));
+        assert_eq!(scalar_type(12), Ok((DType::U8, true)));
+        assert!(scalar_type(8).unwrap_err().contains("DOUBLE"));
+        assert!(scalar_type(-3).is_err());
+        assert_eq!(scalar_type_name(12), "bool");
+    }
+
+    #[test]
+    fn schema_versions() {
+        assert_eq!(
+            check_version(Some(&json!({"major": 8, "minor": 20}))).unwrap(),
+            "8.20"
+        );
+        assert!(check_version(Some(&json!({"major": 7, "minor": 1}))).is_err());
+        assert!(check_version(Some(&json!(8))).is_err());
+        assert!(check_version(None).is_err());
     }
 }

@@ -70,10 +70,10 @@ fn lex(s: &str) -> Result<Vec<Tok>, String> {
             out.push(Tok::Str(s[st..i].to_string()));
             i += 1;
         } else {
-            let two = if i + 1 < b.len() { &s[i..i + 2] } else { "" };
+            let two = b.get(i..i + 2);
             let p: &'static str = match two {
-                "//" => "//",
-                "**" => "**",
+                Some(b"//") => "//",
+                Some(b"**") => "**",
                 _ => match c {
                     b'(' => "(",
                     b')' => ")",
@@ -82,7 +82,10 @@ fn lex(s: &str) -> Result<Vec<Tok>, String> {
                     b'+' => "+",
                     b'-' => "-",
                     b'*' => "*",
-                    _ => return Err(format!("unexpected character {:?}", c as char)),
+                    _ => {
+                        let ch = s[i..].chars().next().unwrap_or('?');
+                        return Err(format!("unexpected character {ch:?}"));
+                    }
                 },
             };
             i += p.len();
@@ -398,6 +401,9 @@ mod tests {
             "s0 +",
             "'abc",
             "4 $ 5",
+            "*\u{20ac}",
+            "s0\u{e9}",
+            "/\u{20ac}",
             "99999999999999999999999999999999999999999",
             ")",
         ] {
