@@ -37,9 +37,25 @@
 //!    from it accordingly; `residual_out` and the all-reduce output are
 //!    bit-exact.
 //! 4. **Quant epilogues** act on `y` (already rounded to T, widened to f32),
-//!    as domain.md section 1; the exact formulas (division, not reciprocal
-//!    multiplication; NaN handling; satfinite) are in
-//!    [`crate::numerics::quant`]. [`Epilogue`], [`apply_epilogue`].
+//!    as domain.md section 1 ([`Epilogue`], [`apply_epilogue`],
+//!    [`crate::numerics::quant`]). All arithmetic f32, left to right:
+//!    - static FP8: `q = e4m3_satfinite(y / scale)` (a true division, not a
+//!      multiplication by a precomputed reciprocal);
+//!    - dynamic per-token FP8: `s = max(amax / 448, 1 / (512 * 448))`,
+//!      `q = e4m3(clamp(y / s, -448, 448))`;
+//!    - per-token-group FP8: `s = max(amax / 448, 1e-10)`, rounded UP to a
+//!      power of two for the packed UE8M0 layout, kept exact for the f32
+//!      layout; `q = e4m3(clamp(y / s, -448, 448))`;
+//!    - NVFP4: `SF = e4m3_satfinite((global_scale * amax) / 6)`, element
+//!      `e2m1_satfinite((y * global_scale) / f32(SF))`, a signed zero when
+//!      `SF == 0`; swizzled scales follow the 128x4 layout the block-scaled
+//!      GEMMs read ([`crate::numerics::quant::nvfp4_swizzle_row_slot`]);
+//!    - `amax` ignores NaN (as `fmaxf`); e4m3 rounds to nearest even and
+//!      encodes NaN as 0x7F; e2m1 rounds to nearest even, saturates to +-6
+//!      and encodes NaN as +6 (0x7); signs of zeros are kept.
+//!
+//! f64 attributes (`eps`, constants) enter as the nearest f32 (`eps`) or in
+//! one rounding to T ([`FloatFormat::round_f64`]).
 //!
 //! The IR's `rms_norm` and `fused_add_rms_norm` ops have this single-rounding
 //! semantics too, so an explicit chain (all_reduce, add, rms_norm, quant) and
