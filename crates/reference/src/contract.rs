@@ -16,8 +16,12 @@
 //!
 //! 1. **All-reduce.** `s = x_0 + x_1 + ... + x_{W-1}`: each `x_r` widened
 //!    exactly to f32, accumulated in f32 left to right in rank order starting
-//!    from `x_0` (`acc = f32(x_0); acc = acc + f32(x_1); ...`); then
-//!    `a = round_T(s)`. This rounding before the residual add matches the
+//!    from +0.0 (`acc = +0.0; acc = acc + f32(x_0); acc = acc + f32(x_1);
+//!    ...`); then `a = round_T(s)`. Starting from +0.0 only differs from
+//!    starting at `x_0` when every input is -0.0: the sum is then +0.0, as the
+//!    one-shot Lamport kernel must produce (it rewrites -0.0 to +0.0 before
+//!    sending, because -0.0 is its empty sentinel; domain.md section 6).
+//!    This rounding before the residual add matches the
 //!    unfused path (domain.md section 1: a kernel that skips it drifts 1-4
 //!    ulp). [`all_reduce`].
 //! 2. **Residual.** `h = round_T(f32(a) + f32(residual))`, written as
@@ -91,8 +95,9 @@ pub const DECOMPOSED_NORM_TOLERANCE_ULP: u64 = 1;
 /// Clause 1: the all-reduce of one tensor over `W = ranks.len()` ranks.
 ///
 /// `ranks[r]` holds rank r's values (each exactly representable in `t`,
-/// same length for every rank). Returns `a = round_T(((f32(x_0) + f32(x_1))
-/// + ...) + f32(x_{W-1}))` element-wise.
+/// same length for every rank). Returns `a = round_T(((+0.0 + f32(x_0)) +
+/// f32(x_1)) + ... + f32(x_{W-1}))` element-wise (so all -0.0 inputs give
+/// +0.0, as the Lamport kernels do).
 pub fn all_reduce(ranks: &[&[f32]], t: FloatFormat) -> Result<Vec<f32>> {
     let first = ranks
         .first()
@@ -108,8 +113,8 @@ pub fn all_reduce(ranks: &[&[f32]], t: FloatFormat) -> Result<Vec<f32>> {
             first.len()
         )));
     }
-    let mut acc: Vec<f32> = first.to_vec();
-    for x in &ranks[1..] {
+    let mut acc: Vec<f32> = vec![0.0; first.len()];
+    for x in ranks {
         for (a, &v) in acc.iter_mut().zip(x.iter()) {
             *a += v;
         }
@@ -389,6 +394,19 @@ mod tests {
         );
         assert!(all_reduce(&[], BF).is_err());
         assert!(all_reduce(&[&[1.0], &[1.0, 2.0]], BF).is_err());
+    }
+
+    #[test]
+    fn all_reduce_of_negative_zeros_is_positive_zero() {
+        // The Lamport kernels send -0.0 as +0.0 (it is their empty sentinel), so the
+        // contract starts the sum at +0.0: all -0.0 in gives +0.0 out.
+        let z = [-0.0f32];
+        let a = all_reduce(&[&z, &z, &z, &z], BF).unwrap();
+        assert_eq!(a[0].to_bits(), 0.0f32.to_bits());
+        // One negative subnormal stays negative: +0.0 + x is x for any x != -0.0.
+        let tiny = -f32::from_bits(1);
+        let a = all_reduce(&[&[tiny], &z], FloatFormat::F32).unwrap();
+        assert_eq!(a[0].to_bits(), tiny.to_bits());
     }
 
     #[test]
