@@ -184,6 +184,15 @@ pub fn check_lowered(input: &Graph, target: &Target, lowered: &af::Lowered) {
         let Op::FusedAllreduceNorm(f) = &n.op else {
             continue;
         };
+        // Fused nodes of the input are carried verbatim; their plans are whatever the
+        // file says (the IR does not check them: ir-fixtures/hostile/fused_plan_*.json,
+        // reported). Only the plans this lowering wrote are checked here.
+        if input
+            .find(&n.id)
+            .is_some_and(|i| matches!(input.node(i).op, Op::FusedAllreduceNorm(_)))
+        {
+            continue;
+        }
         let Some(plan) = &f.plan else { continue };
         let Some(x) = out.value_type(n.inputs[0]) else {
             panic!("fused node {} has no input type", n.id)
@@ -318,9 +327,10 @@ impl<'a> Src<'a> {
         }
     }
 
-    /// True with probability about `num / 256`.
+    /// True with probability about `num / 256`; false past the end of the input, so
+    /// a short input describes a small graph.
     pub fn chance(&mut self, num: u8) -> bool {
-        self.byte() < num
+        self.byte() > 255 - num
     }
 
     /// One of `xs`.
