@@ -1,0 +1,205 @@
+//! The snapshot corpus: every model graph under ir-fixtures/models/, lowered for every
+//! target preset its options file names. Snapshots hold the report and the canonical
+//! lowered text; assertions hold the site counts.
+
+use arfuse::policy::{resolve_backend, BackendDecision};
+use arfuse::{Graph, LowerOptions, Target};
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+struct Fixture {
+    name: String,
+    graph: Graph,
+    options: serde_json::Value,
+}
+
+fn load(options_path: &Path) -> Fixture {
+    let name = options_path
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .trim_end_matches(".options.json")
+        .to_string();
+    let options: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(options_path).unwrap()).unwrap();
+    let graph_path = options_path.with_file_name(format!("{name}.json"));
+    let graph = Graph::from_json_slice(&std::fs::read(&graph_path).unwrap())
+        .unwrap_or_else(|e| panic!("{}: {e}", graph_path.display()));
+    Fixture {
+        name,
+        graph,
+        options,
+    }
+}
+
+fn fixtures() -> Vec<Fixture> {
+    let dir = root().join("ir-fixtures/models");
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".options.json"))
+        .collect();
+    paths.sort();
+    paths.iter().map(|p| load(p)).collect()
+}
+
+/// Hidden sizes of the graphs named in `shares_workspace_with` (a speculative-decoding
+/// draft and its target share one workspace).
+fn shared_hidden_sizes(f: &Fixture) -> Vec<u64> {
+    let mut out = Vec::new();
+    for other in f.options["shares_workspace_with"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        let other = load(
+            &root()
+                .join("ir-fixtures/models")
+                .join(format!("{}.options.json", other.as_str().unwrap())),
+        );
+        out.extend(hidden_sizes(&other.graph));
+    }
+    out
+}
+
+/// Last dims of every all-reduce in a graph.
+fn hidden_sizes(g: &Graph) -> Vec<u64> {
+    let mut hs: Vec<u64> = g
+        .nodes()
+        .filter(|(_, n)| matches!(n.op, arfuse::ir::Op::AllReduce { .. }))
+        .filter_map(|(_, n)| n.outputs[0].shape.last().and_then(|d| d.as_const()))
+        .collect();
+    hs.sort();
+    hs.dedup();
+    hs
+}
+
+#[test]
+fn every_model_lowers_for_every_target_with_the_expected_sites() {
+    let all = fixtures();
+    assert!(
+        all.len() >= 10,
+        "expected the model corpus, found {}",
+        all.len()
+    );
+    for f in &all {
+        let expected = f.options["expected_sites"].as_u64().unwrap() as usize;
+        let targets: Vec<String> = f.options["targets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect();
+        assert!(!targets.is_empty(), "{}: no targets", f.name);
+        for t in &targets {
+            let target = Target::preset(t).unwrap();
+            let options = LowerOptions {
+                shared_hidden_sizes: shared_hidden_sizes(f),
+                ..LowerOptions::default()
+            };
+            let lowered = arfuse::lower_with(&f.graph, &target, &options)
+                .unwrap_or_else(|e| panic!("{} on {t}: {e}", f.name));
+            let report = &lowered.report;
+            assert_eq!(
+                report.all_reduces_seen,
+                f.options["all_reduces"].as_u64().unwrap() as usize,
+                "{} on {t}",
+                f.name
+            );
+            match resolve_backend(&target).unwrap() {
+                BackendDecision::Fuse { .. } => assert_eq!(
+                    report.all_reduces_fused, expected,
+                    "{} on {t}: fused {} of {} sites\n{report}",
+                    f.name, report.all_reduces_fused, expected
+                ),
+                BackendDecision::NoFusion { reason } => {
+                    assert_eq!(report.all_reduces_fused, 0, "{} on {t}", f.name);
+                    assert!(
+                        report
+                            .sites
+                            .iter()
+                            .all(|s| s.reason.as_deref().is_some_and(|r| !r.is_empty())),
+                        "{} on {t}: every unfused site needs a reason",
+                        f.name
+                    );
+                    assert!(!reason.is_empty());
+                }
+            }
+            lowered.graph.validate().unwrap();
+            let mut settings = insta::Settings::clone_current();
+            settings.set_snapshot_suffix(format!("{}@{t}", f.name));
+            settings.set_prepend_module_to_snapshot(false);
+            settings.bind(|| {
+                insta::assert_snapshot!("report", report.to_string());
+                insta::assert_snapshot!("lowered", lowered.graph.canonical_text());
+            });
+        }
+    }
+}
+
+#[test]
+fn glm5_fp8_on_h200_is_the_seed_case_handled() {
+    let f = load(&root().join("ir-fixtures/models/glm5_fp8_tp8.options.json"));
+    let target = Target::preset("h200-sxm-x8").unwrap();
+    let lowered = arfuse::lower(&f.graph, &target).unwrap();
+    let fused: Vec<_> = lowered
+        .graph
+        .nodes()
+        .filter_map(|(_, n)| match &n.op {
+            arfuse::ir::Op::FusedAllreduceNorm(a) => Some(a.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(fused.len(), 157);
+    for a in &fused {
+        let plan = a.plan.as_ref().expect("a fused node carries its plan");
+        assert_eq!(plan.backend, arfuse::ir::Backend::Mnnvl);
+        assert_eq!(plan.max_token_num, 42);
+        assert_eq!(plan.lamport_buffer_bytes, 1_179_648);
+        let ranges: Vec<(u64, u64, arfuse::ir::Strategy)> = plan
+            .dispatch
+            .iter()
+            .map(|r| (r.min_tokens, r.max_tokens, r.strategy))
+            .collect();
+        assert_eq!(
+            ranges,
+            vec![
+                (1, 10, arfuse::ir::Strategy::OneShot),
+                (11, 42, arfuse::ir::Strategy::TwoShot),
+                (43, 8192, arfuse::ir::Strategy::Unfused)
+            ]
+        );
+        // Every fused T fits ONE Lamport buffer (the seed failure needed 3,932,160 at T=40).
+        for r in &plan.dispatch {
+            assert!(r.required_bytes <= plan.lamport_buffer_bytes);
+        }
+    }
+}
+
+#[test]
+fn lowering_twice_changes_nothing_and_is_deterministic() {
+    for f in fixtures()
+        .iter()
+        .filter(|f| f.name.starts_with("llama31_8b") || f.name.starts_with("deepseek_v3"))
+    {
+        let target = Target::preset("b200-x8").unwrap();
+        let a = arfuse::lower(&f.graph, &target).unwrap();
+        let b = arfuse::lower(&f.graph, &target).unwrap();
+        assert_eq!(
+            a.graph.to_json_string(),
+            b.graph.to_json_string(),
+            "{}",
+            f.name
+        );
+        let again = arfuse::lower(&a.graph, &target).unwrap();
+        assert_eq!(
+            again.graph.to_json_string(),
+            a.graph.to_json_string(),
+            "{}",
+            f.name
+        );
+    }
+}
