@@ -119,6 +119,9 @@ fn graph_answer(bytes: &[u8]) -> String {
         Ok(imported) => {
             let g = &imported.graph;
             writeln!(s, "import::load_any: loaded {} node(s)", g.len()).unwrap();
+            for note in &imported.notes {
+                writeln!(s, "  note: {note}").unwrap();
+            }
             lower_answer(&mut s, g, &af::LowerOptions::default());
         }
     }
@@ -136,7 +139,12 @@ fn import_answer(bytes: &[u8]) -> String {
     match af::import::load_any(bytes) {
         Err(e) => writeln!(s, "import::load_any: error: {e}").unwrap(),
         Ok(imported) => {
-            writeln!(s, "import::load_any: loaded {} node(s)", imported.graph.len()).unwrap();
+            writeln!(
+                s,
+                "import::load_any: loaded {} node(s)",
+                imported.graph.len()
+            )
+            .unwrap();
             lower_answer(&mut s, &imported.graph, &af::LowerOptions::default());
         }
     }
@@ -188,7 +196,12 @@ fn target_answer(bytes: &[u8]) -> String {
                     writeln!(
                         s,
                         "  H={} T={}..={} {:?} needs {} of {} bytes",
-                        site.hidden, r.lo, r.hi, r.strategy, r.required_bytes_max, r.available_bytes
+                        site.hidden,
+                        r.lo,
+                        r.hi,
+                        r.strategy,
+                        r.required_bytes_max,
+                        r.available_bytes
                     )
                     .unwrap();
                 }
@@ -274,11 +287,17 @@ fn hostile_files_are_refused_for_the_right_reason() {
         ("dim_u64_max.json", "[overflow]"),
         ("byte_count_overflow_symbols.json", "[overflow]"),
         ("byte_count_overflow_dtype.json", "[overflow]"),
-        ("nvfp4_hidden_not_multiple_of_block.json", "not a multiple of the NVFP4 block (16)"),
+        (
+            "nvfp4_hidden_not_multiple_of_block.json",
+            "not a multiple of the NVFP4 block (16)",
+        ),
         ("eps_nan_literal.json", "malformed graph JSON"),
         ("eps_nan_string.json", "[attribute]"),
         ("eps_nan_fused_node.json", "[attribute]"),
-        ("symbol_range_min_above_max.json", "empty range: min 8192 > max 1"),
+        (
+            "symbol_range_min_above_max.json",
+            "empty range: min 8192 > max 1",
+        ),
         ("non_utf8_in_id.json", "not UTF-8"),
         ("duplicate_key_top_level.json", "duplicate field `nodes`"),
         ("duplicate_key_attrs.json", "duplicate key \"group\""),
@@ -318,7 +337,13 @@ fn chain(n: usize) -> Vec<u8> {
     s.push_str(&node_line("n0", "input", "{}", &[], 64));
     for i in 1..n {
         s.push_str(",\n");
-        s.push_str(&node_line(&format!("n{i}"), "rsqrt", "{}", &[&format!("n{}", i - 1)], 64));
+        s.push_str(&node_line(
+            &format!("n{i}"),
+            "rsqrt",
+            "{}",
+            &[&format!("n{}", i - 1)],
+            64,
+        ));
     }
     write!(s, "\n], \"outputs\": [\"n{}\"]}}\n", n - 1).unwrap();
     s.into_bytes()
@@ -375,7 +400,13 @@ fn wide_sites(layers: usize) -> Vec<u8> {
     ];
     let mut res = "res".to_string();
     for i in 0..layers {
-        lines.push(node_line(&format!("ar{i}"), "all_reduce", "{\"group\": \"tp\"}", &["x"], 4096));
+        lines.push(node_line(
+            &format!("ar{i}"),
+            "all_reduce",
+            "{\"group\": \"tp\"}",
+            &["x"],
+            4096,
+        ));
         lines.push(format!(
             "{{\"id\": \"n{i}\", \"op\": \"fused_add_rms_norm\", \"attrs\": {{\"eps\": 1e-6}}, \"inputs\": [\"ar{i}\", \"{res}\", \"w\"], \"outputs\": [{{\"dtype\": \"bf16\", \"shape\": [\"T\", 4096]}}, {{\"dtype\": \"bf16\", \"shape\": [\"T\", 4096]}}]}}"
         ));
@@ -384,6 +415,51 @@ fn wide_sites(layers: usize) -> Vec<u8> {
     let mut s = String::from(HDR);
     s.push_str(&lines.join(",\n"));
     write!(s, "\n], \"outputs\": [\"{res}\", \"n{}\"]}}\n", layers - 1).unwrap();
+    s.into_bytes()
+}
+
+/// An all-reduce, then `n` reshapes alternating `[T, 4096]` and `[T, 64, 64]`, then
+/// add + RMSNorm on the last `[T, 4096]` view: the view rules must see through the
+/// chain without the e-graph growing with its square.
+fn view_chain(n: usize) -> Vec<u8> {
+    let mut s = String::from(HDR);
+    s.push_str(&node_line("x", "input", "{}", &[], 4096));
+    s.push_str(",\n");
+    s.push_str(&node_line("res", "input", "{}", &[], 4096));
+    s.push_str(",\n{\"id\": \"w\", \"op\": \"input\", \"attrs\": {\"kind\": \"parameter\"}, \"outputs\": [{\"dtype\": \"bf16\", \"shape\": [4096]}]}");
+    s.push_str(",\n");
+    s.push_str(&node_line(
+        "v0",
+        "all_reduce",
+        "{\"group\": \"tp\"}",
+        &["x"],
+        4096,
+    ));
+    for i in 1..=n {
+        let shape = if i % 2 == 1 {
+            "[\"T\", 64, 64]"
+        } else {
+            "[\"T\", 4096]"
+        };
+        write!(
+            s,
+            ",\n{{\"id\": \"v{i}\", \"op\": \"reshape\", \"inputs\": [\"v{}\"], \"outputs\": [{{\"dtype\": \"bf16\", \"shape\": {shape}}}]}}",
+            i - 1
+        )
+        .unwrap();
+    }
+    let last = format!("v{}", n - n % 2);
+    s.push_str(",\n");
+    s.push_str(&node_line("h", "add", "{}", &[&last, "res"], 4096));
+    s.push_str(",\n");
+    s.push_str(&node_line(
+        "n",
+        "rms_norm",
+        "{\"eps\": 1e-6}",
+        &["h", "w"],
+        4096,
+    ));
+    s.push_str("\n], \"outputs\": [\"n\", \"h\"]}\n");
     s.into_bytes()
 }
 
@@ -403,9 +479,21 @@ fn many_outputs(n: usize) -> Vec<u8> {
     s.push_str(",\n{\"id\": \"w\", \"op\": \"input\", \"attrs\": {\"kind\": \"parameter\"}, \"outputs\": [{\"dtype\": \"bf16\", \"shape\": [4096]}]}");
     let last = format!("split:{}", n - 1);
     s.push_str(",\n");
-    s.push_str(&node_line("ar", "all_reduce", "{\"group\": \"tp\"}", &[&last], 4096));
+    s.push_str(&node_line(
+        "ar",
+        "all_reduce",
+        "{\"group\": \"tp\"}",
+        &[&last],
+        4096,
+    ));
     s.push_str(",\n");
-    s.push_str(&node_line("n", "rms_norm", "{\"eps\": 1e-6}", &["ar", "w"], 4096));
+    s.push_str(&node_line(
+        "n",
+        "rms_norm",
+        "{\"eps\": 1e-6}",
+        &["ar", "w"],
+        4096,
+    ));
     s.push_str("\n], \"outputs\": [\"n\", \"split\"]}\n");
     s.into_bytes()
 }
@@ -528,11 +616,7 @@ struct Generated {
 }
 
 fn generated_cases() -> Vec<Generated> {
-    fn g(
-        name: &'static str,
-        memory: usize,
-        input: impl Fn() -> Vec<u8> + 'static,
-    ) -> Generated {
+    fn g(name: &'static str, memory: usize, input: impl Fn() -> Vec<u8> + 'static) -> Generated {
         Generated {
             name,
             input: Box::new(input),
@@ -543,7 +627,18 @@ fn generated_cases() -> Vec<Generated> {
     vec![
         // 1,000,000 nodes (about 90 MB): refused at node 500,001 while parsing.
         g("chain_1m_nodes", 512 * MIB, || chain(1_000_000)),
-        g("deep_nesting_1m_levels", 16 * MIB, || deep_metadata(1_000_000)),
+        g("deep_nesting_1m_levels", 16 * MIB, || {
+            deep_metadata(1_000_000)
+        }),
+        g("torch_export_deep_nesting_1m_levels", 16 * MIB, || {
+            let seed = std::fs::read_to_string(
+                root().join("fuzz/corpus-seed/fuzz_bytes/torch_export_allreduce_norm.json"),
+            )
+            .unwrap();
+            let deep = format!("{}{}", "[".repeat(1_000_000), "]".repeat(1_000_000));
+            seed.replacen("\"metadata\": {}", &format!("\"metadata\": {deep}"), 1)
+                .into_bytes()
+        }),
         g("cycle_ring_100k_nodes", 256 * MIB, || ring(100_000)),
         g("problems_10k", 64 * MIB, || many_problems(10_000)),
         // Fan-out: 5,000 extra readers of each of one layer's values; lowered (the
@@ -557,15 +652,21 @@ fn generated_cases() -> Vec<Generated> {
         }),
         // 2,000 all-reduces of one value, each with its own norm; lowered.
         g("wide_2000_sites_one_value", 256 * MIB, || wide_sites(2_000)),
+        // 10,000 alternating views between the all-reduce and the norm.
+        g("view_chain_10k", 256 * MIB, || view_chain(10_000)),
         g("outputs_1000_on_one_node", 64 * MIB, || many_outputs(1_000)),
         g("outputs_1025_on_one_node", 64 * MIB, || many_outputs(1_025)),
         g("file_above_max_input_bytes", 16 * MIB, || {
             vec![0u8; af::ir::MAX_INPUT_BYTES + 1]
         }),
         // A 1.9 MB zip that inflates to about 300 MB, its size declared honestly...
-        g("pt2_zip_bomb_declared", 16 * MIB, || zip_bomb(1_200_000, 309_600_001)),
+        g("pt2_zip_bomb_declared", 16 * MIB, || {
+            zip_bomb(1_200_000, 309_600_001)
+        }),
         // ...and declared as 1 KB: the reader stops one byte past the limit.
-        g("pt2_zip_bomb_lying", 600 * MIB, || zip_bomb(1_200_000, 1_000)),
+        g("pt2_zip_bomb_lying", 600 * MIB, || {
+            zip_bomb(1_200_000, 1_000)
+        }),
     ]
 }
 
@@ -584,12 +685,7 @@ fn generated_hostile_cases_give_their_snapshotted_answer_in_bounded_time_and_mem
             TIME_BOUND
         };
         assert!(took < bound, "{}: {took:?}", case.name);
-        assert!(
-            peak < case.memory,
-            "{}: peak {} MiB",
-            case.name,
-            peak / MIB
-        );
+        assert!(peak < case.memory, "{}: peak {} MiB", case.name, peak / MIB);
         rows.push(Row {
             name: case.name.to_string(),
             took,
@@ -642,7 +738,12 @@ fn egraph_limits_give_a_clear_error() {
 #[test]
 fn api_built_hostile_values_are_refused() {
     use af::ir::{Dim, Graph, InputKind, Node, Op, SymbolRange, TensorType, Value};
-    let t = || TensorType::new(af::ir::DType::Bf16, vec![Dim::symbol("T"), Dim::constant(64)]);
+    let t = || {
+        TensorType::new(
+            af::ir::DType::Bf16,
+            vec![Dim::symbol("T"), Dim::constant(64)],
+        )
+    };
     let mut answers = String::new();
     for (name, eps, range) in [
         ("eps NaN", f64::NAN, SymbolRange { min: 1, max: 8 }),
@@ -670,7 +771,10 @@ fn api_built_hostile_values_are_refused() {
                     kind: InputKind::Parameter,
                 },
                 inputs: vec![],
-                outputs: vec![TensorType::new(af::ir::DType::Bf16, vec![Dim::constant(64)])],
+                outputs: vec![TensorType::new(
+                    af::ir::DType::Bf16,
+                    vec![Dim::constant(64)],
+                )],
                 module: None,
             })
             .unwrap();
@@ -763,8 +867,8 @@ fn bug_lowering_a_lowered_graph_infers_the_same_group() {
     let target = Target::preset(LOWER_PRESET).unwrap();
     let once = af::lower(&g, &target).unwrap();
     assert_eq!(once.report.all_reduces_fused, 2);
-    let twice = af::lower(&once.graph, &target)
-        .expect("lowering a lowered graph returns it unchanged");
+    let twice =
+        af::lower(&once.graph, &target).expect("lowering a lowered graph returns it unchanged");
     assert_eq!(twice.graph.canonical_text(), once.graph.canonical_text());
 }
 
@@ -780,7 +884,9 @@ fn bug_node_limit_error_names_the_configured_limit() {
         node_limit: 10,
         ..Default::default()
     };
-    let err = af::lower_with(&g, &target, &options).unwrap_err().to_string();
+    let err = af::lower_with(&g, &target, &options)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("e-node limit 10"), "{err}");
 }
 

@@ -33,26 +33,3 @@ mod tests {
         eprintln!("{n} inputs: {valid} valid graphs, {lowered} lowered, {fused} with fusions");
     }
 }
-
-#[cfg(test)]
-mod timing {
-    #[test]
-    fn time_small_inputs() {
-        for input in [&b""[..], b"\x01\x02\x03\x04", b"\xff\xff\xff\xff\xff\xff"] {
-            let t = std::time::Instant::now();
-            for _ in 0..20 {
-                super::targets::fuzz_structured(input);
-            }
-            eprintln!("{input:?}: {:?} per run", t.elapsed() / 20);
-        }
-        let t = std::time::Instant::now();
-        let g = super::targets::gen_graph(&mut super::targets::Src::new(b""));
-        eprintln!("{g}");
-        let target = arfuse_policy::Target::preset("h200-sxm-x8").unwrap();
-        for _ in 0..20 { let _ = arfuse_rewrite::lower(&g, &target); }
-        eprintln!("lower: {:?}", t.elapsed() / 20);
-        let t = std::time::Instant::now();
-        for _ in 0..20 { let _ = arfuse_policy::plan(&target, &[4096]); }
-        eprintln!("plan: {:?}", t.elapsed() / 20);
-    }
-}

@@ -162,7 +162,10 @@ pub fn check_lowered(input: &Graph, target: &Target, lowered: &af::Lowered) {
         out.canonical_text(),
         "lowering is not deterministic"
     );
-    assert_eq!(again.report.sites, r.sites, "the report is not deterministic");
+    assert_eq!(
+        again.report.sites, r.sites,
+        "the report is not deterministic"
+    );
 
     // With the group the first run used: inferring it again from the output can tie
     // once the most frequent group's all-reduces are fused (ir-fixtures/hostile/
@@ -243,8 +246,9 @@ pub fn check_lowered(input: &Graph, target: &Target, lowered: &af::Lowered) {
                 dtype,
             )
             .unwrap_or_else(|e| panic!("{}: a planned range has no byte count: {e}", n.id));
-            let expect = recompute_bytes(backend, strategy, d.max_tokens, h, target.world_size, dtype)
-                .unwrap_or_else(|| panic!("{}: bytes of a planned range overflow u64", n.id));
+            let expect =
+                recompute_bytes(backend, strategy, d.max_tokens, h, target.world_size, dtype)
+                    .unwrap_or_else(|| panic!("{}: bytes of a planned range overflow u64", n.id));
             assert_eq!(need, expect, "{}: required_bytes disagrees", n.id);
             // A range clipped to the graph's token counts may carry the bytes of the
             // policy's unclipped range (larger: conservative), never fewer.
@@ -283,9 +287,7 @@ pub fn recompute_bytes(
     match (backend, strategy) {
         (_, Strategy::Unfused) => Some(0),
         (_, Strategy::OneShot) | (Backend::Trtllm, Strategy::TwoShot) => t.checked_mul(row),
-        (Backend::Mnnvl, Strategy::TwoShot) => {
-            2u64.checked_mul(t.div_ceil(w))?.checked_mul(row)
-        }
+        (Backend::Mnnvl, Strategy::TwoShot) => 2u64.checked_mul(t.div_ceil(w))?.checked_mul(row),
     }
 }
 
@@ -513,10 +515,22 @@ pub fn gen_graph(s: &mut Src) -> Graph {
     let act = s.pick(&[DType::Bf16, DType::Bf16, DType::F16, DType::F32]);
     let lead: Vec<Dim> = if three_d {
         b.g.set_symbol("B", SymbolRange { min: 1, max: 64 });
-        b.g.set_symbol("S", SymbolRange { min: t_min, max: t_max });
+        b.g.set_symbol(
+            "S",
+            SymbolRange {
+                min: t_min,
+                max: t_max,
+            },
+        );
         vec![Dim::symbol("B"), Dim::symbol("S")]
     } else {
-        b.g.set_symbol("T", SymbolRange { min: t_min, max: t_max });
+        b.g.set_symbol(
+            "T",
+            SymbolRange {
+                min: t_min,
+                max: t_max,
+            },
+        );
         vec![Dim::symbol("T")]
     };
     let act_ty = |h: u64, d: DType| {
@@ -541,19 +555,45 @@ pub fn gen_graph(s: &mut Src) -> Graph {
     };
     let mut prev = x0;
     let mut live: Vec<Value> = Vec::new();
-    let layers = if s.chance(8) { 16 + s.below(48) } else { s.below(7) };
+    let layers = if s.chance(8) {
+        16 + s.below(48)
+    } else {
+        s.below(7)
+    };
     for l in 0..layers {
         let m = |part: &str| Some(format!("model.layers.{l}.{part}"));
         // Producer of the partial sum.
         let px = match s.below(3) {
             0 => {
-                let w = b.input(InputKind::Parameter, TensorType::new(act, vec![Dim::constant(h), Dim::constant(h)]));
+                let w = b.input(
+                    InputKind::Parameter,
+                    TensorType::new(act, vec![Dim::constant(h), Dim::constant(h)]),
+                );
                 let pty = b.ty(prev);
                 let op_ty = act_ty(h, act);
                 if pty.dtype == act && pty.shape.last().and_then(Dim::as_const) == Some(h) {
-                    Value::new(b.add(Op::Matmul { transpose_b: true }, vec![prev, w], vec![op_ty], m("mlp.down_proj")), 0)
+                    Value::new(
+                        b.add(
+                            Op::Matmul { transpose_b: true },
+                            vec![prev, w],
+                            vec![op_ty],
+                            m("mlp.down_proj"),
+                        ),
+                        0,
+                    )
                 } else {
-                    Value::new(b.add(Op::Opaque { target: "aten.scaled_mm".into(), attrs: serde_json::Value::Null }, vec![prev], vec![op_ty], m("mlp")), 0)
+                    Value::new(
+                        b.add(
+                            Op::Opaque {
+                                target: "aten.scaled_mm".into(),
+                                attrs: serde_json::Value::Null,
+                            },
+                            vec![prev],
+                            vec![op_ty],
+                            m("mlp"),
+                        ),
+                        0,
+                    )
                 }
             }
             _ => Value::new(
@@ -623,18 +663,35 @@ pub fn gen_graph(s: &mut Src) -> Graph {
                 (Value::new(n, 0), Some(Value::new(n, 1)))
             }
             2 => {
-                let (a, c) = if s.chance(128) { (ar, res_val) } else { (res_val, ar) };
+                let (a, c) = if s.chance(128) {
+                    (ar, res_val)
+                } else {
+                    (res_val, ar)
+                };
                 let hs = Value::new(b.add(Op::Add, vec![a, c], vec![act_ty(h, act)], None), 0);
-                let n = b.add(Op::RmsNorm { eps, weight_bias }, vec![hs, w], vec![act_ty(h, act)], norm_module);
+                let n = b.add(
+                    Op::RmsNorm { eps, weight_bias },
+                    vec![hs, w],
+                    vec![act_ty(h, act)],
+                    norm_module,
+                );
                 (Value::new(n, 0), Some(hs))
             }
             3 => {
-                let hs = Value::new(b.add(Op::Add, vec![res_val, ar], vec![act_ty(h, act)], None), 0);
+                let hs = Value::new(
+                    b.add(Op::Add, vec![res_val, ar], vec![act_ty(h, act)], None),
+                    0,
+                );
                 let n = decomposed_norm(&mut b, s, hs, w, eps, act, &act_ty(h, act), norm_module);
                 (n, Some(hs))
             }
             4 => {
-                let n = b.add(Op::RmsNorm { eps, weight_bias }, vec![ar, w], vec![act_ty(h, act)], norm_module);
+                let n = b.add(
+                    Op::RmsNorm { eps, weight_bias },
+                    vec![ar, w],
+                    vec![act_ty(h, act)],
+                    norm_module,
+                );
                 (Value::new(n, 0), None)
             }
             _ => (ar, None),
@@ -649,15 +706,26 @@ pub fn gen_graph(s: &mut Src) -> Graph {
         let norm_ty = b.ty(norm);
         prev = match s.below(8) {
             0 => {
-                let sc = b.input(InputKind::Parameter, TensorType::new(DType::F32, vec![Dim::constant(1)]));
-                let q = b.add(Op::QuantFp8Static, vec![norm, sc], vec![retyped(&norm_ty, DType::Fp8E4m3)], m("mlp"));
+                let sc = b.input(
+                    InputKind::Parameter,
+                    TensorType::new(DType::F32, vec![Dim::constant(1)]),
+                );
+                let q = b.add(
+                    Op::QuantFp8Static,
+                    vec![norm, sc],
+                    vec![retyped(&norm_ty, DType::Fp8E4m3)],
+                    m("mlp"),
+                );
                 Value::new(q, 0)
             }
             1 => {
                 let q = b.add(
                     Op::QuantFp8PerToken,
                     vec![norm],
-                    vec![retyped(&norm_ty, DType::Fp8E4m3), with_last(&norm_ty, 1, DType::F32)],
+                    vec![
+                        retyped(&norm_ty, DType::Fp8E4m3),
+                        with_last(&norm_ty, 1, DType::F32),
+                    ],
                     m("mlp"),
                 );
                 live.push(Value::new(q, 1));
@@ -665,14 +733,20 @@ pub fn gen_graph(s: &mut Src) -> Graph {
             }
             2 => {
                 let gs = s.pick(&[16, 64, 128, 7, h]);
-                let layout = s.pick(&[GroupScaleLayout::F32RowMajor, GroupScaleLayout::PackedUe8m0]);
+                let layout =
+                    s.pick(&[GroupScaleLayout::F32RowMajor, GroupScaleLayout::PackedUe8m0]);
                 let groups = h / gs;
                 let scale = match layout {
                     GroupScaleLayout::F32RowMajor => with_last(&norm_ty, groups, DType::F32),
-                    GroupScaleLayout::PackedUe8m0 => with_last(&norm_ty, groups.div_ceil(4), DType::I32),
+                    GroupScaleLayout::PackedUe8m0 => {
+                        with_last(&norm_ty, groups.div_ceil(4), DType::I32)
+                    }
                 };
                 let q = b.add(
-                    Op::QuantFp8PerTokenGroup { group_size: gs, scale_layout: layout },
+                    Op::QuantFp8PerTokenGroup {
+                        group_size: gs,
+                        scale_layout: layout,
+                    },
                     vec![norm],
                     vec![retyped(&norm_ty, DType::Fp8E4m3), scale],
                     m("mlp"),
@@ -684,7 +758,9 @@ pub fn gen_graph(s: &mut Src) -> Graph {
                 let gsc = b.input(InputKind::Parameter, TensorType::new(DType::F32, vec![]));
                 let layout = s.pick(&[Nvfp4ScaleLayout::Swizzled128x4, Nvfp4ScaleLayout::Linear]);
                 let q = b.add(
-                    Op::QuantNvfp4 { scale_layout: layout },
+                    Op::QuantNvfp4 {
+                        scale_layout: layout,
+                    },
                     vec![norm, gsc],
                     vec![
                         with_last(&norm_ty, h / 2, DType::Fp4E2m1x2),
@@ -753,19 +829,57 @@ fn decomposed_norm(
 ) -> Value {
     let f = retyped(ty, DType::F32);
     let one = with_last(ty, 1, DType::F32);
-    let hf = Value::new(b.add(Op::ToDtype { dtype: DType::F32 }, vec![hs], vec![f.clone()], None), 0);
-    let sq = Value::new(b.add(Op::Pow { exponent: 2.0 }, vec![hf], vec![f.clone()], None), 0);
-    let ms = Value::new(
-        b.add(Op::Mean { dims: vec![-1], keepdim: true }, vec![sq], vec![one.clone()], None),
+    let hf = Value::new(
+        b.add(
+            Op::ToDtype { dtype: DType::F32 },
+            vec![hs],
+            vec![f.clone()],
+            None,
+        ),
         0,
     );
-    let e = Value::new(b.add(Op::Constant { value: eps }, vec![], vec![TensorType::new(DType::F32, vec![])], None), 0);
+    let sq = Value::new(
+        b.add(Op::Pow { exponent: 2.0 }, vec![hf], vec![f.clone()], None),
+        0,
+    );
+    let ms = Value::new(
+        b.add(
+            Op::Mean {
+                dims: vec![-1],
+                keepdim: true,
+            },
+            vec![sq],
+            vec![one.clone()],
+            None,
+        ),
+        0,
+    );
+    let e = Value::new(
+        b.add(
+            Op::Constant { value: eps },
+            vec![],
+            vec![TensorType::new(DType::F32, vec![])],
+            None,
+        ),
+        0,
+    );
     let mse = Value::new(b.add(Op::Add, vec![ms, e], vec![one.clone()], None), 0);
     let r = Value::new(b.add(Op::Rsqrt, vec![mse], vec![one], None), 0);
     let n = Value::new(b.add(Op::Mul, vec![hf, r], vec![f], None), 0);
-    let nb = Value::new(b.add(Op::ToDtype { dtype: act }, vec![n], vec![retyped(ty, act)], None), 0);
+    let nb = Value::new(
+        b.add(
+            Op::ToDtype { dtype: act },
+            vec![n],
+            vec![retyped(ty, act)],
+            None,
+        ),
+        0,
+    );
     let (a, c) = if s.chance(128) { (w, nb) } else { (nb, w) };
-    Value::new(b.add(Op::Mul, vec![a, c], vec![retyped(ty, act)], module), 0)
+    Value::new(
+        b.add(Op::Mul, vec![a, c], vec![retyped(ty, act)], module),
+        0,
+    )
 }
 
 /// Outcome counters of [`fuzz_structured`], for the smoke test's coverage check.
@@ -798,16 +912,25 @@ pub fn fuzz_structured(data: &[u8]) -> StructuredOutcome {
     match af::lower(&graph, &target) {
         Ok(lowered) => {
             assert!(outcome.valid_graph, "an invalid graph was lowered\n{graph}");
-            assert!(outcome.valid_target, "lowered for an invalid target {target:?}");
+            assert!(
+                outcome.valid_target,
+                "lowered for an invalid target {target:?}"
+            );
             check_lowered(&graph, &target, &lowered);
             outcome.lowered = true;
             outcome.fused = lowered.report.all_reduces_fused;
         }
         Err(LowerError::InvalidGraph(p)) => {
-            assert!(!outcome.valid_graph, "a valid graph was refused: {p}\n{graph}");
+            assert!(
+                !outcome.valid_graph,
+                "a valid graph was refused: {p}\n{graph}"
+            );
         }
         Err(e @ LowerError::NotSaturated { .. }) => {
-            panic!("a {}-node graph did not saturate: {e}\n{graph}", graph.len())
+            panic!(
+                "a {}-node graph did not saturate: {e}\n{graph}",
+                graph.len()
+            )
         }
         Err(LowerError::Internal(m)) => {
             panic!("internal error: {m}\ntarget {target:?}\n{graph}")
@@ -925,7 +1048,10 @@ pub fn mutate(rng: &mut Rng, input: &[u8]) -> Vec<u8> {
             4 if len > 0 => {
                 // Replace a run of digits (a number) by a dictionary token.
                 let i = rng.below(len);
-                let start = (0..=i).rev().find(|&k| !v[k].is_ascii_digit()).map_or(0, |k| k + 1);
+                let start = (0..=i)
+                    .rev()
+                    .find(|&k| !v[k].is_ascii_digit())
+                    .map_or(0, |k| k + 1);
                 let end = (i..len).find(|&k| !v[k].is_ascii_digit()).unwrap_or(len);
                 let tok = DICTIONARY[rng.below(DICTIONARY.len())].as_bytes();
                 v.splice(start.min(end)..end, tok.iter().copied());
