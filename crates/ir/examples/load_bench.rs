@@ -49,5 +49,9 @@ fn main() {
 fn baseline(s: &str) {
     let t = Instant::now();
     let v: serde_json::Value = serde_json::from_str(s).unwrap();
-    println!("baseline serde_json::Value parse: {:.1} ms ({})", t.elapsed().as_secs_f64() * 1e3, v.is_object());
+    println!(
+        "baseline serde_json::Value parse: {:.1} ms ({})",
+        t.elapsed().as_secs_f64() * 1e3,
+        v.is_object()
+    );
 }
