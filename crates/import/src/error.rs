@@ -25,7 +25,7 @@ pub enum ImportError {
     },
     /// The arfuse-JSON loader refused the file.
     #[error("arfuse graph JSON: {0}")]
-    Arfuse(#[from] LoadError),
+    Arfuse(LoadError),
     /// The program JSON is not UTF-8.
     #[error("torch.export JSON is not UTF-8 (invalid byte at offset {offset})")]
     Utf8 {
@@ -110,11 +110,25 @@ pub enum ImportError {
     },
     /// The IR refused a node while the graph was being built.
     #[error("building the graph: {0}")]
-    Build(#[from] BuildError),
+    Build(BuildError),
     /// The imported graph does not validate (an importer bug or a file whose metadata
     /// contradicts itself).
     #[error("the imported graph does not validate: {0}")]
     Invalid(Problems),
+}
+
+// The inner errors are part of the message above, so they are not also exposed as
+// `source()` (error reporters would print them twice).
+impl From<LoadError> for ImportError {
+    fn from(e: LoadError) -> Self {
+        ImportError::Arfuse(e)
+    }
+}
+
+impl From<BuildError> for ImportError {
+    fn from(e: BuildError) -> Self {
+        ImportError::Build(e)
+    }
 }
 
 impl ImportError {

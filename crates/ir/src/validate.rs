@@ -657,6 +657,9 @@ impl Checker<'_> {
         if extra == 1 {
             self.scalar_f32(w + 1, "scale");
         }
+        if let Some(plan) = &f.plan {
+            self.plan(plan, h, x.dtype);
+        }
         let quant = self.quant_outputs(&x, h, f.quant);
         for (k, o) in f.outputs.iter().enumerate() {
             let want = match o {
@@ -666,6 +669,81 @@ impl Checker<'_> {
             };
             if let Some(want) = want {
                 self.expect_output(k, &want);
+            }
+        }
+    }
+}
+
+impl Checker<'_> {
+    /// A plan carried by a fused node is never trusted as written: its dispatch must
+    /// cover 1..=N without gaps or overlaps, fused ranges must stay within
+    /// `max_token_num` and ONE Lamport buffer, that buffer within the workspace, and
+    /// each fused range must state at least the bytes its largest T must move (every
+    /// token's row once: `T * H * e`; the exact figure depends on W and the backend and
+    /// is re-checked by `arfuse_policy::verify`).
+    fn plan(&mut self, plan: &crate::op::FusedPlan, h: u64, dtype: DType) {
+        use crate::op::Strategy;
+        let mut next = 1u64;
+        if plan.dispatch.is_empty() {
+            self.err(ProblemKind::Attribute, "plan: the dispatch is empty");
+        }
+        if plan.lamport_buffer_bytes > plan.workspace_bytes {
+            self.err(
+                ProblemKind::Attribute,
+                format!(
+                    "plan: one Lamport buffer of {} bytes is larger than the whole workspace of {} bytes",
+                    plan.lamport_buffer_bytes, plan.workspace_bytes
+                ),
+            );
+        }
+        let row = h.checked_mul(dtype.size_bytes());
+        for (k, r) in plan.dispatch.iter().enumerate() {
+            let at = format!(
+                "plan: dispatch[{k}] (T={}..={})",
+                r.min_tokens, r.max_tokens
+            );
+            if r.min_tokens != next || r.max_tokens < r.min_tokens {
+                self.err(
+                    ProblemKind::Attribute,
+                    format!("{at}: ranges must be ordered and cover every T from 1 without gaps; expected a range starting at T={next}"),
+                );
+                return;
+            }
+            next = match r.max_tokens.checked_add(1) {
+                Some(n) => n,
+                None => return,
+            };
+            if r.strategy == Strategy::Unfused {
+                continue;
+            }
+            if r.max_tokens > plan.max_token_num {
+                self.err(
+                    ProblemKind::Attribute,
+                    format!("{at}: fused above max_token_num {}", plan.max_token_num),
+                );
+            }
+            if r.required_bytes > plan.lamport_buffer_bytes {
+                self.err(
+                    ProblemKind::Attribute,
+                    format!(
+                        "{at}: {:?} needs {} bytes, one Lamport buffer holds {}",
+                        r.strategy, r.required_bytes, plan.lamport_buffer_bytes
+                    ),
+                );
+            }
+            match row.and_then(|row| row.checked_mul(r.max_tokens)) {
+                Some(floor) if r.required_bytes >= floor => {}
+                Some(floor) => self.err(
+                    ProblemKind::Attribute,
+                    format!(
+                        "{at}: states {} bytes, below the {floor} bytes T={} rows of {h} {dtype} elements occupy",
+                        r.required_bytes, r.max_tokens
+                    ),
+                ),
+                None => self.err(
+                    ProblemKind::Overflow,
+                    format!("{at}: the byte count of T={} rows overflows u64", r.max_tokens),
+                ),
             }
         }
     }

@@ -100,6 +100,8 @@ fn each_error_class_is_classified() {
         ("all_reduce_without_group.json", ProblemKind::Attribute),
         ("missing_graph_output.json", ProblemKind::MissingInput),
         ("output_type_wrong.json", ProblemKind::DType),
+        ("fused_plan_dispatch_gap.json", ProblemKind::Attribute),
+        ("fused_plan_understates_bytes.json", ProblemKind::Attribute),
     ] {
         assert_eq!(problem_kinds(file), vec![kind], "{file}");
     }
