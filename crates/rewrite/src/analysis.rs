@@ -11,6 +11,9 @@ use arfuse_ir::{broadcast, DType, Dim, Shape, TensorType, NVFP4_BLOCK};
 use egg::{Analysis, DidMerge, EGraph, Id};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+/// Most outputs of a tuple class (the fused node's four ports).
+pub(crate) const MAX_OUTS: usize = 4;
+
 /// The type of one value: element type and interned shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct Ty {
@@ -21,9 +24,10 @@ pub(crate) struct Ty {
 /// What the analysis knows about one e-class.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct Data {
-    /// Output types: one for a value class, one per port for a tuple class (`None` for
-    /// a port the tuple does not have), none for an attribute leaf.
-    pub outs: Vec<Option<Ty>>,
+    /// Output types: `[0]` for a value class, one per port for a tuple class (`None` for
+    /// a port the tuple does not have or an attribute leaf). Inline, so that a class's
+    /// data costs no allocation (the e-graph has one per IR value).
+    pub outs: [Option<Ty>; MAX_OUTS],
     /// True for tuple-valued classes.
     pub tuple: bool,
     /// The value of a scalar constant, as f64 bits.
@@ -154,9 +158,9 @@ impl FxAnalysis {
         }
     }
 
-    fn fused_types(&mut self, k: FKind, x: Ty) -> Vec<Option<Ty>> {
+    fn fused_types(&mut self, k: FKind, x: Ty) -> [Option<Ty>; MAX_OUTS] {
         let (q, s) = self.quant_types(k.quant, x);
-        let mut outs = vec![None; 4];
+        let mut outs = [None; MAX_OUTS];
         outs[PORT_NORM as usize] = Some(x);
         outs[PORT_RESIDUAL as usize] = Some(x);
         outs[PORT_QUANT as usize] = q;
@@ -167,7 +171,7 @@ impl FxAnalysis {
 
 fn value(ty: Option<Ty>) -> Data {
     Data {
-        outs: vec![ty],
+        outs: [ty, None, None, None],
         ..Data::default()
     }
 }
@@ -188,7 +192,7 @@ impl Analysis<Fx> for FxAnalysis {
                     .copied()
                     .unwrap_or((None, None));
                 Data {
-                    outs: vec![t],
+                    outs: [t, None, None, None],
                     konst: c,
                     ..Data::default()
                 }
@@ -235,7 +239,7 @@ impl Analysis<Fx> for FxAnalysis {
                 _ => value(None),
             },
             Fx::FusedAddRmsNorm([_, x, _, _]) => Data {
-                outs: vec![ty(x), ty(x)],
+                outs: [ty(x), ty(x), None, None],
                 tuple: true,
                 ..Data::default()
             },
@@ -243,9 +247,9 @@ impl Analysis<Fx> for FxAnalysis {
                 let outs = match (leaf(q), ty(x)) {
                     (Some(Leaf::Quant(q)), Some(t)) => {
                         let (a, b) = egraph.analysis.quant_types(q, t);
-                        vec![a, b]
+                        [a, b, None, None]
                     }
-                    _ => vec![None, None],
+                    _ => [None; MAX_OUTS],
                 };
                 Data {
                     outs,
@@ -256,7 +260,7 @@ impl Analysis<Fx> for FxAnalysis {
             Fx::Fused([k, _, x, _, _, _]) => {
                 let outs = match (leaf(k), ty(x)) {
                     (Some(Leaf::Fused(k)), Some(t)) => egraph.analysis.fused_types(k, t),
-                    _ => vec![None; 4],
+                    _ => [None; MAX_OUTS],
                 };
                 Data {
                     outs,
@@ -279,9 +283,6 @@ impl Analysis<Fx> for FxAnalysis {
         // Members of one class have one type by construction; keep what is known and
         // fill what is missing, never overwrite.
         let mut changed = false;
-        if to.outs.len() < from.outs.len() {
-            to.outs.resize(from.outs.len(), None);
-        }
         for (i, t) in from.outs.iter().enumerate() {
             if to.outs[i].is_none() && t.is_some() {
                 to.outs[i] = *t;

@@ -5,6 +5,7 @@ use crate::lang::{Fx, Leaf, QKind};
 use arfuse_ir::op::FusedQuant;
 use arfuse_ir::{Graph, Op, Value};
 use egg::{EGraph, Id};
+use std::collections::HashMap;
 
 /// Op names (`opaque` targets) of the wait that follows a functional collective.
 /// Matched by suffix so `torch.ops._c10d_functional.wait_tensor.default` counts too.
@@ -31,6 +32,11 @@ fn is_wait(target: &str) -> bool {
 pub(crate) fn convert(g: &Graph, group: &str) -> Converted {
     let mut an = FxAnalysis::default();
     an.group = group.to_string();
+    // Graph-output uses per value, counted once (not rescanned per all-reduce).
+    let mut output_uses: HashMap<Value, usize> = HashMap::new();
+    for v in g.outputs() {
+        *output_uses.entry(*v).or_default() += 1;
+    }
     // Side tables first: every value's type and constant, every all-reduce.
     for (id, n) in g.nodes() {
         let konst = match n.op {
@@ -55,7 +61,7 @@ pub(crate) fn convert(g: &Graph, group: &str) -> Converted {
                 Instance {
                     id: n.id.clone(),
                     group: group.clone(),
-                    uses: uses_through_views(g, Value::new(id, 0)),
+                    uses: uses_through_views(g, &output_uses, Value::new(id, 0)),
                 },
             );
         }
@@ -205,10 +211,14 @@ fn is_last_dim(g: &Graph, n: &arfuse_ir::Node, dims: &[i64]) -> bool {
 const MAX_VIEW_DEPTH: usize = 16;
 
 /// Users of `v` that are not views: reshapes and waits are followed (up to
-/// [`MAX_VIEW_DEPTH`] deep), graph outputs count.
-pub(crate) fn uses_through_views(g: &Graph, v: Value) -> usize {
-    fn go(g: &Graph, v: Value, depth: usize) -> usize {
-        let mut n = g.outputs().iter().filter(|o| **o == v).count();
+/// [`MAX_VIEW_DEPTH`] deep), graph outputs (`output_uses`, per value) count.
+pub(crate) fn uses_through_views(
+    g: &Graph,
+    output_uses: &HashMap<Value, usize>,
+    v: Value,
+) -> usize {
+    fn go(g: &Graph, outs: &HashMap<Value, usize>, v: Value, depth: usize) -> usize {
+        let mut n = outs.get(&v).copied().unwrap_or(0);
         for (u, e) in g.users(v.node) {
             if e.output != v.output {
                 continue;
@@ -220,12 +230,12 @@ pub(crate) fn uses_through_views(g: &Graph, v: Value) -> usize {
                 _ => false,
             };
             if view && depth < MAX_VIEW_DEPTH && node.outputs.len() == 1 {
-                n += go(g, Value::new(u, 0), depth + 1);
+                n += go(g, outs, Value::new(u, 0), depth + 1);
             } else {
                 n += 1;
             }
         }
         n
     }
-    go(g, v, 0)
+    go(g, output_uses, v, 0)
 }

@@ -40,51 +40,56 @@ type Ref = (usize, u32);
 
 /// The fused node ids, by all-reduce instance, and the output graph.
 pub(crate) fn emit(g: &Graph, sites: &[Emit<'_>]) -> Result<(Graph, Vec<String>), LowerError> {
-    let removed: HashSet<u32> = sites
-        .iter()
-        .flat_map(|s| s.site.region.iter().copied())
-        .collect();
-    let mut taken: HashSet<String> = g
+    // Flat tables by node index: every pass below is linear in the graph.
+    let mut removed = vec![false; g.len()];
+    for s in sites {
+        for &n in &s.site.region {
+            if let Some(r) = removed.get_mut(n as usize) {
+                *r = true;
+            }
+        }
+    }
+    let is_removed = |i: u32| removed.get(i as usize).copied().unwrap_or(false);
+    // Ids of kept nodes are borrowed, new ids owned.
+    let kept_ids: HashSet<&str> = g
         .nodes()
-        .filter(|(i, _)| !removed.contains(&(i.index() as u32)))
-        .map(|(_, n)| n.id.clone())
+        .filter(|(i, _)| !is_removed(i.index() as u32))
+        .map(|(_, n)| n.id.as_str())
         .collect();
+    let mut new_ids: HashSet<String> = HashSet::new();
     let mut fresh = |base: String| -> String {
         let mut id = base.clone();
         let mut k = 2;
-        while taken.contains(&id) {
+        while kept_ids.contains(id.as_str()) || new_ids.contains(&id) {
             id = format!("{base}.{k}");
             k += 1;
         }
-        taken.insert(id.clone());
+        new_ids.insert(id.clone());
         id
     };
 
     // Constants only the removed chains read are dropped with them.
     let outputs: HashSet<Value> = g.outputs().iter().copied().collect();
-    let mut dead_consts: HashSet<u32> = HashSet::new();
+    let mut dead_consts = vec![false; g.len()];
     for (i, n) in g.nodes() {
         let idx = i.index() as u32;
-        if !matches!(n.op, Op::Constant { .. }) || removed.contains(&idx) {
+        if !matches!(n.op, Op::Constant { .. }) || is_removed(idx) {
             continue;
         }
         let mut users = g.users(i).map(|(u, _)| u.index() as u32).peekable();
-        if users.peek().is_some()
-            && users.all(|u| removed.contains(&u))
-            && !outputs.contains(&Value::new(i, 0))
-        {
-            dead_consts.insert(idx);
+        if users.peek().is_some() && users.all(is_removed) && !outputs.contains(&Value::new(i, 0)) {
+            dead_consts[i.index()] = true;
         }
     }
 
-    let mut pending: Vec<Pending> = Vec::new();
-    let mut slot_of: HashMap<u32, usize> = HashMap::new();
+    let mut pending: Vec<Pending> = Vec::with_capacity(g.len() + 2 * sites.len());
+    let mut slot_of: Vec<Option<usize>> = vec![None; g.len()];
     for (i, n) in g.nodes() {
         let idx = i.index() as u32;
-        if removed.contains(&idx) || dead_consts.contains(&idx) {
+        if is_removed(idx) || dead_consts[i.index()] {
             continue;
         }
-        slot_of.insert(idx, pending.len());
+        slot_of[i.index()] = Some(pending.len());
         pending.push(Pending {
             id: n.id.clone(),
             op: n.op.clone(),
@@ -175,8 +180,10 @@ pub(crate) fn emit(g: &Graph, sites: &[Emit<'_>]) -> Result<(Graph, Vec<String>)
             return Ok(*r);
         }
         slot_of
-            .get(&(v.node.index() as u32))
-            .map(|s| (*s, v.output))
+            .get(v.node.index())
+            .copied()
+            .flatten()
+            .map(|s| (s, v.output))
             .ok_or_else(|| {
                 LowerError::Internal(format!(
                     "value {} is read but its node was removed",
@@ -186,7 +193,7 @@ pub(crate) fn emit(g: &Graph, sites: &[Emit<'_>]) -> Result<(Graph, Vec<String>)
     };
     // Inputs of kept nodes.
     for (i, n) in g.nodes() {
-        let Some(&slot) = slot_of.get(&(i.index() as u32)) else {
+        let Some(slot) = slot_of[i.index()] else {
             continue;
         };
         let ins = n
@@ -281,8 +288,7 @@ pub(crate) fn emit(g: &Graph, sites: &[Emit<'_>]) -> Result<(Graph, Vec<String>)
     out.set_metadata(g.metadata().cloned());
     let mut node_of: Vec<Option<NodeId>> = vec![None; n];
     for i in order {
-        let p = &pending[i];
-        let inputs = p
+        let inputs = pending[i]
             .inputs
             .iter()
             .map(|&(src, k)| {
@@ -291,13 +297,15 @@ pub(crate) fn emit(g: &Graph, sites: &[Emit<'_>]) -> Result<(Graph, Vec<String>)
                     .ok_or_else(|| LowerError::Internal("input emitted late".into()))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // Each pending node is emitted once: move its parts instead of cloning them.
+        let p = &mut pending[i];
         let id = out
             .add_node(Node {
-                id: p.id.clone(),
-                op: p.op.clone(),
+                id: std::mem::take(&mut p.id),
+                op: std::mem::replace(&mut p.op, Op::Rsqrt),
                 inputs,
-                outputs: p.outputs.clone(),
-                module: p.module.clone(),
+                outputs: std::mem::take(&mut p.outputs),
+                module: p.module.take(),
             })
             .map_err(|e| LowerError::Internal(e.to_string()))?;
         node_of[i] = Some(id);

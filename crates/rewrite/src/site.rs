@@ -9,7 +9,7 @@ use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, 
 use arfuse_ir::op::FusedOutput;
 use arfuse_ir::{Graph, Op, TensorType, Value};
 use egg::Id;
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 /// Most IR nodes one site may replace (a decomposed norm with views and a quant has
 /// about 15); a larger region means the match is not the chain it should be.
@@ -72,11 +72,15 @@ pub(crate) struct Index<'a> {
     eg: &'a FxGraph,
     value_class: Vec<Vec<Id>>,
     /// IR values by canonical class, in graph order.
-    values_in: BTreeMap<Id, Vec<Value>>,
+    values_in: HashMap<Id, Vec<Value>>,
     /// For a class c: classes holding IR values that contain `reshape(_, c)`.
-    view_parents: BTreeMap<Id, Vec<Id>>,
-    /// Consumers (node indices) of every value.
-    users: Vec<Vec<Vec<u32>>>,
+    view_parents: HashMap<Id, Vec<Id>>,
+    /// Index of a node's first value in the flat value numbering.
+    value_base: Vec<u32>,
+    /// Consumers (node indices) of every value, flat: those of flat value `i` are
+    /// `user_list[user_start[i]..user_start[i + 1]]`, in graph order.
+    user_start: Vec<u32>,
+    user_list: Vec<u32>,
     outputs: HashSet<Value>,
 }
 
@@ -86,8 +90,9 @@ impl<'a> Index<'a> {
             .iter()
             .map(|row| row.iter().map(|c| eg.find(*c)).collect())
             .collect();
-        let mut values_in: BTreeMap<Id, Vec<Value>> = BTreeMap::new();
-        let mut users: Vec<Vec<Vec<u32>>> = Vec::with_capacity(g.len());
+        let mut values_in: HashMap<Id, Vec<Value>> = HashMap::with_capacity(g.len());
+        let mut value_base: Vec<u32> = Vec::with_capacity(g.len());
+        let mut n_values = 0u32;
         for (id, n) in g.nodes() {
             for (k, c) in value_class[id.index()].iter().enumerate() {
                 values_in
@@ -95,14 +100,30 @@ impl<'a> Index<'a> {
                     .or_default()
                     .push(Value::new(id, k as u32));
             }
-            users.push(vec![Vec::new(); n.outputs.len()]);
+            value_base.push(n_values);
+            n_values += n.outputs.len() as u32;
         }
-        for (id, n) in g.nodes() {
+        // Users, as a flat table (counting pass, then filling pass).
+        let flat = |v: &Value| (value_base[v.node.index()] + v.output) as usize;
+        let mut user_start = vec![0u32; n_values as usize + 1];
+        for (_, n) in g.nodes() {
             for v in &n.inputs {
-                users[v.node.index()][v.output as usize].push(id.index() as u32);
+                user_start[flat(v) + 1] += 1;
             }
         }
-        let mut view_parents: BTreeMap<Id, Vec<Id>> = BTreeMap::new();
+        for i in 1..user_start.len() {
+            user_start[i] += user_start[i - 1];
+        }
+        let mut fill = user_start.clone();
+        let mut user_list = vec![0u32; user_start.last().copied().unwrap_or(0) as usize];
+        for (id, n) in g.nodes() {
+            for v in &n.inputs {
+                let slot = &mut fill[flat(v)];
+                user_list[*slot as usize] = id.index() as u32;
+                *slot += 1;
+            }
+        }
+        let mut view_parents: HashMap<Id, Vec<Id>> = HashMap::new();
         for &c in values_in.keys() {
             for node in &eg[c].nodes {
                 if let Fx::Reshape([_, child]) = node {
@@ -120,8 +141,22 @@ impl<'a> Index<'a> {
             value_class,
             values_in,
             view_parents,
-            users,
+            value_base,
+            user_start,
+            user_list,
             outputs: g.outputs().iter().copied().collect(),
+        }
+    }
+
+    /// Consumers (node indices) of value `v`, in graph order.
+    fn users_of(&self, v: Value) -> &[u32] {
+        let Some(base) = self.value_base.get(v.node.index()) else {
+            return &[];
+        };
+        let i = (base + v.output) as usize;
+        match (self.user_start.get(i), self.user_start.get(i + 1)) {
+            (Some(&a), Some(&b)) => self.user_list.get(a as usize..b as usize).unwrap_or(&[]),
+            _ => &[],
         }
     }
 
@@ -337,7 +372,8 @@ impl<'a> Index<'a> {
                 if replaced.contains(&v) {
                     continue;
                 }
-                let outside = self.users[n as usize][k]
+                let outside = self
+                    .users_of(v)
                     .iter()
                     .find(|u| !region.contains(u))
                     .map(|u| format!("node `{}`", self.node(*u).id))
@@ -361,10 +397,7 @@ impl<'a> Index<'a> {
         }
         // Live outputs: read by something outside the region.
         let live = |v: &Value| {
-            self.outputs.contains(v)
-                || self.users[v.node.index()][v.output as usize]
-                    .iter()
-                    .any(|u| !region.contains(u))
+            self.outputs.contains(v) || self.users_of(*v).iter().any(|u| !region.contains(u))
         };
         ports.retain(|p| p.direct.iter().any(live) || p.views.iter().any(|(v, _)| live(v)));
         // Every replaced value of a written port stays mapped (a later fused node may

@@ -1,5 +1,8 @@
 //! Fusion of an all-reduce with the residual add and RMSNorm it feeds.
 //!
+//! One search, `fuse` over `(rms_norm ?n ?y ?w)`, enumerates the matches of three
+//! patterns (and of `norm-of-view`, documented in [`super::view`]):
+//!
 //! - `fuse-residual-l`: `(rms_norm ?n (add (all_reduce ?i ?x) ?r) ?w)`,
 //! - `fuse-residual-r`: `(rms_norm ?n (add ?r (all_reduce ?i ?x)) ?w)`: all-reduce +
 //!   residual add + RMSNorm. Adds `F = (fused k ?i ?x ?r ?w none)` and unions the
@@ -41,23 +44,61 @@ pub(crate) const VECTOR_BYTES: u64 = 16;
 pub(crate) const MIN_ROW_BYTES: u64 = 32 * VECTOR_BYTES;
 
 pub(crate) fn rules() -> Result<Vec<Rewrite<Fx, FxAnalysis>>, String> {
-    Ok(vec![
-        rule(
-            "fuse-residual-l",
-            "(rms_norm ?n (add (all_reduce ?i ?x) ?r) ?w)",
-            fuse_residual_l,
-        )?,
-        rule(
-            "fuse-residual-r",
-            "(rms_norm ?n (add ?r (all_reduce ?i ?x)) ?w)",
-            fuse_residual_r,
-        )?,
-        rule(
-            "fuse-first",
-            "(rms_norm ?n (all_reduce ?i ?x) ?w)",
-            fuse_first,
-        )?,
-    ])
+    // One search of the `rms_norm` classes for every form (and for `norm-of-view`,
+    // see [`super::view`]); the applier enumerates exactly the matches the patterns in
+    // the module docs would, so the e-graph is scanned once instead of four times.
+    Ok(vec![rule("fuse", "(rms_norm ?n ?y ?w)", fuse_any)?])
+}
+
+/// Every match of the three fusion patterns (and `norm-of-view`) at one `rms_norm`.
+fn fuse_any(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
+    let mut changed = Vec::new();
+    let (Some(n), Some(y), Some(w)) = (var(subst, "?n"), var(subst, "?y"), var(subst, "?w")) else {
+        return changed;
+    };
+    // (form, i, x, r) in the order the separate rules ran: left, right, first.
+    let mut left = Vec::new();
+    let mut right = Vec::new();
+    let mut first = Vec::new();
+    let mut views = Vec::new();
+    let ar_nodes = |eg: &FxGraph, c: Id| -> Vec<(Id, Id)> {
+        eg[c]
+            .nodes
+            .iter()
+            .filter_map(|n| match n {
+                Fx::AllReduce([i, x]) => Some((*i, *x)),
+                _ => None,
+            })
+            .collect()
+    };
+    for node in &eg[y].nodes {
+        match node {
+            Fx::Add([a, b]) => {
+                for (i, x) in ar_nodes(eg, *a) {
+                    left.push((i, x, *b));
+                }
+                for (i, x) in ar_nodes(eg, *b) {
+                    right.push((i, x, *a));
+                }
+            }
+            Fx::AllReduce([i, x]) => first.push((*i, *x)),
+            Fx::Reshape([sh, inner]) => views.push((*sh, *inner)),
+            _ => {}
+        }
+    }
+    for (i, x, r) in left {
+        changed.extend(fuse(eg, eclass, n, i, x, Some(r), w, Form::ResidualLeft));
+    }
+    for (i, x, r) in right {
+        changed.extend(fuse(eg, eclass, n, i, x, Some(r), w, Form::ResidualRight));
+    }
+    for (i, x) in first {
+        changed.extend(fuse(eg, eclass, n, i, x, None, w, Form::First));
+    }
+    for (sh, inner) in views {
+        changed.extend(super::view::norm_of_view(eg, eclass, n, sh, inner, w));
+    }
+    changed
 }
 
 /// Which spelling matched: the all-reduce left or right of the add, or no add.
@@ -68,37 +109,20 @@ enum Form {
     First,
 }
 
-fn fuse_residual_l(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    fuse(eg, eclass, subst, Form::ResidualLeft)
-}
-
-fn fuse_residual_r(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    fuse(eg, eclass, subst, Form::ResidualRight)
-}
-
-fn fuse_first(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    fuse(eg, eclass, subst, Form::First)
-}
-
-fn fuse(eg: &mut FxGraph, eclass: Id, subst: &Subst, form: Form) -> Vec<Id> {
+#[allow(clippy::too_many_arguments)]
+fn fuse(
+    eg: &mut FxGraph,
+    eclass: Id,
+    n: Id,
+    i: Id,
+    x: Id,
+    r: Option<Id>,
+    w: Id,
+    form: Form,
+) -> Vec<Id> {
     let mut changed = Vec::new();
-    let (Some(n), Some(i), Some(x), Some(w)) = (
-        var(subst, "?n"),
-        var(subst, "?i"),
-        var(subst, "?x"),
-        var(subst, "?w"),
-    ) else {
-        return changed;
-    };
     let Some(Leaf::Inst(inst)) = eg[i].data.leaf else {
         return changed;
-    };
-    let r = match form {
-        Form::First => None,
-        _ => match var(subst, "?r") {
-            Some(r) => Some(r),
-            None => return changed,
-        },
     };
     // The class the fused node's residual output replaces: the add (residual forms)
     // or the all-reduce itself (first form). Both exist: the pattern matched them.

@@ -20,6 +20,7 @@ pub(crate) mod view;
 use crate::analysis::{FxAnalysis, FxGraph};
 use crate::lang::{Fx, Leaf};
 use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Subst, Symbol, Var};
+use std::cell::RefCell;
 
 /// Every rule of the pass, in a fixed order.
 ///
@@ -67,8 +68,23 @@ pub(crate) fn rule(
 }
 
 /// The class bound to `?name`.
-pub(crate) fn var(subst: &Subst, name: &str) -> Option<Id> {
-    let v: Var = name.parse().ok()?;
+///
+/// Parsing a [`Var`] interns its name in egg's global symbol table (a lock), so the
+/// parsed variables are kept per thread: appliers run once per match, many thousand
+/// times on a large graph.
+pub(crate) fn var(subst: &Subst, name: &'static str) -> Option<Id> {
+    thread_local! {
+        static VARS: RefCell<Vec<(&'static str, Var)>> = const { RefCell::new(Vec::new()) };
+    }
+    let v = VARS.with(|vars| {
+        let mut vars = vars.borrow_mut();
+        if let Some((_, v)) = vars.iter().find(|(n, _)| *n == name) {
+            return Some(*v);
+        }
+        let v: Var = name.parse().ok()?;
+        vars.push((name, v));
+        Some(v)
+    })?;
     subst.get(v).copied()
 }
 

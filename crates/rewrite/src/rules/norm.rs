@@ -28,47 +28,85 @@ use arfuse_ir::DType;
 use egg::{Id, Rewrite, Subst};
 
 pub(crate) fn rules() -> Result<Vec<Rewrite<Fx, FxAnalysis>>, String> {
-    let mut rules = vec![rule(
-        "fused-add-rms-norm-split",
-        "(fused_add_rms_norm ?n ?x ?r ?w)",
-        split_fused_add,
-    )?];
-    let squares = [("pow", "(pow ?e ?xf)"), ("xx", "(mul ?xf ?xf)")];
-    let variances = [
-        ("eps-r", "(add (mean mean_last SQ) ?eps)"),
-        ("eps-l", "(add ?eps (mean mean_last SQ))"),
-    ];
-    let normed = [
-        ("x-inv", "(mul ?xf (rsqrt VAR))"),
-        ("inv-x", "(mul (rsqrt VAR) ?xf)"),
-    ];
-    let outers: [(&str, &str, crate::rules::ApplyFn); 4] = [
-        ("w-cast", "(mul ?w (to_dtype ?t NF))", decomposed_llama),
-        ("cast-w", "(mul (to_dtype ?t NF) ?w)", decomposed_llama),
-        (
-            "cast-of-nf-w",
-            "(to_dtype ?t (mul NF ?wf))",
+    // Three searches instead of one pattern per spelling: the inner part of the
+    // decomposition (`NF`, 8 spellings) is matched by [`normed`] in the applier, so the
+    // e-graph is scanned once per outer form, not once per spelling (32 scans of every
+    // `mul` and `to_dtype` class made this the pass's hot spot on large graphs).
+    Ok(vec![
+        rule(
+            "fused-add-rms-norm-split",
+            "(fused_add_rms_norm ?n ?x ?r ?w)",
+            split_fused_add,
+        )?,
+        // `(mul ?w (to_dtype ?t NF))` and `(mul (to_dtype ?t NF) ?w)`: one search, both
+        // operand roles tried.
+        rule("decomposed-rms-norm-llama", "(mul ?a ?b)", decomposed_llama)?,
+        // `(to_dtype ?t (mul NF ?wf))` and `(to_dtype ?t (mul ?wf NF))`: one search,
+        // both operand roles tried.
+        rule(
+            "decomposed-rms-norm-cast-of-mul",
+            "(to_dtype ?t (mul ?a ?b))",
             decomposed_one_rounding,
-        ),
-        (
-            "cast-of-w-nf",
-            "(to_dtype ?t (mul ?wf NF))",
-            decomposed_one_rounding,
-        ),
-    ];
-    for (sn, sq) in squares {
-        for (vn, var) in variances {
-            for (nn, nf) in normed {
-                for (on, outer, apply) in outers {
-                    let nf = nf.replace("VAR", &var.replace("SQ", sq));
-                    let pattern = outer.replace("NF", &nf);
-                    let name = format!("decomposed-rms-norm-{on}-{nn}-{vn}-{sn}");
-                    rules.push(rule(&name, &pattern, apply)?);
+        )?,
+    ])
+}
+
+/// One match of the inner decomposition `NF`: `xf * rsqrt(mean_last(SQ) + eps)` (either
+/// order of the product and of the sum), `SQ` being `pow(xf, e)` or `xf * xf`.
+#[derive(Clone, Copy, PartialEq)]
+struct Normed {
+    xf: Id,
+    /// The `pow` exponent class, when the square is a `pow`.
+    exp: Option<Id>,
+    eps: Id,
+}
+
+/// Every way class `nf` matches `NF` (the 8 spellings of the module docs).
+fn normed(eg: &FxGraph, nf: Id) -> Vec<Normed> {
+    let mut out = Vec::new();
+    let same = |a: Id, b: Id| eg.find(a) == eg.find(b);
+    for n in &eg[nf].nodes {
+        let Fx::Mul([p, q]) = n else { continue };
+        // x-inv: `xf * rsqrt(VAR)`; inv-x: `rsqrt(VAR) * xf`.
+        for (xf, inv) in [(*p, *q), (*q, *p)] {
+            for rn in &eg[inv].nodes {
+                let Fx::Rsqrt(var) = rn else { continue };
+                for vn in &eg[*var].nodes {
+                    let Fx::Add([a, b]) = vn else { continue };
+                    // eps-r: `mean + eps`; eps-l: `eps + mean`.
+                    for (m, eps) in [(*a, *b), (*b, *a)] {
+                        for mn in &eg[m].nodes {
+                            let Fx::Mean([ml, sq]) = mn else { continue };
+                            if eg[*ml].data.leaf != Some(Leaf::MeanLast) {
+                                continue;
+                            }
+                            for sn in &eg[*sq].nodes {
+                                match sn {
+                                    Fx::Pow([e, x]) if same(*x, xf) => out.push(Normed {
+                                        xf,
+                                        exp: Some(*e),
+                                        eps,
+                                    }),
+                                    Fx::Mul([x1, x2]) if same(*x1, xf) && same(*x2, xf) => {
+                                        out.push(Normed { xf, exp: None, eps })
+                                    }
+                                    _ => {}
+                                }
+                            }
+                        }
+                    }
                 }
             }
         }
     }
-    Ok(rules)
+    // A class matched twice the same way (e.g. `xf * xf` read both ways) is one match.
+    let mut uniq: Vec<Normed> = Vec::with_capacity(out.len());
+    for m in out {
+        if !uniq.contains(&m) {
+            uniq.push(m);
+        }
+    }
+    uniq
 }
 
 fn split_fused_add(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
@@ -92,22 +130,22 @@ fn split_fused_add(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
 
 /// The parts every decomposed form shares: (x, eps, output dtype), when the squared
 /// term, the eps and the casts check out.
-fn common(eg: &FxGraph, subst: &Subst) -> Option<(Id, f64, DType)> {
-    if let Some(e) = var(subst, "?e") {
+fn common(eg: &FxGraph, m: Normed, t: Id) -> Option<(Id, f64, DType)> {
+    if let Some(e) = m.exp {
         match eg[e].data.leaf {
             Some(Leaf::Exp(bits)) if f64::from_bits(bits) == 2.0 => {}
             _ => return None,
         }
     }
-    let eps = f64::from_bits(eg[var(subst, "?eps")?].data.konst?);
+    let eps = f64::from_bits(eg[m.eps].data.konst?);
     if !(eps.is_finite() && eps > 0.0) {
         return None;
     }
-    let t = match eg[var(subst, "?t")?].data.leaf {
+    let t = match eg[t].data.leaf {
         Some(Leaf::DType(t)) if t.is_float() => t,
         _ => return None,
     };
-    let xf = var(subst, "?xf")?;
+    let xf = m.xf;
     if eg[xf].data.ty()?.dtype != DType::F32 {
         return None;
     }
@@ -140,29 +178,60 @@ fn add_norm(eg: &mut FxGraph, eclass: Id, x: Id, w: Id, eps: f64, bias: f64) -> 
     changed
 }
 
-/// `w * to_dtype(T, nf)`: the weight has the activation dtype.
+/// `w * to_dtype(T, nf)` (either order): the weight has the activation dtype.
 fn decomposed_llama(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let Some((x, eps, t)) = common(eg, subst) else {
-        return Vec::new();
+    let mut changed = Vec::new();
+    let (Some(a), Some(b)) = (var(subst, "?a"), var(subst, "?b")) else {
+        return changed;
     };
-    let Some(w) = var(subst, "?w") else {
-        return Vec::new();
-    };
-    if eg[w].data.ty().map(|ty| ty.dtype) != Some(t) {
-        return Vec::new();
+    // w-cast: `w * to_dtype(T, nf)`; cast-w: `to_dtype(T, nf) * w`.
+    for (w, cast) in [(a, b), (b, a)] {
+        let casts: Vec<(Id, Id)> = eg[cast]
+            .nodes
+            .iter()
+            .filter_map(|n| match n {
+                Fx::ToDtype([t, nf]) => Some((*t, *nf)),
+                _ => None,
+            })
+            .collect();
+        for (t, nf) in casts {
+            for m in normed(eg, nf) {
+                let Some((x, eps, t)) = common(eg, m, t) else {
+                    continue;
+                };
+                if eg[w].data.ty().map(|ty| ty.dtype) != Some(t) {
+                    continue;
+                }
+                changed.extend(add_norm(eg, eclass, x, w, eps, 0.0));
+            }
+        }
     }
-    add_norm(eg, eclass, x, w, eps, 0.0)
+    changed
 }
 
-/// `to_dtype(T, nf * wf)`: wf is a cast of a T weight, an f32 weight (f32
-/// activations), or `w32 + 1.0` (Gemma).
+/// `to_dtype(T, nf * wf)` (either order): wf is a cast of a T weight, an f32 weight
+/// (f32 activations), or `w32 + 1.0` (Gemma).
 fn decomposed_one_rounding(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let Some((x, eps, t)) = common(eg, subst) else {
-        return Vec::new();
+    let mut changed = Vec::new();
+    let (Some(t), Some(a), Some(b)) = (var(subst, "?t"), var(subst, "?a"), var(subst, "?b")) else {
+        return changed;
     };
-    let Some(wf) = var(subst, "?wf") else {
-        return Vec::new();
-    };
+    // cast-of-nf-w: `nf * wf`; cast-of-w-nf: `wf * nf`.
+    for (nf, wf) in [(a, b), (b, a)] {
+        for m in normed(eg, nf) {
+            let Some((x, eps, t)) = common(eg, m, t) else {
+                continue;
+            };
+            if let Some((w, bias)) = weight_of(eg, wf, t) {
+                changed.extend(add_norm(eg, eclass, x, w, eps, bias));
+            }
+        }
+    }
+    changed
+}
+
+/// The weight and weight_bias a one-rounding `wf` stands for.
+fn weight_of(eg: &FxGraph, wf: Id, t: DType) -> Option<(Id, f64)> {
     let dtype = |eg: &FxGraph, id: Id| eg[id].data.ty().map(|ty| ty.dtype);
     let is_one = |eg: &FxGraph, id: Id| {
         eg[id].data.konst.map(f64::from_bits) == Some(1.0)
@@ -190,16 +259,11 @@ fn decomposed_one_rounding(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<I
         found = Some((wf, 0.0));
     }
     // The weight of a norm is `[H]`; a broadcast `[1, H]` or a scalar is not matched.
-    let Some((w, bias)) = found else {
-        return Vec::new();
-    };
+    let (w, bias) = found?;
     let rank1 = eg[w]
         .data
         .ty()
         .and_then(|ty| eg.analysis.shape(ty.shape).map(|s| s.rank() == 1))
         .unwrap_or(false);
-    if !rank1 {
-        return Vec::new();
-    }
-    add_norm(eg, eclass, x, w, eps, bias)
+    rank1.then_some((w, bias))
 }

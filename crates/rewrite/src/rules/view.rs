@@ -3,11 +3,11 @@
 //!
 //! - `reshape-identity`: `(reshape ?s ?x)` with `?x` already of shape `?s` is `?x`.
 //! - `reshape-of-reshape`: `(reshape ?s (reshape ?u ?x))` is `(reshape ?s ?x)`.
-//! - `add-of-view-l` / `-r`: `(add (reshape ?s ?a) ?b)` where `?a` holds an all-reduce,
+//! - `add-of-view-l` / `-r` (one search, `add-of-view`): `(add (reshape ?s ?a) ?b)` where `?a` holds an all-reduce,
 //!   the reshape keeps the last (hidden) dim, and `?b` has shape `?s` exactly (no
 //!   broadcast) and `?a`'s dtype: it is `(reshape ?s (add ?a (reshape shape(?a) ?b)))`.
 //!   The other operand order likewise, keeping the order.
-//! - `norm-of-view`: `(rms_norm ?n (reshape ?s ?y) ?w)` where `?y` holds an all-reduce
+//! - `norm-of-view` (applied by the `fuse` search of `rms_norm` classes): `(rms_norm ?n (reshape ?s ?y) ?w)` where `?y` holds an all-reduce
 //!   or an add of one, and the reshape keeps the last dim: it is
 //!   `(reshape ?s (rms_norm ?n ?y ?w))` (RMSNorm works per row of H).
 //!
@@ -20,6 +20,8 @@ use crate::lang::{Fx, Leaf};
 use egg::{Id, Rewrite, Subst};
 
 pub(crate) fn rules() -> Result<Vec<Rewrite<Fx, FxAnalysis>>, String> {
+    // `norm-of-view` is applied by the single `rms_norm` search of [`super::fuse`];
+    // both operand orders of `add-of-view` share one search of the `add` classes.
     Ok(vec![
         rule("reshape-identity", "(reshape ?s ?x)", reshape_identity)?,
         rule(
@@ -27,14 +29,43 @@ pub(crate) fn rules() -> Result<Vec<Rewrite<Fx, FxAnalysis>>, String> {
             "(reshape ?s (reshape ?u ?x))",
             reshape_of_reshape,
         )?,
-        rule("add-of-view-l", "(add (reshape ?s ?a) ?b)", add_of_view_l)?,
-        rule("add-of-view-r", "(add ?b (reshape ?s ?a))", add_of_view_r)?,
-        rule(
-            "norm-of-view",
-            "(rms_norm ?n (reshape ?s ?y) ?w)",
-            norm_of_view,
-        )?,
+        rule("add-of-view", "(add ?p ?q)", add_of_view)?,
     ])
+}
+
+/// `add-of-view-l` then `add-of-view-r` at one `add` class.
+fn add_of_view(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
+    let mut changed = Vec::new();
+    let (Some(p), Some(q)) = (var(subst, "?p"), var(subst, "?q")) else {
+        return changed;
+    };
+    let reshapes = |eg: &FxGraph, c: Id| -> Vec<(Id, Id)> {
+        eg[c]
+            .nodes
+            .iter()
+            .filter_map(|n| match n {
+                Fx::Reshape([s, a]) => Some((*s, *a)),
+                _ => None,
+            })
+            .collect()
+    };
+    // `(add (reshape ?s ?a) ?b)`
+    for (s, a) in reshapes(eg, p) {
+        if let Some((s, a, rb)) = view_residual(eg, s, a, q) {
+            let inner = eg.add(Fx::Add([a, rb]));
+            let outer = eg.add(Fx::Reshape([s, inner]));
+            union(eg, eclass, outer, &mut changed);
+        }
+    }
+    // `(add ?b (reshape ?s ?a))`
+    for (s, a) in reshapes(eg, q) {
+        if let Some((s, a, rb)) = view_residual(eg, s, a, p) {
+            let inner = eg.add(Fx::Add([rb, a]));
+            let outer = eg.add(Fx::Reshape([s, inner]));
+            union(eg, eclass, outer, &mut changed);
+        }
+    }
+    changed
 }
 
 fn shape_leaf(eg: &FxGraph, id: Id) -> Option<u32> {
@@ -74,8 +105,7 @@ fn reshape_of_reshape(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
 }
 
 /// The checks of `add-of-view-*`; returns the reshape of `b` to `a`'s shape.
-fn view_residual(eg: &mut FxGraph, subst: &Subst) -> Option<(Id, Id, Id)> {
-    let (s, a, b) = (var(subst, "?s")?, var(subst, "?a")?, var(subst, "?b")?);
+fn view_residual(eg: &mut FxGraph, s: Id, a: Id, b: Id) -> Option<(Id, Id, Id)> {
     all_reduce_in(eg, a)?;
     let s_id = shape_leaf(eg, s)?;
     let (ta, tb) = (eg[a].data.ty()?, eg[b].data.ty()?);
@@ -87,26 +117,6 @@ fn view_residual(eg: &mut FxGraph, subst: &Subst) -> Option<(Id, Id, Id)> {
     Some((s, a, rb))
 }
 
-fn add_of_view_l(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let mut changed = Vec::new();
-    if let Some((s, a, rb)) = view_residual(eg, subst) {
-        let inner = eg.add(Fx::Add([a, rb]));
-        let outer = eg.add(Fx::Reshape([s, inner]));
-        union(eg, eclass, outer, &mut changed);
-    }
-    changed
-}
-
-fn add_of_view_r(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let mut changed = Vec::new();
-    if let Some((s, a, rb)) = view_residual(eg, subst) {
-        let inner = eg.add(Fx::Add([rb, a]));
-        let outer = eg.add(Fx::Reshape([s, inner]));
-        union(eg, eclass, outer, &mut changed);
-    }
-    changed
-}
-
 /// Whether class `y` holds an all-reduce or an add with an all-reduce operand.
 fn near_all_reduce(eg: &FxGraph, y: Id) -> bool {
     all_reduce_in(eg, y).is_some()
@@ -116,16 +126,9 @@ fn near_all_reduce(eg: &FxGraph, y: Id) -> bool {
         })
 }
 
-fn norm_of_view(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
+/// `norm-of-view` at `(rms_norm n (reshape s y) w)` (class `eclass`).
+pub(super) fn norm_of_view(eg: &mut FxGraph, eclass: Id, n: Id, s: Id, y: Id, w: Id) -> Vec<Id> {
     let mut changed = Vec::new();
-    let (Some(n), Some(s), Some(y), Some(w)) = (
-        var(subst, "?n"),
-        var(subst, "?s"),
-        var(subst, "?y"),
-        var(subst, "?w"),
-    ) else {
-        return changed;
-    };
     let (Some(s_id), Some(ty)) = (shape_leaf(eg, s), eg[y].data.ty()) else {
         return changed;
     };
