@@ -43,7 +43,9 @@ mod rules;
 mod site;
 
 pub use error::LowerError;
-pub use report::{PatternCount, RangeReport, Report, RunnerReport, SiteReport};
+pub use report::{
+    PatternCount, RangeReport, Report, RunnerReport, SiteReport, TargetReport, WorkspaceReport,
+};
 
 use arfuse_ir::op::{FusedOutput, FusedQuant};
 use arfuse_ir::{Graph, NodeId, Op};
@@ -78,6 +80,12 @@ pub struct LowerOptions {
     /// Most runner time. Default [`DEFAULT_TIME_LIMIT_S`] seconds. Hitting any limit is
     /// [`LowerError::NotSaturated`], never a partial result.
     pub time_limit: Duration,
+    /// Hidden sizes (elements) of other graphs that share this graph's workspace, e.g.
+    /// a speculative-decoding draft model: the workspace is sized for the widest of
+    /// them and of this graph's own (domain.md §5), so `max_token_num` is the one the
+    /// shared allocation really has. Default empty (the workspace is this graph's).
+    /// An invalid size is [`LowerError::Policy`].
+    pub shared_hidden_sizes: Vec<u64>,
 }
 
 impl Default for LowerOptions {
@@ -87,6 +95,7 @@ impl Default for LowerOptions {
             iter_limit: DEFAULT_ITER_LIMIT,
             node_limit: DEFAULT_NODE_LIMIT,
             time_limit: Duration::from_secs(DEFAULT_TIME_LIMIT_S),
+            shared_hidden_sizes: Vec::new(),
         }
     }
 }
@@ -95,6 +104,12 @@ impl LowerOptions {
     /// With the layer group set.
     pub fn with_group(mut self, group: impl Into<String>) -> Self {
         self.group = Some(group.into());
+        self
+    }
+
+    /// With the hidden sizes of the other graphs sharing the workspace.
+    pub fn with_shared_hidden_sizes(mut self, sizes: impl Into<Vec<u64>>) -> Self {
+        self.shared_hidden_sizes = sizes.into();
         self
     }
 }
@@ -226,7 +241,8 @@ pub fn lower_with(
         };
     }
     let mut notes = Vec::new();
-    let decisions = plan::decide(target, &keys, &mut notes)?;
+    let (decisions, planned) =
+        plan::decide(target, &keys, &options.shared_hidden_sizes, &mut notes)?;
 
     let mut emits = Vec::new();
     let mut fused_insts: BTreeSet<u32> = BTreeSet::new();
@@ -291,6 +307,9 @@ pub fn lower_with(
             all_reduce: ar.id.clone(),
             fused_node: None,
             layer: ar.module.clone(),
+            name: ar.module.clone().unwrap_or_else(|| ar.id.clone()),
+            all_reduce_module: ar.module.clone(),
+            norm_module: None,
             pattern: None,
             fused: false,
             outputs: Vec::new(),
@@ -309,6 +328,12 @@ pub fn lower_with(
             entry.pattern = Some(name.clone());
             entry.hidden = h;
             entry.layer = site_module(graph, s);
+            if let Some(n) = s.norm_node {
+                let norm = graph.node(NodeId::new(n as usize));
+                let end = norm.module.clone().unwrap_or_else(|| norm.id.clone());
+                entry.name = format!("{} -> {end}", entry.name);
+                entry.norm_module = norm.module.clone();
+            }
             entry.outputs = s
                 .ports
                 .iter()
@@ -332,25 +357,20 @@ pub fn lower_with(
                     entry.fused_node = Some(fid.clone());
                     entry.backend_reason = Some(d.reason.clone());
                     if let Some(p) = &d.plan {
-                        entry.backend = Some(
-                            match p.backend {
-                                arfuse_ir::Backend::Trtllm => "trtllm",
-                                arfuse_ir::Backend::Mnnvl => "mnnvl",
-                            }
-                            .into(),
-                        );
+                        entry.backend = Some(backend_name(p.backend).into());
                         entry.workspace_bytes = Some(p.workspace_bytes);
                         entry.pattern_code = Some(pattern_code(s));
                         entry.dispatch = p
                             .dispatch
                             .iter()
-                            .zip(d.range_reasons.iter())
-                            .map(|(r, why)| RangeReport {
+                            .zip(d.range_reasons.iter().zip(&d.range_why))
+                            .map(|(r, (why, short))| RangeReport {
                                 min_tokens: r.min_tokens,
                                 max_tokens: r.max_tokens,
                                 strategy: strategy_name(r.strategy).into(),
                                 required_bytes: r.required_bytes,
                                 reason: why.clone(),
+                                short_reason: short.clone(),
                             })
                             .collect();
                     }
@@ -386,9 +406,32 @@ pub fn lower_with(
             )
         });
     }
+    let workspaces = planned
+        .iter()
+        .map(|w| WorkspaceReport {
+            group: group.clone(),
+            dtype: w.dtype.to_string(),
+            backend: w.backend.map(|b| backend_name(b).into()),
+            reason: w.reason.clone(),
+            hidden: w.hidden,
+            own_hidden_sizes: w.own_hidden_sizes.clone(),
+            shared_hidden_sizes: w.shared_hidden_sizes.clone(),
+            max_token_num: w.max_token_num,
+            lamport_buffer_bytes: w.lamport_buffer_bytes,
+            bytes_per_rank: w.bytes_per_rank,
+        })
+        .collect();
     let report = Report {
         group,
         group_source,
+        target: TargetReport {
+            sm: target.sm,
+            world_size: target.world_size,
+            group_nodes: target.group_nodes,
+            dtype: target.dtype.to_string(),
+            requested_backend: target.requested_backend.to_string(),
+        },
+        workspaces,
         all_reduces_seen: ars.len(),
         all_reduces_fused: fused_insts.len(),
         already_fused: fused_before,
@@ -444,6 +487,13 @@ fn output_name(o: FusedOutput) -> &'static str {
         FusedOutput::Residual => "residual",
         FusedOutput::Quant => "quant",
         FusedOutput::Scale => "scale",
+    }
+}
+
+fn backend_name(b: arfuse_ir::Backend) -> &'static str {
+    match b {
+        arfuse_ir::Backend::Trtllm => "trtllm",
+        arfuse_ir::Backend::Mnnvl => "mnnvl",
     }
 }
 

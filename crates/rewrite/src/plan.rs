@@ -16,8 +16,34 @@ pub(crate) struct SiteDecision {
     pub reason: String,
     /// The plan the fused node carries (pattern code filled by the caller).
     pub plan: Option<FusedPlan>,
-    /// Dispatch reasons by range, for the report.
+    /// Dispatch reasons by range, for the report (the range with its reason).
     pub range_reasons: Vec<String>,
+    /// The policy's short reason per range (without the range itself).
+    pub range_why: Vec<String>,
+}
+
+/// One planned workspace: per activation dtype, shared by every site of that dtype
+/// (and by the graphs whose hidden sizes were given as shared).
+#[derive(Clone, Debug)]
+pub(crate) struct WorkspacePlan {
+    /// The activation dtype.
+    pub dtype: DType,
+    /// The backend, when fusing.
+    pub backend: Option<IrBackend>,
+    /// The policy's backend decision reason.
+    pub reason: String,
+    /// The hidden size the workspace is sized for (the widest planned).
+    pub hidden: Option<u64>,
+    /// This graph's hidden sizes planned (valid ones, descending).
+    pub own_hidden_sizes: Vec<u64>,
+    /// Hidden sizes of other graphs sharing the workspace (descending, deduplicated).
+    pub shared_hidden_sizes: Vec<u64>,
+    /// Largest fused T.
+    pub max_token_num: u64,
+    /// Bytes of one Lamport buffer.
+    pub lamport_buffer_bytes: Option<u64>,
+    /// Bytes per rank, the whole allocation.
+    pub bytes_per_rank: Option<u64>,
 }
 
 /// The policy's activation dtype for an IR dtype.
@@ -45,18 +71,27 @@ fn ir_strategy(s: Strategy) -> IrStrategy {
     }
 }
 
+/// What [`decide`] returns: per (dtype, hidden) the site decision, and the
+/// workspaces planned (one per dtype, in dtype order).
+pub(crate) type Decisions = (BTreeMap<(DType, u64), SiteDecision>, Vec<WorkspacePlan>);
+
 /// The plans for every (dtype, hidden) the sites need, with the graph's largest token
-/// count per key (`None` when unknown).
+/// count per key (`None` when unknown). `shared` are the hidden sizes of other graphs
+/// sharing the workspace (domain.md §5): each dtype's workspace is planned for the
+/// widest of them and of the sites' own.
 ///
 /// Errors: [`LowerError::Policy`] when the target itself is wrong (an invalid field,
-/// an explicit backend the machine cannot run); a hidden size the policy rejects only
-/// leaves its sites unfused, with the reason.
+/// an explicit backend the machine cannot run) or a shared hidden size is invalid; a
+/// hidden size of this graph the policy rejects only leaves its sites unfused, with the
+/// reason.
 pub(crate) fn decide(
     target: &Target,
     keys: &BTreeMap<(DType, u64), Option<u64>>,
+    shared: &[u64],
     notes: &mut Vec<String>,
-) -> Result<BTreeMap<(DType, u64), SiteDecision>, LowerError> {
+) -> Result<Decisions, LowerError> {
     let mut out = BTreeMap::new();
+    let mut workspaces = Vec::new();
     let dtypes: BTreeSet<DType> = keys.keys().map(|k| k.0).collect();
     for dtype in dtypes {
         let Some(act) = act_dtype(dtype) else {
@@ -89,13 +124,34 @@ pub(crate) fn decide(
             continue;
         }
         hiddens.sort_unstable_by(|a, b| b.cmp(a));
-        let plan = arfuse_policy::plan(&t, &hiddens)?;
+        let mut shared_sizes: Vec<u64> = shared.to_vec();
+        for &h in &shared_sizes {
+            arfuse_policy::check_hidden(h, act)?;
+        }
+        shared_sizes.sort_unstable_by(|a, b| b.cmp(a));
+        shared_sizes.dedup();
+        let mut all: Vec<u64> = hiddens.iter().chain(&shared_sizes).copied().collect();
+        all.sort_unstable_by(|a, b| b.cmp(a));
+        all.dedup();
+        let plan = arfuse_policy::plan(&t, &all)?;
+        let ws = plan.workspace.as_ref();
+        workspaces.push(WorkspacePlan {
+            dtype,
+            backend: plan.backend().filter(|_| ws.is_some()).map(ir_backend),
+            reason: plan.decision.reason().to_string(),
+            hidden: ws.map(|w| w.hidden),
+            own_hidden_sizes: hiddens.clone(),
+            shared_hidden_sizes: shared_sizes,
+            max_token_num: plan.max_token_num,
+            lamport_buffer_bytes: ws.map(|w| w.lamport_buffer_bytes),
+            bytes_per_rank: ws.map(|w| w.total_bytes_per_rank),
+        });
         for h in hiddens {
             let tmax = keys.get(&(dtype, h)).copied().flatten();
             out.insert((dtype, h), site(&plan, h, tmax));
         }
     }
-    Ok(out)
+    Ok((out, workspaces))
 }
 
 fn refuse(reason: String) -> SiteDecision {
@@ -104,6 +160,7 @@ fn refuse(reason: String) -> SiteDecision {
         reason,
         plan: None,
         range_reasons: Vec::new(),
+        range_why: Vec::new(),
     }
 }
 
@@ -154,6 +211,7 @@ fn site(plan: &Plan, h: u64, tmax: Option<u64>) -> SiteDecision {
             dispatch,
         }),
         range_reasons: clipped.iter().map(|r| r.to_string()).collect(),
+        range_why: clipped.iter().map(|r| r.reason.clone()).collect(),
     }
 }
 

@@ -17,8 +17,10 @@ pub struct RangeReport {
     pub strategy: String,
     /// Bytes of one buffer the largest T of the range needs (0 when unfused).
     pub required_bytes: u64,
-    /// The policy's reason for this range.
+    /// The range and the policy's reason for it, as one sentence.
     pub reason: String,
+    /// The policy's reason alone (without the range and byte counts).
+    pub short_reason: String,
 }
 
 /// One all-reduce of the input graph and what became of it.
@@ -30,6 +32,14 @@ pub struct SiteReport {
     pub fused_node: Option<String>,
     /// Module of the norm (or of the all-reduce), e.g. `model.layers.3.post_attention_layernorm`.
     pub layer: Option<String>,
+    /// The site's name: `<all-reduce module> -> <norm module>` (node ids where a node
+    /// has no module; the all-reduce alone when no norm was matched).
+    pub name: String,
+    /// Module of the all-reduce node.
+    pub all_reduce_module: Option<String>,
+    /// Module of the norm the chain ends in (node id of its last node when it has
+    /// none), when a pattern matched.
+    pub norm_module: Option<String>,
     /// The pattern matched (e.g. `allreduce+residual+rms_norm+fp8_per_token`), when one
     /// was.
     pub pattern: Option<String>,
@@ -79,6 +89,48 @@ pub struct RunnerReport {
     pub limits: (usize, usize, u64),
 }
 
+/// The target, as the report prints it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TargetReport {
+    /// Compute capability (90, 100, ...).
+    pub sm: u32,
+    /// Ranks in the all-reduce group, W.
+    pub world_size: u32,
+    /// Nodes the group spans.
+    pub group_nodes: u32,
+    /// Activation dtype the target names.
+    pub dtype: String,
+    /// The backend requested (`auto`, `trtllm`, `mnnvl`, `off`).
+    pub requested_backend: String,
+}
+
+/// One workspace the plan sizes: per (group, backend, dtype), shared by every fused
+/// site of that dtype and by the graphs named in `LowerOptions::shared_hidden_sizes`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WorkspaceReport {
+    /// The group.
+    pub group: String,
+    /// Activation dtype.
+    pub dtype: String,
+    /// Backend (`trtllm`, `mnnvl`); `None` when the policy does not fuse.
+    pub backend: Option<String>,
+    /// The policy's reason for the backend (or for no fusion).
+    pub reason: String,
+    /// The hidden size the workspace is sized for: the widest of this graph's and the
+    /// shared ones.
+    pub hidden: Option<u64>,
+    /// This graph's hidden sizes planned on it (descending).
+    pub own_hidden_sizes: Vec<u64>,
+    /// Hidden sizes of other graphs sharing it (descending).
+    pub shared_hidden_sizes: Vec<u64>,
+    /// Largest fused T (tokens), M.
+    pub max_token_num: u64,
+    /// Bytes of ONE Lamport buffer (what a call's required bytes are checked against).
+    pub lamport_buffer_bytes: Option<u64>,
+    /// Bytes per rank, the whole allocation.
+    pub bytes_per_rank: Option<u64>,
+}
+
 /// What [`crate::lower`] did.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Report {
@@ -86,6 +138,10 @@ pub struct Report {
     pub group: String,
     /// How the group was chosen (given, or inferred and how).
     pub group_source: String,
+    /// The target planned for.
+    pub target: TargetReport,
+    /// The workspaces planned (one per activation dtype of the fused sites).
+    pub workspaces: Vec<WorkspaceReport>,
     /// All-reduces in the input graph.
     pub all_reduces_seen: usize,
     /// All-reduces fused by this run.
@@ -111,17 +167,133 @@ impl Report {
     }
 }
 
-fn mib(b: u64) -> String {
-    format!("{:.2} MiB", b as f64 / 1_048_576.0)
+/// `1179648` as `1,179,648`.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
+
+/// `text` with every free-standing integer of four or more digits written with
+/// thousands separators (`524288 bytes` -> `524,288 bytes`), so that the policy's
+/// sentences read like the rest of the report. Digits inside names, decimals and
+/// exponents (`fp8_e4m3`, `0.00001`, `1e-5`) are left alone.
+fn group_digits(text: &str) -> String {
+    let b = text.as_bytes();
+    let mut out = String::with_capacity(text.len() + 8);
+    let mut i = 0;
+    let glued = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c == b'.' || c == b'-';
+    while i < b.len() {
+        if b[i].is_ascii_digit() && (i == 0 || !glued(b[i - 1])) {
+            let mut j = i;
+            while j < b.len() && b[j].is_ascii_digit() {
+                j += 1;
+            }
+            // A trailing full stop ends a sentence; any other glued character means
+            // the digits belong to a longer token.
+            let after_ok = j == b.len()
+                || !glued(b[j])
+                || (b[j] == b'.' && (j + 1 == b.len() || b[j + 1] == b' '));
+            let run = &text[i..j];
+            match run.parse::<u64>() {
+                Ok(n) if after_ok && run.len() >= 4 && !run.starts_with('0') => {
+                    out.push_str(&thousands(n))
+                }
+                _ => out.push_str(run),
+            }
+            i = j;
+        } else {
+            let c = text[i..].chars().next().unwrap_or(' ');
+            out.push(c);
+            i += c.len_utf8();
+        }
+    }
+    out
+}
+
+fn opt_bytes(b: Option<u64>) -> String {
+    b.map(|b| format!("{} bytes", thousands(b)))
+        .unwrap_or_else(|| "-".into())
+}
+
+/// `T=a..=b` (or `T=a`).
+fn tokens(lo: u64, hi: u64) -> String {
+    if lo == hi {
+        format!("T={}", thousands(lo))
+    } else {
+        format!("T={}..={}", thousands(lo), thousands(hi))
+    }
+}
+
+/// Most site names listed on one "not fused" line.
+const MAX_NAMES_PER_REASON: usize = 8;
+
+/// The first dotted segment shared by every name's all-reduce and norm modules
+/// (`model.`), trimmed for display when every one of them has more than one segment.
+fn common_root(sites: &[SiteReport]) -> Option<String> {
+    let mut root: Option<&str> = None;
+    let mut any = false;
+    for s in sites {
+        for m in [s.all_reduce_module.as_deref(), s.norm_module.as_deref()]
+            .into_iter()
+            .flatten()
+        {
+            any = true;
+            let (first, rest) = m.split_once('.')?;
+            if rest.is_empty() {
+                return None;
+            }
+            match root {
+                None => root = Some(first),
+                Some(r) if r == first => {}
+                Some(_) => return None,
+            }
+        }
+        // A name that falls back to a node id has no module to trim.
+        s.all_reduce_module.as_ref()?;
+    }
+    if !any {
+        return None;
+    }
+    root.map(|r| format!("{r}."))
+}
+
+fn display_name(s: &SiteReport, root: Option<&str>) -> String {
+    match root {
+        Some(r) => s
+            .name
+            .split(" -> ")
+            .map(|part| part.strip_prefix(r).unwrap_or(part))
+            .collect::<Vec<_>>()
+            .join(" -> "),
+        None => s.name.clone(),
+    }
+}
+
+/// A dispatch shared by sites: hidden size and ranges (bounds, strategy, bytes).
+type DispatchKey = (u64, Vec<(u64, u64, String, u64)>);
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let t = &self.target;
         writeln!(
             f,
-            "arfuse lower: group `{}` ({}); all-reduces fused {} / {}{}",
+            "arfuse lower: group `{}` ({}); target SM {}, W={}, {} node{}, {}, backend {}; \
+             all-reduces fused {} / {}{}",
             self.group,
             self.group_source,
+            t.sm,
+            t.world_size,
+            t.group_nodes,
+            if t.group_nodes == 1 { "" } else { "s" },
+            t.dtype,
+            t.requested_backend,
             self.all_reduces_fused,
             self.all_reduces_seen,
             if self.already_fused > 0 {
@@ -133,68 +305,220 @@ impl fmt::Display for Report {
                 String::new()
             }
         )?;
-        if !self.by_pattern.is_empty() {
-            writeln!(f, "  {:<48} {:>6} {:>6}", "pattern", "fused", "total")?;
-            for (p, c) in &self.by_pattern {
-                writeln!(f, "  {:<48} {:>6} {:>6}", p, c.fused, c.total)?;
+
+        // Workspaces.
+        for w in &self.workspaces {
+            match (&w.backend, w.hidden) {
+                (Some(b), Some(h)) => {
+                    writeln!(
+                        f,
+                        "workspace `{}` {b} {}: {}",
+                        w.group,
+                        w.dtype,
+                        group_digits(&w.reason)
+                    )?;
+                    let sizes = |v: &[u64]| {
+                        v.iter()
+                            .map(|h| thousands(*h))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    };
+                    let shared = if w.shared_hidden_sizes.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; shared with H = {}", sizes(&w.shared_hidden_sizes))
+                    };
+                    writeln!(
+                        f,
+                        "  sized for H = {} (this graph: H = {}{shared})",
+                        thousands(h),
+                        sizes(&w.own_hidden_sizes)
+                    )?;
+                    writeln!(
+                        f,
+                        "  max_token_num {}; one Lamport buffer {}; per rank {} (whole allocation)",
+                        thousands(w.max_token_num),
+                        opt_bytes(w.lamport_buffer_bytes),
+                        opt_bytes(w.bytes_per_rank)
+                    )?;
+                }
+                _ => writeln!(
+                    f,
+                    "workspace `{}` {}: none, no fusion: {}",
+                    w.group,
+                    w.dtype,
+                    group_digits(&w.reason)
+                )?,
             }
         }
-        writeln!(
-            f,
-            "  {:<28} {:<34} {:<9} {:<22} {:<8} {:>12}",
-            "all-reduce", "layer", "status", "outputs", "backend", "workspace"
-        )?;
-        for s in &self.sites {
+
+        // Dispatch blocks: one per distinct (H, ranges), in order of H then ranges.
+        let mut blocks: BTreeMap<DispatchKey, (usize, Vec<String>)> = BTreeMap::new();
+        for s in self.sites.iter().filter(|s| s.fused) {
+            let key = (
+                s.hidden.unwrap_or(0),
+                s.dispatch
+                    .iter()
+                    .map(|r| {
+                        (
+                            r.min_tokens,
+                            r.max_tokens,
+                            r.strategy.clone(),
+                            r.required_bytes,
+                        )
+                    })
+                    .collect(),
+            );
+            let e = blocks.entry(key).or_insert_with(|| {
+                (
+                    0,
+                    s.dispatch.iter().map(|r| r.short_reason.clone()).collect(),
+                )
+            });
+            e.0 += 1;
+        }
+        for ((h, ranges), (count, why)) in &blocks {
             writeln!(
                 f,
-                "  {:<28} {:<34} {:<9} {:<22} {:<8} {:>12}",
-                s.all_reduce,
-                s.layer.as_deref().unwrap_or("-"),
-                if s.fused { "fused" } else { "not fused" },
-                if s.outputs.is_empty() {
+                "dispatch H = {} ({count} site{}):",
+                thousands(*h),
+                if *count == 1 { "" } else { "s" }
+            )?;
+            for ((lo, hi, strategy, bytes), why) in ranges.iter().zip(why) {
+                let need = if strategy == "unfused" {
                     "-".to_string()
                 } else {
-                    s.outputs.join(",")
-                },
-                s.backend.as_deref().unwrap_or("-"),
-                s.workspace_bytes.map(mib).unwrap_or_else(|| "-".into()),
-            )?;
-            if let Some(p) = &s.pattern {
+                    format!("{} bytes", thousands(*bytes))
+                };
                 writeln!(
                     f,
-                    "      pattern {p}{}{}",
-                    s.hidden.map(|h| format!(", H = {h}")).unwrap_or_default(),
-                    s.pattern_code
-                        .map(|c| format!(", pattern code {c}"))
-                        .unwrap_or_default()
+                    "  {:<16} {:<9} {:>17}  {}",
+                    tokens(*lo, *hi),
+                    strategy,
+                    need,
+                    group_digits(why)
                 )?;
-            }
-            if let Some(r) = &s.reason {
-                writeln!(f, "      why not: {r}")?;
-            }
-            if let Some(r) = &s.backend_reason {
-                writeln!(f, "      backend: {r}")?;
-            }
-            for r in &s.dispatch {
-                writeln!(
-                    f,
-                    "      T={}..={} {} ({} bytes)",
-                    r.min_tokens, r.max_tokens, r.strategy, r.required_bytes
-                )?;
-            }
-            for n in &s.notes {
-                writeln!(f, "      note: {n}")?;
             }
         }
+
+        if !self.by_pattern.is_empty() {
+            writeln!(f, "patterns:")?;
+            let w = self.by_pattern.keys().map(|k| k.len()).max().unwrap_or(0);
+            for (p, c) in &self.by_pattern {
+                writeln!(f, "  {p:<w$}  {} / {} fused", c.fused, c.total)?;
+            }
+        }
+
+        let root = common_root(&self.sites);
+        let names: Vec<String> = self
+            .sites
+            .iter()
+            .map(|s| display_name(s, root.as_deref()))
+            .collect();
+        if !self.sites.is_empty() {
+            let wn = names.iter().map(|n| n.len()).max().unwrap_or(0).max(4);
+            let wp = self
+                .sites
+                .iter()
+                .map(|s| s.pattern.as_deref().unwrap_or("-").len())
+                .max()
+                .unwrap_or(0)
+                .max(7);
+            let wo = self
+                .sites
+                .iter()
+                .map(|s| s.outputs.join(",").len())
+                .max()
+                .unwrap_or(0)
+                .max(7);
+            writeln!(
+                f,
+                "sites{}:",
+                root.as_deref()
+                    .map(|r| format!(" (modules under `{r}`)"))
+                    .unwrap_or_default()
+            )?;
+            writeln!(
+                f,
+                "  {:<wn$}  {:<wp$}  {:<wo$}  status",
+                "site", "pattern", "outputs"
+            )?;
+            for (s, n) in self.sites.iter().zip(&names) {
+                writeln!(
+                    f,
+                    "  {n:<wn$}  {:<wp$}  {:<wo$}  {}",
+                    s.pattern.as_deref().unwrap_or("-"),
+                    if s.outputs.is_empty() {
+                        "-".to_string()
+                    } else {
+                        s.outputs.join(",")
+                    },
+                    if s.fused { "fused" } else { "not fused" }
+                )?;
+            }
+        }
+
+        // Not fused, grouped by reason (in order of first appearance).
+        let mut reasons: Vec<(String, Vec<&str>)> = Vec::new();
+        for (s, n) in self.sites.iter().zip(&names) {
+            if s.fused {
+                continue;
+            }
+            let r = s.reason.as_deref().unwrap_or("no reason recorded");
+            match reasons.iter_mut().find(|(k, _)| k == r) {
+                Some((_, v)) => v.push(n),
+                None => reasons.push((r.to_string(), vec![n])),
+            }
+        }
+        if !reasons.is_empty() {
+            writeln!(f, "not fused:")?;
+        }
+        for (r, sites) in &reasons {
+            let r = group_digits(r);
+            if let [only] = sites.as_slice() {
+                writeln!(f, "  {only}: {r}")?;
+            } else {
+                let mut list = sites
+                    .iter()
+                    .take(MAX_NAMES_PER_REASON)
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                if sites.len() > MAX_NAMES_PER_REASON {
+                    list.push_str(&format!(
+                        ", and {} more",
+                        sites.len() - MAX_NAMES_PER_REASON
+                    ));
+                }
+                writeln!(f, "  {} sites: {r}: {list}", sites.len())?;
+            }
+        }
+
         for w in &self.warnings {
-            writeln!(f, "  warning: {w}")?;
+            writeln!(f, "warning: {}", group_digits(w))?;
         }
         for n in &self.notes {
-            writeln!(f, "  note: {n}")?;
+            writeln!(f, "note: {}", group_digits(n))?;
+        }
+        // Per-site notes, each once, with how many sites it applies to.
+        let mut notes: Vec<(&str, usize)> = Vec::new();
+        for n in self.sites.iter().flat_map(|s| &s.notes) {
+            match notes.iter_mut().find(|(k, _)| *k == n) {
+                Some((_, c)) => *c += 1,
+                None => notes.push((n, 1)),
+            }
+        }
+        for (n, c) in &notes {
+            writeln!(
+                f,
+                "note ({c} site{}): {}",
+                if *c == 1 { "" } else { "s" },
+                group_digits(n)
+            )?;
         }
         writeln!(
             f,
-            "  e-graph: {} after {} iteration(s), {} e-nodes, {} e-classes (limits: {} iterations, {} e-nodes, {} s)",
+            "e-graph: {} after {} iteration(s), {} e-nodes, {} e-classes (limits: {} iterations, {} e-nodes, {} s)",
             self.runner.stop_reason,
             self.runner.iterations,
             self.runner.egraph_nodes,
@@ -203,5 +527,33 @@ impl fmt::Display for Report {
             self.runner.limits.1,
             self.runner.limits.2
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{group_digits, thousands};
+
+    #[test]
+    fn thousands_separators() {
+        assert_eq!(thousands(0), "0");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1_000), "1,000");
+        assert_eq!(thousands(1_179_648), "1,179,648");
+        assert_eq!(thousands(u64::MAX), "18,446,744,073,709,551,615");
+    }
+
+    #[test]
+    fn digits_in_sentences_are_grouped_but_not_in_names() {
+        assert_eq!(
+            group_digits("fits one Lamport buffer of 1179648 bytes (T=40, H=6144)."),
+            "fits one Lamport buffer of 1,179,648 bytes (T=40, H=6,144)."
+        );
+        assert_eq!(group_digits("ends at 8192."), "ends at 8,192.");
+        assert_eq!(
+            group_digits("eps 0.00001, 1e-5, fp8_e4m3, layers.1234.mlp, v1024x, 0123"),
+            "eps 0.00001, 1e-5, fp8_e4m3, layers.1234.mlp, v1024x, 0123"
+        );
+        assert_eq!(group_digits("µ 12345 µ"), "µ 12,345 µ");
     }
 }

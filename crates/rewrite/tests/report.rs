@@ -1,0 +1,162 @@
+//! The report as printed: header, workspace, dispatch, patterns, one line per site,
+//! refusals grouped by reason, deduplicated notes; and a workspace shared with a wider
+//! graph (`LowerOptions::shared_hidden_sizes`).
+
+mod common;
+
+use arfuse_ir::DType;
+use arfuse_rewrite::{lower_with, LowerOptions};
+use common::builder::{c, s, ty, NormForm, Quant, Stack, B};
+use common::{h200, lowered};
+
+#[test]
+fn report_of_a_quantised_stack() {
+    let g = Stack {
+        layers: 2,
+        quant: Some(Quant::Fp8PerToken),
+        ..Stack::default()
+    }
+    .build();
+    let l = lowered(&g, &h200());
+    insta::assert_snapshot!("report_quantised_stack", l.report.to_string());
+}
+
+#[test]
+fn report_of_a_decomposed_stack_notes_the_rounding_once() {
+    let g = Stack {
+        layers: 2,
+        norm: NormForm::Decomposed,
+        view_3d: true,
+        ..Stack::default()
+    }
+    .build();
+    let l = lowered(&g, &h200());
+    let text = l.report.to_string();
+    assert_eq!(text.matches("1 ulp").count(), 1, "{text}");
+    assert!(
+        text.contains("note (5 sites): decomposed RMSNorm"),
+        "{text}"
+    );
+    insta::assert_snapshot!("report_decomposed_stack", text);
+}
+
+#[test]
+fn report_groups_refusals_by_reason() {
+    // Three all-reduces over another group (same reason) and one fused site.
+    let mut b = B::new();
+    b.sym("T", 8192);
+    let act = ty(DType::Bf16, &[s("T"), c(4096)]);
+    let x = b.input("x", act.clone(), arfuse_ir::InputKind::Activation);
+    let r = b.input("res", act.clone(), arfuse_ir::InputKind::Activation);
+    let w = b.param("w", ty(DType::Bf16, &[c(4096)]));
+    let mut outs = Vec::new();
+    for k in 0..3 {
+        let ar = b.all_reduce(&format!("dp{k}"), x, "dp", Some(&format!("model.dp.{k}")));
+        let h = b.add(&format!("h{k}"), ar, r, None);
+        outs.push(b.rms_norm(
+            &format!("n{k}"),
+            h,
+            w,
+            1e-6,
+            0.0,
+            Some(&format!("model.dp.{k}.norm")),
+        ));
+        outs.push(h);
+    }
+    let ar = b.all_reduce("tp0", x, "tp", Some("model.layers.0.mlp"));
+    let h = b.add("ht", ar, r, None);
+    outs.push(b.rms_norm(
+        "nt",
+        h,
+        w,
+        1e-6,
+        0.0,
+        Some("model.layers.1.input_layernorm"),
+    ));
+    outs.push(h);
+    let g = b.finish(outs);
+    let l = lower_with(&g, &h200(), &LowerOptions::default().with_group("tp")).unwrap();
+    let text = l.report.to_string();
+    assert!(
+        text.contains("3 sites: the all-reduce is over group `dp`"),
+        "{text}"
+    );
+    assert!(
+        text.contains("layers.0.mlp -> layers.1.input_layernorm"),
+        "{text}"
+    );
+    insta::assert_snapshot!("report_refusals_grouped", text);
+}
+
+#[test]
+fn report_of_a_target_without_fusion() {
+    let mut t = h200();
+    t.interconnect = arfuse_policy::Interconnect::BridgedNvlink;
+    let l = lowered(&Stack::default().build(), &t);
+    insta::assert_snapshot!("report_no_fusion", l.report.to_string());
+}
+
+/// A speculative-decoding draft wider than the target shares the target's workspace:
+/// the workspace is sized for the draft's H, so max_token_num is smaller than the
+/// target alone would get, and every fused site's plan says so.
+#[test]
+fn a_wider_shared_graph_sizes_the_workspace() {
+    let g = Stack {
+        layers: 2,
+        hidden: 4096,
+        ..Stack::default()
+    }
+    .build();
+    let alone = lowered(&g, &h200());
+    let shared = lower_with(
+        &g,
+        &h200(),
+        &LowerOptions::default().with_shared_hidden_sizes(vec![8192]),
+    )
+    .unwrap();
+    let (wa, ws) = (&alone.report.workspaces[0], &shared.report.workspaces[0]);
+    assert_eq!(wa.hidden, Some(4096));
+    assert_eq!(ws.hidden, Some(8192));
+    assert_eq!(ws.own_hidden_sizes, vec![4096]);
+    assert_eq!(ws.shared_hidden_sizes, vec![8192]);
+    // SM90 W=8: 0.5 MiB / (H * 2): 64 tokens at 4096, 32 at 8192 (domain.md §4).
+    assert_eq!(wa.max_token_num, 64);
+    assert_eq!(ws.max_token_num, 32);
+    assert_eq!(shared.report.all_reduces_fused, 5);
+    for (_, n) in shared.graph.nodes() {
+        if let arfuse_ir::Op::FusedAllreduceNorm(f) = &n.op {
+            let plan = f.plan.as_ref().unwrap();
+            assert_eq!(plan.max_token_num, 32);
+            assert_eq!(plan.lamport_buffer_bytes, ws.lamport_buffer_bytes.unwrap());
+            let last_fused = plan
+                .dispatch
+                .iter()
+                .filter(|r| r.strategy != arfuse_ir::Strategy::Unfused)
+                .map(|r| r.max_tokens)
+                .max();
+            assert_eq!(last_fused, Some(32));
+        }
+    }
+    let text = shared.report.to_string();
+    assert!(
+        text.contains("sized for H = 8,192 (this graph: H = 4,096; shared with H = 8,192)"),
+        "{text}"
+    );
+    assert!(text.contains("max_token_num 32"), "{text}");
+    // A narrower shared graph changes nothing.
+    let narrow = lower_with(
+        &g,
+        &h200(),
+        &LowerOptions::default().with_shared_hidden_sizes(vec![2048]),
+    )
+    .unwrap();
+    assert_eq!(narrow.graph.to_json_string(), alone.graph.to_json_string());
+    assert_eq!(narrow.report.workspaces[0].max_token_num, 64);
+    // An invalid shared size is an error, not a silent resize.
+    assert!(lower_with(
+        &g,
+        &h200(),
+        &LowerOptions::default().with_shared_hidden_sizes(vec![0]),
+    )
+    .is_err());
+}
