@@ -218,3 +218,61 @@ fn gemma_norms_fuse_with_weight_bias_one_and_no_quant() {
         assert_eq!(f.quant, arfuse_ir::FusedQuant::None);
     }
 }
+
+#[test]
+fn quant_epilogues_fuse_behind_3d_views() {
+    // Activations [B, S, H], all-reduces on the [B*S, H] view: the quant after a 3-D
+    // norm is fused too, its outputs viewed back to [B, S, ...].
+    for (q, target) in [
+        (Quant::Fp8Static, h200()),
+        (Quant::Fp8PerToken, h200()),
+        (Quant::Fp8Group, h200()),
+        (Quant::Nvfp4, b200()),
+    ] {
+        for norm_live in [false, true] {
+            let g = Stack {
+                layers: 2,
+                view_3d: true,
+                quant: Some(q),
+                norm_live_with_quant: norm_live,
+                ..Stack::default()
+            }
+            .build();
+            let l = lowered(&g, &target);
+            assert_eq!(l.report.all_reduces_fused, 5, "{q:?}\n{}", l.report);
+            let fused = fused_nodes(&l.graph);
+            let with_quant = fused
+                .iter()
+                .filter(|f| f.outputs.contains(&FusedOutput::Quant))
+                .count();
+            assert_eq!(with_quant, 4, "{q:?}\n{}", l.report);
+            let with_norm = fused
+                .iter()
+                .filter(|f| f.quant != arfuse_ir::FusedQuant::None)
+                .filter(|f| f.outputs.contains(&FusedOutput::Norm))
+                .count();
+            assert_eq!(with_norm, if norm_live { 4 } else { 0 }, "{q:?}");
+            assert_eq!(all_reduces(&l.graph), 0);
+            // No quant op is left; the quantised outputs are read as [B, S, ...].
+            assert!(!l.graph.nodes().any(|(_, n)| matches!(
+                n.op,
+                Op::QuantFp8Static
+                    | Op::QuantFp8PerToken
+                    | Op::QuantFp8PerTokenGroup { .. }
+                    | Op::QuantNvfp4 { .. }
+            )));
+            let view = l
+                .graph
+                .find("fused.layers.0.o.ar.quant.view")
+                .map(|id| l.graph.node(id).outputs[0].shape.to_string());
+            assert!(
+                view.as_deref().is_some_and(|s| s.starts_with("[B,S,")),
+                "{q:?}: {view:?}\n{}",
+                l.graph.canonical_text()
+            );
+            l.graph.validate().unwrap();
+            let again = lowered(&l.graph, &target);
+            assert_eq!(again.graph.to_json_string(), l.graph.to_json_string());
+        }
+    }
+}

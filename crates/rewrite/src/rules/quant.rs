@@ -8,6 +8,14 @@
 //! quantised output and `(get @3 Fq)` with the scales. Whether the norm output is also
 //! written is decided per site from liveness.
 //!
+//! `quant-through-view` (same search): `?y` holds `(reshape ?s N)` where `N` holds
+//! `(get @0 F)` and the reshape keeps the last (hidden) dim, as a norm on `[B, S, H]`
+//! activations whose all-reduce runs on the `[B*S, H]` view. Quant ops work per token
+//! (leading dims are tokens; scale layouts are defined over T = their product), so the
+//! quant of the view is the view of the quant: `Fq` is added on the flat form and its
+//! `@2` / `@3`, reshaped to the quant's own output shapes, are unioned with the
+//! quant's outputs (types checked equal).
+//!
 //! Conditions: not after the Gemma form (weight_bias 1: the kernels' quant epilogues
 //! assume a same-dtype weight; domain.md §2); the scale input is an f32 scalar; the
 //! quant's output types exist for this H (group size divides H, NVFP4 blocks of 16).
@@ -32,25 +40,61 @@ fn fuse_quant(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
     let Some(Leaf::Quant(qk)) = eg[q].data.leaf else {
         return changed;
     };
-    // Fused nodes whose norm output is `?y`, without an epilogue yet.
-    let mut fused: Vec<[Id; 6]> = Vec::new();
-    for node in &eg[y].nodes {
-        let Fx::Get([p, t]) = node else { continue };
-        if eg[*p].data.leaf != Some(Leaf::Port(PORT_NORM)) {
-            continue;
-        }
-        for tn in &eg[*t].nodes {
+    // Fused nodes whose norm output is `?y`, without an epilogue yet; or whose norm
+    // output `?y` is a view of (`quant-through-view`: a reshape keeping the hidden
+    // dim, as around the all-reduces of 3-D activations), with that view's shape.
+    let mut fused: Vec<([Id; 6], Option<Id>)> = Vec::new();
+    let no_epilogue = |eg: &FxGraph, t: Id, view: Option<Id>, out: &mut Vec<_>| {
+        for tn in &eg[t].nodes {
             if let Fx::Fused(ch) = tn {
                 if matches!(eg[ch[0]].data.leaf, Some(Leaf::Fused(k)) if k.quant == crate::lang::QKind::None)
                 {
-                    fused.push(*ch);
+                    out.push((*ch, view));
                 }
             }
+        }
+    };
+    let norm_tuples = |eg: &FxGraph, c: Id| -> Vec<Id> {
+        eg[c]
+            .nodes
+            .iter()
+            .filter_map(|n| match n {
+                Fx::Get([p, t]) if eg[*p].data.leaf == Some(Leaf::Port(PORT_NORM)) => Some(*t),
+                _ => None,
+            })
+            .collect()
+    };
+    for t in norm_tuples(eg, y) {
+        no_epilogue(eg, t, None, &mut fused);
+    }
+    let views: Vec<(Id, Id)> = eg[y]
+        .nodes
+        .iter()
+        .filter_map(|n| match n {
+            Fx::Reshape([sh, inner]) => Some((*sh, *inner)),
+            _ => None,
+        })
+        .collect();
+    for (sh, inner) in views {
+        let keeps = match (eg[sh].data.leaf, eg[inner].data.ty()) {
+            (Some(Leaf::Shape(to)), Some(from)) => {
+                match (eg.analysis.shape(from.shape), eg.analysis.shape(to)) {
+                    (Some(a), Some(b)) => a.last().is_some() && a.last() == b.last(),
+                    _ => false,
+                }
+            }
+            _ => false,
+        };
+        if !keeps {
+            continue;
+        }
+        for t in norm_tuples(eg, inner) {
+            no_epilogue(eg, t, Some(sh), &mut fused);
         }
     }
     fused.sort();
     fused.dedup();
-    for ch in fused {
+    for (ch, view) in fused {
         let [k, i, x, r, w, _] = ch;
         let (Some(Leaf::Fused(kind)), Some(Leaf::Inst(inst))) = (eg[k].data.leaf, eg[i].data.leaf)
         else {
@@ -104,14 +148,32 @@ fn fuse_quant(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
         let pairs = [
             (get(eg, PORT_NORM, fq), get(eg, PORT_NORM, f)),
             (get(eg, PORT_RESIDUAL, fq), get(eg, PORT_RESIDUAL, f)),
-            (get(eg, PORT_QUANT, fq), get(eg, 0, eclass)),
         ];
         for (a, b) in pairs {
             union(eg, a, b, &mut changed);
         }
+        let mut outs = vec![(PORT_QUANT, 0u8)];
         if qk.writes_scales() {
-            let a = get(eg, PORT_SCALE, fq);
-            let b = get(eg, 1, eclass);
+            outs.push((PORT_SCALE, 1));
+        }
+        for (port, k) in outs {
+            let a = get(eg, port, fq);
+            let b = get(eg, k, eclass);
+            // Through a view, the quant's output is the fused port viewed to the
+            // quant's own shape (its leading dims, the port's last dim).
+            let a = match view {
+                None => a,
+                Some(_) => match eg[b].data.ty() {
+                    Some(tb) => {
+                        let sh = leaf(eg, Leaf::Shape(tb.shape));
+                        eg.add(Fx::Reshape([sh, a]))
+                    }
+                    None => continue,
+                },
+            };
+            if eg[a].data.ty() != eg[b].data.ty() {
+                continue;
+            }
             union(eg, a, b, &mut changed);
         }
     }
