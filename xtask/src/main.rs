@@ -120,9 +120,14 @@ fn workspace_root() -> PathBuf {
 fn load_target(spec: &str) -> Result<(Target, String)> {
     let p = Path::new(spec);
     if p.extension().is_some_and(|e| e == "toml") || p.is_file() {
-        let text = std::fs::read_to_string(p).with_context(|| format!("reading target file {}", p.display()))?;
-        let t = Target::from_toml_str(&text).with_context(|| format!("target file {}", p.display()))?;
-        let name = p.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "target".into());
+        let text = std::fs::read_to_string(p)
+            .with_context(|| format!("reading target file {}", p.display()))?;
+        let t =
+            Target::from_toml_str(&text).with_context(|| format!("target file {}", p.display()))?;
+        let name = p
+            .file_stem()
+            .map(|s| s.to_string_lossy().to_string())
+            .unwrap_or_else(|| "target".into());
         return Ok((t, name));
     }
     let t = Target::preset(spec)?;
@@ -132,10 +137,16 @@ fn load_target(spec: &str) -> Result<(Target, String)> {
 fn read_graph(path: &Path) -> Result<Graph> {
     let meta = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
     if meta.len() > MAX_FILE_BYTES {
-        bail!("{} is {} bytes, above the {} byte limit", path.display(), meta.len(), MAX_FILE_BYTES);
+        bail!(
+            "{} is {} bytes, above the {} byte limit",
+            path.display(),
+            meta.len(),
+            MAX_FILE_BYTES
+        );
     }
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    let imported = arfuse::import::load_any(&bytes).with_context(|| format!("loading {}", path.display()))?;
+    let imported =
+        arfuse::import::load_any(&bytes).with_context(|| format!("loading {}", path.display()))?;
     for note in &imported.notes {
         eprintln!("note: {}: {note}", path.display());
     }
@@ -147,8 +158,12 @@ fn graphs_in(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
         let p = e?.path();
-        let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
-        let is_graph = (name.ends_with(".json") && !name.ends_with(".options.json")) || name.ends_with(".pt2");
+        let name = p
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let is_graph =
+            (name.ends_with(".json") && !name.ends_with(".options.json")) || name.ends_with(".pt2");
         if p.is_file() && is_graph {
             out.push(p);
         }
@@ -168,12 +183,20 @@ fn lower_cmd(
 ) -> Result<ExitCode> {
     let path = path.unwrap_or_else(|| root.join(DEFAULT_GRAPH));
     let (target, target_name) = load_target(target.as_deref().unwrap_or(DEFAULT_TARGET))?;
-    let inputs = if path.is_dir() { graphs_in(&path)? } else { vec![path.clone()] };
+    let inputs = if path.is_dir() {
+        graphs_in(&path)?
+    } else {
+        vec![path.clone()]
+    };
     if inputs.is_empty() {
         bail!("no graph files (*.json, *.pt2) in {}", path.display());
     }
     if inputs.len() > 1 && (out.is_some() || dot.is_some()) {
-        bail!("--out and --dot take one input graph, {} given in {}", inputs.len(), path.display());
+        bail!(
+            "--out and --dot take one input graph, {} given in {}",
+            inputs.len(),
+            path.display()
+        );
     }
     let options = LowerOptions {
         group,
@@ -183,7 +206,12 @@ fn lower_cmd(
     for input in &inputs {
         let stem = input
             .file_name()
-            .map(|n| n.to_string_lossy().trim_end_matches(".json").trim_end_matches(".pt2").to_string())
+            .map(|n| {
+                n.to_string_lossy()
+                    .trim_end_matches(".json")
+                    .trim_end_matches(".pt2")
+                    .to_string()
+            })
             .unwrap_or_else(|| "graph".into());
         let graph = match read_graph(input) {
             Ok(g) => g,
@@ -205,22 +233,31 @@ fn lower_cmd(
         let elapsed = start.elapsed();
         match report {
             ReportFormat::Table => {
-                println!("== {} on {target_name} ({} nodes, lowered in {:.1} ms)", input.display(), graph.len(), elapsed.as_secs_f64() * 1e3);
+                println!(
+                    "== {} on {target_name} ({} nodes, lowered in {:.1} ms)",
+                    input.display(),
+                    graph.len(),
+                    elapsed.as_secs_f64() * 1e3
+                );
                 println!("{}", lowered.report);
             }
             ReportFormat::Json => println!("{}", serde_json::to_string_pretty(&lowered.report)?),
         }
         let out_path = match &out {
             Some(p) => p.clone(),
-            None => root.join("target/arfuse").join(format!("{stem}.{target_name}.lowered.json")),
+            None => root
+                .join("target/arfuse")
+                .join(format!("{stem}.{target_name}.lowered.json")),
         };
         if let Some(dir) = out_path.parent() {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        std::fs::write(&out_path, lowered.graph.to_json_string()).with_context(|| format!("writing {}", out_path.display()))?;
+        std::fs::write(&out_path, lowered.graph.to_json_string())
+            .with_context(|| format!("writing {}", out_path.display()))?;
         eprintln!("wrote {}", out_path.display());
         if let Some(d) = &dot {
-            std::fs::write(d, lowered.graph.to_dot()).with_context(|| format!("writing {}", d.display()))?;
+            std::fs::write(d, lowered.graph.to_dot())
+                .with_context(|| format!("writing {}", d.display()))?;
             eprintln!("wrote {}", d.display());
         }
     }
@@ -253,13 +290,24 @@ fn test_cmd(root: &Path, args: &[String]) -> Result<ExitCode> {
         .args(args)
         .status()
         .context("running cargo test")?;
-    Ok(if status.success() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if status.success() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn gpu_check(root: &Path, build_only: bool) -> Result<ExitCode> {
     let status = cargo()
         .current_dir(root)
-        .args(["build", "--release", "-p", "arfuse-runtime", "--bin", "gpu_check"])
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "arfuse-runtime",
+            "--bin",
+            "gpu_check",
+        ])
         .status()
         .context("running cargo build")?;
     if !status.success() {
@@ -274,5 +322,11 @@ fn gpu_check(root: &Path, build_only: bool) -> Result<ExitCode> {
         .current_dir(root)
         .status()
         .with_context(|| format!("running {}", bin.display()))?;
-    Ok(if status.success() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    // gpu_check exits 0 (all checks passed), 1 (a check failed) or 2 (no CUDA driver:
+    // nothing was checked); the status is passed through unchanged.
+    let code = status.code().unwrap_or(1);
+    if code == 2 {
+        eprintln!("gpu-check: no CUDA driver on this machine, nothing was checked (exit status 2)");
+    }
+    Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
 }
