@@ -1030,3 +1030,94 @@ fn fuzz_structured_smoke() {
     assert!(valid * 2 > SMOKE_STRUCTURED, "{valid} valid graphs");
     assert!(fused * 50 > SMOKE_STRUCTURED, "{fused} graphs with fusions");
 }
+
+/// A graph at the node limit: 166,665 fusable layers (all-reduce, fused add + RMSNorm,
+/// an opaque attention) sharing one weight, 499,999 nodes in all. Lowering it stays
+/// within the default e-graph limits. Minutes unoptimised, so ignored; run it with
+/// `cargo test --release --test hostile -- --ignored largest` (timings in
+/// docs/fuzzing.md).
+#[test]
+#[ignore = "slow unoptimised: run in release"]
+fn largest_graph_lowers_within_the_limits() {
+    use af::ir::{Dim, Graph, InputKind, Node, Op, TensorType, Value};
+    let act = || {
+        TensorType::new(
+            af::ir::DType::Bf16,
+            vec![Dim::symbol("T"), Dim::constant(4096)],
+        )
+    };
+    let mut g = Graph::new();
+    g.set_symbol("T", af::ir::SymbolRange { min: 1, max: 8192 });
+    let mut add = |id: String, op: Op, inputs: Vec<Value>, outputs: Vec<TensorType>| {
+        g.add_node(Node {
+            id,
+            op,
+            inputs,
+            outputs,
+            module: None,
+        })
+        .unwrap()
+    };
+    let input = |kind| Op::Input { kind };
+    let x = add(
+        "x".into(),
+        input(InputKind::Activation),
+        vec![],
+        vec![act()],
+    );
+    let w = add(
+        "w".into(),
+        input(InputKind::Parameter),
+        vec![],
+        vec![TensorType::new(
+            af::ir::DType::Bf16,
+            vec![Dim::constant(4096)],
+        )],
+    );
+    let (mut prev, mut res) = (Value::new(x, 0), Value::new(x, 0));
+    let layers = (af::ir::MAX_NODES - 2) / 3;
+    for i in 0..layers {
+        let ar = add(
+            format!("ar{i}"),
+            Op::AllReduce {
+                group: "tp".into(),
+                reduce: Default::default(),
+            },
+            vec![prev],
+            vec![act()],
+        );
+        let n = add(
+            format!("n{i}"),
+            Op::FusedAddRmsNorm {
+                eps: 1e-6,
+                weight_bias: 0.0,
+            },
+            vec![Value::new(ar, 0), res, Value::new(w, 0)],
+            vec![act(), act()],
+        );
+        let a = add(
+            format!("attn{i}"),
+            Op::Opaque {
+                target: "attention".into(),
+                attrs: serde_json::Value::Null,
+            },
+            vec![Value::new(n, 0)],
+            vec![act()],
+        );
+        prev = Value::new(a, 0);
+        res = Value::new(n, 1);
+    }
+    g.set_outputs(vec![prev, res]).unwrap();
+    let target = Target::preset(LOWER_PRESET).unwrap();
+    let (l, took, peak) = measure(|| af::lower(&g, &target));
+    let l = l.unwrap();
+    eprintln!(
+        "{} nodes, {layers} layers: lowered in {took:?}, peak {} MiB, {} e-nodes, {} iterations",
+        g.len(),
+        peak / MIB,
+        l.report.runner.egraph_nodes,
+        l.report.runner.iterations
+    );
+    assert_eq!(l.report.all_reduces_fused, layers);
+    assert!(l.report.runner.egraph_nodes < af::rewrite::DEFAULT_NODE_LIMIT);
+}

@@ -33,3 +33,28 @@ mod tests {
         eprintln!("{n} inputs: {valid} valid graphs, {lowered} lowered, {fused} with fusions");
     }
 }
+
+#[cfg(test)]
+mod pick {
+    /// `PICK_DIR=... cargo test --release --lib pick -- --nocapture`: lists corpus
+    /// inputs of fuzz_structured that lower with fusions (to refresh corpus-seed/).
+    #[test]
+    fn pick_structured_seeds() {
+        let Ok(dir) = std::env::var("PICK_DIR") else {
+            return;
+        };
+        let mut rows = Vec::new();
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            let data = std::fs::read(&p).unwrap();
+            let o = super::targets::fuzz_structured(&data);
+            if o.lowered {
+                rows.push((o.fused, data.len(), p));
+            }
+        }
+        rows.sort();
+        for (f, n, p) in rows {
+            println!("{f} {n} {}", p.display());
+        }
+    }
+}

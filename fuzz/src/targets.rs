@@ -84,13 +84,19 @@ pub fn check_plan(target: &Target, hiddens: &[u64]) {
             .unwrap_or_else(|e| panic!("no strategy for T={t} inside the plan: {e}"));
     }
     for site in &p.sites {
-        let mut next = 1u64;
+        let mut prev_hi: Option<u64> = None;
         for r in &site.ranges {
-            assert_eq!(r.lo, next, "ranges of H={} are not contiguous", site.hidden);
+            let want = prev_hi.map_or(Some(1), |h| h.checked_add(1));
+            assert_eq!(
+                Some(r.lo),
+                want,
+                "ranges of H={} are not contiguous from 1",
+                site.hidden
+            );
             assert!(r.lo <= r.hi);
-            next = r.hi.saturating_add(1);
+            prev_hi = Some(r.hi);
         }
-        assert_eq!(next.saturating_sub(1), p.max_planned_tokens);
+        assert_eq!(prev_hi, Some(p.max_planned_tokens), "H={}", site.hidden);
     }
     let _ = p.summary();
 }
