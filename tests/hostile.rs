@@ -839,21 +839,24 @@ fn bug_file(name: &str) -> Vec<u8> {
     std::fs::read(hostile_dir().join("bugs").join(name)).unwrap()
 }
 
-/// arfuse-ir: a fused node's carried plan is not validated. A file can claim a
-/// dispatch with gaps, a one-shot range needing far more than the Lamport buffer, a
-/// range whose byte count is understated, or a buffer larger than the workspace; it
-/// loads, lowers unchanged, and reaches whatever runs it.
+/// Found by `fuzz_bytes` (fixed in arfuse-ir 959db7e): a fused node's carried plan
+/// is checked on load. A file claiming a dispatch with gaps, a one-shot range needing
+/// far more than the Lamport buffer, an understated byte count or a buffer larger than
+/// the workspace is refused, naming the plan.
 #[test]
-#[ignore = "BUG (arfuse-ir): fused_allreduce_norm plans are not checked on load; see docs/fuzzing.md"]
-fn bug_fused_plans_from_files_are_checked() {
+fn fused_plans_from_files_are_checked() {
     for name in [
         "fused_plan_dispatch_gap.json",
         "fused_plan_one_shot_exceeds_buffer.json",
         "fused_plan_understates_bytes.json",
         "fused_plan_buffer_larger_than_workspace.json",
     ] {
-        let r = af::ir::Graph::from_json_slice(&bug_file(name));
-        assert!(r.is_err(), "{name} loads: its plan is trusted as written");
+        let bytes = std::fs::read(hostile_dir().join(name)).unwrap();
+        let err = af::ir::Graph::from_json_slice(&bytes)
+            .expect_err(name)
+            .to_string();
+        assert!(err.contains("fused [attribute]: plan: "), "{name}: {err}");
+        assert!(af::import::load_any(&bytes).is_err(), "{name}");
     }
 }
 

@@ -193,9 +193,9 @@ pub fn check_lowered(input: &Graph, target: &Target, lowered: &af::Lowered) {
         let Op::FusedAllreduceNorm(f) = &n.op else {
             continue;
         };
-        // Fused nodes of the input are carried verbatim; their plans are whatever the
-        // file says (the IR does not check them: ir-fixtures/hostile/fused_plan_*.json,
-        // reported). Only the plans this lowering wrote are checked here.
+        // Fused nodes of the input are carried verbatim: the IR checks their plans on
+        // load (ir-fixtures/hostile/fused_plan_*.json), but they may be for another
+        // target. Only the plans this lowering wrote are checked against `target`.
         if input
             .find(&n.id)
             .is_some_and(|i| matches!(input.node(i).op, Op::FusedAllreduceNorm(_)))
