@@ -41,9 +41,13 @@ run)
     fi
     # -timeout: one input taking 10 s is a hang; -rss_limit_mb: 2 GiB is a leak or an
     # unbounded allocation (the limits allow at most a few hundred MiB).
+    # fuzz_structured reads its input as choices (zeros past the end): -len_control=0
+    # lets libFuzzer use the whole -max_len from the start instead of growing it slowly.
+    len=(-max_len=65536)
+    [ "$target" = fuzz_structured ] && len=(-max_len=4096 -len_control=0)
     exec "$BIN/$target" "corpus/$target" "${seeds[@]}" \
         -artifact_prefix="artifacts/$target/" \
-        -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -max_len=65536 \
+        -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 "${len[@]}" \
         -print_final_stats=1 "$@"
     ;;
 replay)
