@@ -163,14 +163,18 @@ pub fn lower_with(
             return Err(LowerError::NotSaturated {
                 reason: match other {
                     Some(StopReason::IterationLimit(n)) => format!("iteration limit {n}"),
-                    Some(StopReason::NodeLimit(n)) => format!("e-node limit {n}"),
+                    // egg reports the e-node count it stopped at; name the configured limit.
+                    Some(StopReason::NodeLimit(n)) => format!(
+                        "e-node limit {} (the e-graph had {n} e-nodes when it stopped)",
+                        options.node_limit
+                    ),
                     Some(StopReason::TimeLimit(s)) => format!("time limit {s} s"),
                     Some(StopReason::Other(s)) => s,
                     _ => "no stop reason".into(),
                 },
                 iterations,
                 nodes: eg.total_size(),
-            })
+            });
         }
     }
     let runner_report = RunnerReport {
@@ -449,9 +453,13 @@ fn choose_group(graph: &Graph, options: &LowerOptions) -> Result<(String, String
         return Ok((g.clone(), "given in LowerOptions".into()));
     }
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    // A fused node holds one all-reduce of its group: counting it keeps the inferred
+    // group of a lowered graph the same as before lowering (idempotence).
     for (_, n) in graph.nodes() {
-        if let Op::AllReduce { group, .. } = &n.op {
-            *counts.entry(group.as_str()).or_default() += 1;
+        match &n.op {
+            Op::AllReduce { group, .. } => *counts.entry(group.as_str()).or_default() += 1,
+            Op::FusedAllreduceNorm(f) => *counts.entry(f.group.as_str()).or_default() += 1,
+            _ => {}
         }
     }
     let Some(&max) = counts.values().max() else {
