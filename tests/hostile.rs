@@ -723,7 +723,7 @@ fn egraph_limits_give_a_clear_error() {
         assert!(took < TIME_BOUND);
     }
     insta::assert_snapshot!("egraph_limits", s);
-    assert!(s.contains("did not saturate: e-node limit"), "{s}");
+    assert!(s.contains("did not saturate: e-node limit 10 "), "{s}");
     assert!(s.contains("did not saturate: iteration limit 1 "), "{s}");
     assert!(s.contains("8 of 8 all-reduce(s) fused"), "{s}");
     assert_eq!(
@@ -830,14 +830,10 @@ fn api_built_hostile_values_are_refused() {
 }
 
 // ---------------------------------------------------------------------------------
-// Bugs found by this work, reproduced. Each test states the behaviour the issue asks
-// for and FAILS today; they are ignored so that CI stays green until the owning crate
-// is fixed (run them with `cargo test --test hostile -- --ignored`).
+// Regressions of the bugs this work found (all three fixed in their crates; see
+// docs/fuzzing.md). A new open bug gets a reproducer in ir-fixtures/hostile/bugs/ and
+// an `#[ignore = "BUG ..."]` test here stating the wanted behaviour.
 // ---------------------------------------------------------------------------------
-
-fn bug_file(name: &str) -> Vec<u8> {
-    std::fs::read(hostile_dir().join("bugs").join(name)).unwrap()
-}
 
 /// Found by `fuzz_bytes` (fixed in arfuse-ir 959db7e): a fused node's carried plan
 /// is checked on load. A file claiming a dispatch with gaps, a one-shot range needing
@@ -860,27 +856,28 @@ fn fused_plans_from_files_are_checked() {
     }
 }
 
-/// arfuse-rewrite: lowering a lowered graph with default options is not idempotent when
-/// the layer group was inferred as the most frequent one: once its all-reduces are
-/// fused the remaining groups tie and the second run fails with AmbiguousGroup.
+/// Found by `fuzz_structured` (fixed in arfuse-rewrite 46f9870): lowering a lowered
+/// graph with default options infers the same layer group. Before, the group was
+/// inferred from all-reduces only, so once the most frequent group's all-reduces were
+/// fused the remaining groups tied and the second run failed with AmbiguousGroup.
 #[test]
-#[ignore = "BUG (arfuse-rewrite): group inference ignores fused nodes; see docs/fuzzing.md"]
-fn bug_lowering_a_lowered_graph_infers_the_same_group() {
-    let g = af::ir::Graph::from_json_slice(&bug_file("lower_twice_group_tie.json")).unwrap();
+fn lowering_a_lowered_graph_infers_the_same_group() {
+    let bytes = std::fs::read(hostile_dir().join("lower_twice_group_tie.json")).unwrap();
+    let g = af::ir::Graph::from_json_slice(&bytes).unwrap();
     let target = Target::preset(LOWER_PRESET).unwrap();
     let once = af::lower(&g, &target).unwrap();
     assert_eq!(once.report.all_reduces_fused, 2);
     let twice =
         af::lower(&once.graph, &target).expect("lowering a lowered graph returns it unchanged");
     assert_eq!(twice.graph.canonical_text(), once.graph.canonical_text());
+    assert_eq!(twice.report.group, once.report.group);
 }
 
-/// arfuse-rewrite: when the runner stops at the e-node limit, the error reports egg's
-/// e-node count at the stop as "e-node limit N" instead of the configured limit, so
-/// a user raising "the limit" is told the wrong number.
+/// Found while writing the e-graph limit test (fixed in arfuse-rewrite 46f9870): when
+/// the runner stops at the e-node limit, the error names the configured limit, not
+/// egg's e-node count at the stop.
 #[test]
-#[ignore = "BUG (arfuse-rewrite): NotSaturated names the e-node count, not the configured limit; see docs/fuzzing.md"]
-fn bug_node_limit_error_names_the_configured_limit() {
+fn node_limit_error_names_the_configured_limit() {
     let g = af::ir::Graph::from_json_slice(&wide_sites(8)).unwrap();
     let target = Target::preset(LOWER_PRESET).unwrap();
     let options = af::LowerOptions {
@@ -890,29 +887,7 @@ fn bug_node_limit_error_names_the_configured_limit() {
     let err = af::lower_with(&g, &target, &options)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("e-node limit 10"), "{err}");
-}
-
-/// Today's behaviour of the bug reproducers, pinned, so that the fix shows up here as
-/// a deliberate snapshot change.
-#[test]
-fn bug_reproducers_current_behaviour() {
-    let mut s = String::new();
-    for path in files_in(&hostile_dir().join("bugs"), &["json"]) {
-        let name = path.file_name().unwrap().to_str().unwrap();
-        writeln!(s, "== {name}").unwrap();
-        s.push_str(&answer_file(&path));
-        if let Ok(g) = af::ir::Graph::from_json_slice(&std::fs::read(&path).unwrap()) {
-            let target = Target::preset(LOWER_PRESET).unwrap();
-            if let Ok(once) = af::lower(&g, &target) {
-                match af::lower(&once.graph, &target) {
-                    Ok(_) => writeln!(s, "lower(lower(g)): ok").unwrap(),
-                    Err(e) => writeln!(s, "lower(lower(g)): error: {e}").unwrap(),
-                }
-            }
-        }
-    }
-    insta::assert_snapshot!("bug_reproducers", s);
+    assert!(err.contains("e-node limit 10 "), "{err}");
 }
 
 // ---------------------------------------------------------------------------------
