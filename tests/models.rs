@@ -203,3 +203,42 @@ fn lowering_twice_changes_nothing_and_is_deterministic() {
         );
     }
 }
+
+#[test]
+fn a_graph_is_only_lowered_for_its_own_tensor_parallel_size() {
+    let f = load(&root().join("ir-fixtures/models/llama31_8b_tp8.options.json"));
+    let err = arfuse::lower(&f.graph, &Target::preset("b300-x4").unwrap()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            arfuse::LowerError::WorldSizeMismatch {
+                graph: 8,
+                target: 4
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_lowered_graph_is_refused_for_another_target_instead_of_keeping_a_stale_plan() {
+    let f = load(&root().join("ir-fixtures/models/llama31_8b_tp8.options.json"));
+    let h200 = Target::preset("h200-sxm-x8").unwrap();
+    let lowered = arfuse::lower(&f.graph, &h200).unwrap().graph;
+    // Same target: unchanged (idempotent).
+    assert_eq!(
+        arfuse::lower(&lowered, &h200)
+            .unwrap()
+            .graph
+            .to_json_string(),
+        lowered.to_json_string()
+    );
+    // B200 plans another max_token_num (1 MiB cap at W=8, not 0.5 MiB).
+    for other in ["b200-x8", "h200-nvl-x8"] {
+        let err = arfuse::lower(&lowered, &Target::preset(other).unwrap()).unwrap_err();
+        assert!(
+            matches!(err, arfuse::LowerError::StalePlan { .. }),
+            "{other}: {err}"
+        );
+    }
+}

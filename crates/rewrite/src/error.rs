@@ -13,7 +13,8 @@ pub enum LowerError {
     /// often.
     #[error(
         "the graph's all-reduces use the groups {candidates:?} equally often ({count} each); \
-         set LowerOptions::group to the layer's tensor-parallel group"
+         name the layer's tensor-parallel group (LowerOptions::group, or `--group NAME` of \
+         `cargo xtask lower`)"
     )]
     AmbiguousGroup {
         /// The tied groups, sorted.
@@ -37,6 +38,31 @@ pub enum LowerError {
         iterations: usize,
         /// E-nodes at the stop.
         nodes: usize,
+    },
+    /// The graph says which tensor-parallel size it was built for (metadata `tp` or
+    /// `world_size`) and the target's all-reduce group size differs: every byte count of
+    /// the plan would be wrong.
+    #[error(
+        "the graph was built for tensor-parallel size {graph} (its metadata), the target's \
+         all-reduce group has world_size {target}: choose a target with world_size = {graph}"
+    )]
+    WorldSizeMismatch {
+        /// The graph's tensor-parallel size.
+        graph: u64,
+        /// The target's world size.
+        target: u32,
+    },
+    /// The graph already holds a fused node whose plan is not the one this target gets
+    /// (another machine, size or backend): running it would trust a stale plan.
+    #[error(
+        "fused node `{node}` carries a plan that differs from this target's ({detail}); \
+         lower the unfused graph for this target instead"
+    )]
+    StalePlan {
+        /// The fused node's id.
+        node: String,
+        /// What differs.
+        detail: String,
     },
     /// A bug in this crate: the result failed its own checks. Please report it with
     /// the graph.

@@ -144,6 +144,7 @@ pub fn lower_with(
 ) -> Result<Lowered, LowerError> {
     graph.validate().map_err(LowerError::InvalidGraph)?;
     target.validate()?;
+    check_world_size(graph, target)?;
     let (group, group_source) = choose_group(graph, options)?;
 
     let conv = convert::convert(graph, &group);
@@ -244,9 +245,67 @@ pub fn lower_with(
             _ => None,
         };
     }
+    // Fused nodes already in the input share the workspace and must carry exactly the
+    // plan this target gets (else the input was lowered for another machine).
+    let mut existing = Vec::new();
+    for (_, n) in graph.nodes() {
+        if let Op::FusedAllreduceNorm(f) = &n.op {
+            let Some(x) = n.inputs.first().and_then(|v| graph.value_type(*v)) else {
+                continue;
+            };
+            let Some(h) = x.shape.last().and_then(|d| d.as_const()) else {
+                continue;
+            };
+            let t = index.max_tokens(x);
+            let e = keys.entry((x.dtype, h)).or_insert(t);
+            *e = match (*e, t) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                _ => None,
+            };
+            existing.push((n.id.clone(), x.dtype, h, f.plan.clone()));
+        }
+    }
     let mut notes = Vec::new();
     let (decisions, planned) =
         plan::decide(target, &keys, &options.shared_hidden_sizes, &mut notes)?;
+    for (id, dtype, h, carried) in existing {
+        let Some(carried) = carried else {
+            notes.push(format!(
+                "fused node `{id}` carries no plan; it is kept as written"
+            ));
+            continue;
+        };
+        let fresh = decisions
+            .get(&(dtype, h))
+            .filter(|d| d.fused)
+            .and_then(|d| d.plan.clone());
+        match fresh {
+            None => {
+                return Err(LowerError::StalePlan {
+                    node: id,
+                    detail: format!("this target fuses no {dtype} all-reduce of H = {h}"),
+                })
+            }
+            Some(mut p) => {
+                p.pattern_code = carried.pattern_code;
+                if p != carried {
+                    return Err(LowerError::StalePlan {
+                        node: id,
+                        detail: format!(
+                            "carried: {:?} backend, max_token_num {}, one buffer {} bytes; \
+                             this target: {:?} backend, max_token_num {}, one buffer {} bytes",
+                            carried.backend,
+                            carried.max_token_num,
+                            carried.lamport_buffer_bytes,
+                            p.backend,
+                            p.max_token_num,
+                            p.lamport_buffer_bytes
+                        ),
+                    });
+                }
+            }
+        }
+    }
 
     let mut emits = Vec::new();
     let mut fused_insts: BTreeSet<u32> = BTreeSet::new();
@@ -448,9 +507,46 @@ pub fn lower_with(
     Ok(Lowered { graph: out, report })
 }
 
+/// The graph's own tensor-parallel size, when its metadata records one (`tp` or
+/// `world_size`, as `arfuse-models` writes), must be the target's group size.
+fn check_world_size(graph: &Graph, target: &Target) -> Result<(), LowerError> {
+    let recorded = graph.metadata().and_then(|m| {
+        ["world_size", "tp"]
+            .iter()
+            .find_map(|k| m.get(*k).and_then(|v| v.as_u64()))
+    });
+    match recorded {
+        Some(w) if w != u64::from(target.world_size) => Err(LowerError::WorldSizeMismatch {
+            graph: w,
+            target: target.world_size,
+        }),
+        _ => Ok(()),
+    }
+}
+
 fn choose_group(graph: &Graph, options: &LowerOptions) -> Result<(String, String), LowerError> {
     if let Some(g) = &options.group {
-        return Ok((g.clone(), "given in LowerOptions".into()));
+        let found: BTreeSet<&str> = graph
+            .nodes()
+            .filter_map(|(_, n)| match &n.op {
+                Op::AllReduce { group, .. } => Some(group.as_str()),
+                Op::FusedAllreduceNorm(f) => Some(f.group.as_str()),
+                _ => None,
+            })
+            .collect();
+        // Not an error: an all-reduce over another group is a refusal, not bad input.
+        // But a group nothing uses (often a typo) is said in the report's header.
+        if !found.is_empty() && !found.contains(g.as_str()) {
+            let list: Vec<&str> = found.into_iter().collect();
+            return Ok((
+                g.clone(),
+                format!(
+                    "given; WARNING: no all-reduce of the graph uses it (its groups: {})",
+                    list.join(", ")
+                ),
+            ));
+        }
+        return Ok((g.clone(), "given".into()));
     }
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
     // A fused node holds one all-reduce of its group: counting it keeps the inferred

@@ -134,6 +134,19 @@ pub(crate) fn decide(
         all.sort_unstable_by(|a, b| b.cmp(a));
         all.dedup();
         let plan = arfuse_policy::plan(&t, &all)?;
+        // The planner's own notes (size-table entry, capture sizes beyond the engine's
+        // max, PDL, ...) belong in the report; it deduplicates repeats.
+        // The decision and the workspace have their own report lines; skip their notes.
+        notes.extend(
+            plan.notes
+                .iter()
+                .filter(|n| {
+                    !(n.starts_with("fuse with")
+                        || n.starts_with("no fusion")
+                        || n.contains(" workspace (W="))
+                })
+                .cloned(),
+        );
         let ws = plan.workspace.as_ref();
         workspaces.push(WorkspacePlan {
             dtype,
