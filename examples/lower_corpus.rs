@@ -17,7 +17,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("|---|---|---:|---:|---:|---:|---:|");
     for opt in options {
         let o: serde_json::Value = serde_json::from_slice(&std::fs::read(&opt)?)?;
-        let name = opt.file_name().unwrap().to_string_lossy().trim_end_matches(".options.json").to_string();
+        let name = opt
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .trim_end_matches(".options.json")
+            .to_string();
         let g = Graph::from_json_slice(&std::fs::read(dir.join(format!("{name}.json")))?)?;
         for t in o["targets"].as_array().into_iter().flatten() {
             let t = t.as_str().unwrap_or_default();
