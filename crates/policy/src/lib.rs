@@ -4,7 +4,7 @@
 //! tensor-parallel graphs: which backend, which strategy for each token count T, and
 //! how large a workspace; proven for every T the graph can run with, with a reason a
 //! person can act on for every outcome. No egg, no CUDA, no IR: a graph compiler can
-//! use it alone. Facts and tables come from `shared/domain.md` §3-§5 (cited on each
+//! use it alone. Facts and tables come from `docs/domain.md` §3-§5 (cited on each
 //! item).
 //!
 //! ## The model
