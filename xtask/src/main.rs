@@ -1,6 +1,6 @@
 //! `cargo xtask`: the project's commands for people.
 //!
-//! - `cargo xtask lower [GRAPH|DIR] [--target PRESET|FILE] [--out FILE] [--report table|json] [--dot FILE]`
+//! - `cargo xtask lower [GRAPH|DIR] [--target PRESET|FILE] [--out FILE] [--report table|json] [--dot FILE] [--group NAME] [--shared-hidden H]`
 //! - `cargo xtask test [CARGO TEST ARGS]`
 //! - `cargo xtask gpu-check [--build-only]`
 //!
@@ -57,6 +57,10 @@ enum Command {
         /// The layers' tensor-parallel process group (default: inferred from the graph).
         #[arg(long)]
         group: Option<String>,
+        /// Hidden size of another graph sharing this graph's workspace (e.g. a
+        /// speculative-decoding draft); repeatable. The workspace is sized for the widest.
+        #[arg(long = "shared-hidden", value_name = "H")]
+        shared_hidden: Vec<u64>,
         /// List the target presets and exit.
         #[arg(long)]
         list_targets: bool,
@@ -87,6 +91,7 @@ fn main() -> ExitCode {
             report,
             dot,
             group,
+            shared_hidden,
             list_targets,
         } => {
             if list_targets {
@@ -95,7 +100,7 @@ fn main() -> ExitCode {
                 }
                 return ExitCode::SUCCESS;
             }
-            lower_cmd(&root, path, target, out, report, dot, group)
+            lower_cmd(&root, path, target, out, report, dot, group, shared_hidden)
         }
         Command::GpuCheck { build_only } => gpu_check(&root, build_only),
         Command::Test { args } => test_cmd(&root, &args),
@@ -238,6 +243,7 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Vec<String>> {
     Ok(vec![DEFAULT_TARGET.to_string()])
 }
 
+#[allow(clippy::too_many_arguments)] // one per CLI option
 fn lower_cmd(
     root: &Path,
     path: Option<PathBuf>,
@@ -246,6 +252,7 @@ fn lower_cmd(
     report: ReportFormat,
     dot: Option<PathBuf>,
     group: Option<String>,
+    shared_hidden: Vec<u64>,
 ) -> Result<ExitCode> {
     let default_graph = path.is_none();
     let path = path.unwrap_or_else(|| root.join(DEFAULT_GRAPH));
@@ -288,6 +295,7 @@ fn lower_cmd(
     }
     let options = LowerOptions {
         group,
+        shared_hidden_sizes: shared_hidden,
         ..LowerOptions::default()
     };
     let mut failed = 0usize;
