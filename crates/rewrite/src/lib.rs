@@ -469,19 +469,11 @@ pub fn lower_with(
             )
         });
     }
-    let workspaces = planned
-        .iter()
+    let workspaces: Vec<WorkspaceReport> = planned
+        .into_iter()
         .map(|w| WorkspaceReport {
             group: group.clone(),
-            dtype: w.dtype.to_string(),
-            backend: w.backend.map(|b| backend_name(b).into()),
-            reason: w.reason.clone(),
-            hidden: w.hidden,
-            own_hidden_sizes: w.own_hidden_sizes.clone(),
-            shared_hidden_sizes: w.shared_hidden_sizes.clone(),
-            max_token_num: w.max_token_num,
-            lamport_buffer_bytes: w.lamport_buffer_bytes,
-            bytes_per_rank: w.bytes_per_rank,
+            ..w
         })
         .collect();
     let report = Report {

@@ -3,6 +3,7 @@
 //! counts the graph can run with, mapped onto the IR's [`FusedPlan`].
 
 use crate::error::LowerError;
+use crate::report::WorkspaceReport;
 use arfuse_ir::{Backend as IrBackend, DType, DispatchRange, FusedPlan, Strategy as IrStrategy};
 use arfuse_policy::{ActDtype, Backend, Plan, Strategy, Target};
 use std::collections::{BTreeMap, BTreeSet};
@@ -20,30 +21,6 @@ pub(crate) struct SiteDecision {
     pub range_reasons: Vec<String>,
     /// The policy's short reason per range (without the range itself).
     pub range_why: Vec<String>,
-}
-
-/// One planned workspace: per activation dtype, shared by every site of that dtype
-/// (and by the graphs whose hidden sizes were given as shared).
-#[derive(Clone, Debug)]
-pub(crate) struct WorkspacePlan {
-    /// The activation dtype.
-    pub dtype: DType,
-    /// The backend, when fusing.
-    pub backend: Option<IrBackend>,
-    /// The policy's backend decision reason.
-    pub reason: String,
-    /// The hidden size the workspace is sized for (the widest planned).
-    pub hidden: Option<u64>,
-    /// This graph's hidden sizes planned (valid ones, descending).
-    pub own_hidden_sizes: Vec<u64>,
-    /// Hidden sizes of other graphs sharing the workspace (descending, deduplicated).
-    pub shared_hidden_sizes: Vec<u64>,
-    /// Largest fused T.
-    pub max_token_num: u64,
-    /// Bytes of one Lamport buffer.
-    pub lamport_buffer_bytes: Option<u64>,
-    /// Bytes per rank, the whole allocation.
-    pub bytes_per_rank: Option<u64>,
 }
 
 /// The policy's activation dtype for an IR dtype.
@@ -73,7 +50,9 @@ fn ir_strategy(s: Strategy) -> IrStrategy {
 
 /// What [`decide`] returns: per (dtype, hidden) the site decision, and the
 /// workspaces planned (one per dtype, in dtype order).
-pub(crate) type Decisions = (BTreeMap<(DType, u64), SiteDecision>, Vec<WorkspacePlan>);
+/// Per (dtype, H) decision, and one workspace per activation dtype (its `group` is
+/// filled in by the caller).
+pub(crate) type Decisions = (BTreeMap<(DType, u64), SiteDecision>, Vec<WorkspaceReport>);
 
 /// The plans for every (dtype, hidden) the sites need, with the graph's largest token
 /// count per key (`None` when unknown). `shared` are the hidden sizes of other graphs
@@ -148,9 +127,13 @@ pub(crate) fn decide(
                 .cloned(),
         );
         let ws = plan.workspace.as_ref();
-        workspaces.push(WorkspacePlan {
-            dtype,
-            backend: plan.backend().filter(|_| ws.is_some()).map(ir_backend),
+        workspaces.push(WorkspaceReport {
+            group: String::new(),
+            dtype: dtype.to_string(),
+            backend: plan
+                .backend()
+                .filter(|_| ws.is_some())
+                .map(|b| crate::backend_name(ir_backend(b)).to_string()),
             reason: plan.decision.reason().to_string(),
             hidden: ws.map(|w| w.hidden),
             own_hidden_sizes: hiddens.clone(),
