@@ -11,7 +11,7 @@
 //! - [`import`]: front ends (torch.export's ExportedProgram JSON and `.pt2`).
 //! - [`policy`]: backend, strategy and workspace planning (usable alone).
 //! - [`rewrite`]: the e-graph fusion pass; [`lower`] is its entry point.
-//! - [`reference`]: CPU reference semantics and the equivalence check.
+//! - [`reference`](mod@reference): CPU reference semantics and the equivalence check.
 //!
 //! The GPU runtime (`arfuse-runtime`, cudarc) is a separate crate so that using the
 //! compiler pass never links CUDA.
