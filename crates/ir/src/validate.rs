@@ -677,7 +677,8 @@ impl Checker<'_> {
 impl Checker<'_> {
     /// A plan carried by a fused node is never trusted as written: its dispatch must
     /// cover 1..=N without gaps or overlaps, fused ranges must stay within
-    /// `max_token_num` and ONE Lamport buffer, that buffer within the workspace, and
+    /// `max_token_num` and ONE Lamport buffer (trtllm two-shot: the workspace), that
+    /// buffer within the workspace, and
     /// each fused range must state at least the bytes its largest T must move (every
     /// token's row once: `T * H * e`; the exact figure depends on W and the backend and
     /// is re-checked by `arfuse_policy::verify`).
@@ -722,12 +723,21 @@ impl Checker<'_> {
                     format!("{at}: fused above max_token_num {}", plan.max_token_num),
                 );
             }
-            if r.required_bytes > plan.lamport_buffer_bytes {
+            // One-shot always runs in one Lamport buffer. Two-shot does too on mnnvl, but
+            // trtllm's two-shot uses its comm buffer, which the plan does not carry: it is
+            // bounded by the whole workspace here and checked exactly by the policy.
+            let (cap, what) = match (r.strategy, plan.backend) {
+                (Strategy::TwoShot, crate::op::Backend::Trtllm) => {
+                    (plan.workspace_bytes, "the whole workspace holds")
+                }
+                _ => (plan.lamport_buffer_bytes, "one Lamport buffer holds"),
+            };
+            if r.required_bytes > cap {
                 self.err(
                     ProblemKind::Attribute,
                     format!(
-                        "{at}: {:?} needs {} bytes, one Lamport buffer holds {}",
-                        r.strategy, r.required_bytes, plan.lamport_buffer_bytes
+                        "{at}: {:?} needs {} bytes, {what} {cap}",
+                        r.strategy, r.required_bytes
                     ),
                 );
             }
