@@ -309,22 +309,7 @@ impl Ctx<'_> {
         reason: String,
         h: u64,
     ) -> Result<DispatchRange> {
-        let (required_bytes_max, available_bytes) = if s.is_fused() {
-            (
-                self.ws.required_bytes(s, hi, h)?,
-                self.ws.available_bytes(s),
-            )
-        } else {
-            (0, 0)
-        };
-        Ok(DispatchRange {
-            lo,
-            hi,
-            strategy: s,
-            required_bytes_max,
-            available_bytes,
-            reason,
-        })
+        dispatch_range(Some(&self.ws), lo, hi, s, reason, h)
     }
 
     /// The dispatch at hidden `h` for `1..=t_max`, computed on segments between the
@@ -915,18 +900,7 @@ impl Plan {
         reason: String,
         h: u64,
     ) -> Result<DispatchRange> {
-        let (required_bytes_max, available_bytes) = match (&self.workspace, s.is_fused()) {
-            (Some(ws), true) => (ws.required_bytes(s, hi, h)?, ws.available_bytes(s)),
-            _ => (0, 0),
-        };
-        Ok(DispatchRange {
-            lo,
-            hi,
-            strategy: s,
-            required_bytes_max,
-            available_bytes,
-            reason,
-        })
+        dispatch_range(self.workspace.as_ref(), lo, hi, s, reason, h)
     }
 
     /// Verifies the plan against its own workspace (see [`crate::verify`]); a plan
@@ -987,4 +961,28 @@ impl fmt::Display for Plan {
         }
         Ok(())
     }
+}
+
+/// A range `lo..=hi` run with `s`, with the bytes of one call at `hi` and the bytes
+/// available to it in `ws` (both 0 when unfused or without a workspace).
+fn dispatch_range(
+    ws: Option<&Workspace>,
+    lo: u64,
+    hi: u64,
+    s: Strategy,
+    reason: String,
+    h: u64,
+) -> Result<DispatchRange> {
+    let (required_bytes_max, available_bytes) = match ws {
+        Some(ws) if s.is_fused() => (ws.required_bytes(s, hi, h)?, ws.available_bytes(s)),
+        _ => (0, 0),
+    };
+    Ok(DispatchRange {
+        lo,
+        hi,
+        strategy: s,
+        required_bytes_max,
+        available_bytes,
+        reason,
+    })
 }
