@@ -550,15 +550,7 @@ impl<'p> Builder<'p> {
             }
         }
         for (i, a) in graph.inputs.iter().enumerate() {
-            let Some(name) = a
-                .get("as_tensor")
-                .and_then(|t| t.get("name"))
-                .and_then(Json::as_str)
-            else {
-                self.notes.line(format!(
-                    "graph input {i} is not a tensor ({}); not imported",
-                    truncate(&a.to_string(), 80)
-                ));
+            let Some(name) = self.graph_tensor_name(a, "input", i) else {
                 continue;
             };
             let loc = format!("graph input {name:?}");
@@ -598,15 +590,7 @@ impl<'p> Builder<'p> {
         }
         let mut outputs = Vec::new();
         for (i, a) in graph.outputs.iter().enumerate() {
-            let Some(name) = a
-                .get("as_tensor")
-                .and_then(|t| t.get("name"))
-                .and_then(Json::as_str)
-            else {
-                self.notes.line(format!(
-                    "graph output {i} is not a tensor ({}); not imported",
-                    truncate(&a.to_string(), 80)
-                ));
+            let Some(name) = self.graph_tensor_name(a, "output", i) else {
                 continue;
             };
             let b = self
@@ -621,6 +605,22 @@ impl<'p> Builder<'p> {
         self.g.set_outputs(outputs)?;
         self.g.validate().map_err(ImportError::Invalid)?;
         Ok(Imported::from_graph(self.g, self.notes.render()))
+    }
+
+    /// The tensor name of a graph input or output argument, or `None` (with a note)
+    /// when it is not a tensor.
+    fn graph_tensor_name<'j>(&mut self, a: &'j Json, what: &str, i: usize) -> Option<&'j str> {
+        let name = a
+            .get("as_tensor")
+            .and_then(|t| t.get("name"))
+            .and_then(Json::as_str);
+        if name.is_none() {
+            self.notes.line(format!(
+                "graph {what} {i} is not a tensor ({}); not imported",
+                truncate(&a.to_string(), 80)
+            ));
+        }
+        name
     }
 
     fn node(&mut self, i: usize, n: &'p RawNode) -> Result<(), ImportError> {
