@@ -315,6 +315,20 @@ __device__ __forceinline__ u32 arf_e4m3x2(float lo, float hi) {
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// One vector of ARF_VEC activations -> ARF_VEC e4m3 bytes at `dst`:
+// e4m3(clamp(y / scale, -448, 448)), as contract v1 clause 4 (a true division).
+__device__ __forceinline__ void arf_store_e4m3_vec(u64 dst, const float* yf, float scale) {
+  u32 b[ARF_VEC / 2];
+#pragma unroll
+  for (int i = 0; i < ARF_VEC; i += 2)
+    b[i / 2] = arf_e4m3x2(fminf(fmaxf(yf[i] / scale, -448.0f), 448.0f),
+                          fminf(fmaxf(yf[i + 1] / scale, -448.0f), 448.0f));
+#if ARF_VEC == 8
+  *reinterpret_cast<uint2*>(dst) = make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
+#else
+  *reinterpret_cast<u32*>(dst) = b[0] | (b[1] << 16);
+#endif
+}
 // Exact value of an e4m3 byte (finite inputs only; satfinite never produces NaN).
 __device__ __forceinline__ float arf_e4m3_to_f32(u32 b) {
   const u32 e = (b >> 3) & 15u, m = b & 7u;
@@ -438,17 +452,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
       if (v < vpt && idx < nvec) {
         float yf[ARF_VEC];
         arf_unpack(a[v], yf);
-        u32 b[ARF_VEC / 2];
-#pragma unroll
-        for (int i = 0; i < ARF_VEC; i += 2)
-          b[i / 2] = arf_e4m3x2(fminf(fmaxf(yf[i] / qscale, -448.0f), 448.0f),
-                                fminf(fmaxf(yf[i + 1] / qscale, -448.0f), 448.0f));
-        const u64 dst = qout + (u64)t * (u64)p.H + (u64)idx * ARF_VEC;
-#if ARF_VEC == 8
-        *reinterpret_cast<uint2*>(dst) = make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
-#else
-        *reinterpret_cast<u32*>(dst) = b[0] | (b[1] << 16);
-#endif
+        arf_store_e4m3_vec(qout + (u64)t * (u64)p.H + (u64)idx * ARF_VEC, yf, qscale);
       }
     }
   }
@@ -493,17 +497,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
         if (qout) {
           float yf[ARF_VEC];
           arf_unpack(a[v], yf);
-          u32 b[ARF_VEC / 2];
-#pragma unroll
-          for (int i = 0; i < ARF_VEC; i += 2)
-            b[i / 2] = arf_e4m3x2(fminf(fmaxf(yf[i] / gscale, -448.0f), 448.0f),
-                                  fminf(fmaxf(yf[i + 1] / gscale, -448.0f), 448.0f));
-          const u64 dst = qout + (u64)t * (u64)p.H + (u64)idx * ARF_VEC;
-#if ARF_VEC == 8
-          *reinterpret_cast<uint2*>(dst) = make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
-#else
-          *reinterpret_cast<u32*>(dst) = b[0] | (b[1] << 16);
-#endif
+          arf_store_e4m3_vec(qout + (u64)t * (u64)p.H + (u64)idx * ARF_VEC, yf, gscale);
         }
       }
     }
