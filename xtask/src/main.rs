@@ -169,30 +169,55 @@ fn read_graph(path: &Path) -> Result<Graph> {
     Ok(imported.graph)
 }
 
-/// Writes `contents` to `path` through a temporary file in the same directory and a
-/// rename, so a failure never leaves a partial file behind.
-fn write_atomic(path: &Path, contents: &str) -> Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
+/// Writes every `(path, contents)` through temporary files in the target directories,
+/// renaming them into place only once all were written: a failure leaves no partial
+/// file and never touches an existing one.
+fn write_all_atomic(files: &[(&Path, String)]) -> Result<()> {
+    let mut temps: Vec<(PathBuf, &Path)> = Vec::new();
+    let mut result = Ok(());
+    for (path, contents) in files {
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
+        if let Err(e) = std::fs::write(&tmp, contents) {
+            result = Err(anyhow::Error::new(e).context(format!("writing {}", path.display())));
+            break;
+        }
+        temps.push((tmp, path));
+    }
+    if result.is_ok() {
+        for (tmp, path) in &temps {
+            if let Err(e) = std::fs::rename(tmp, path) {
+                result = Err(anyhow::Error::new(e).context(format!("writing {}", path.display())));
+                break;
+            }
+        }
+    }
+    for (tmp, _) in &temps {
+        let _ = std::fs::remove_file(tmp);
+    }
+    result
+}
+
+/// The path with its directory resolved (symlinks, `..`), for comparing destinations.
+fn resolved(p: &Path) -> PathBuf {
+    if let Ok(c) = std::fs::canonicalize(p) {
+        return c;
+    }
+    let dir = match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
     };
-    if !dir.is_dir() {
-        bail!(
-            "cannot write {}: directory {} does not exist",
-            path.display(),
-            dir.display()
-        );
+    match (std::fs::canonicalize(dir), p.file_name()) {
+        (Ok(d), Some(n)) => d.join(n),
+        _ => p.to_path_buf(),
     }
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
-    let result = std::fs::write(&tmp, contents).and_then(|()| std::fs::rename(&tmp, path));
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.with_context(|| format!("writing {}", path.display()))
 }
 
 /// Graph files in a directory: `*.json` and `*.pt2`, not option files, sorted.
@@ -289,8 +314,16 @@ fn lower_cmd(
         );
     }
     if let (Some(o), Some(d)) = (&out, &dot) {
-        if o == d {
+        if resolved(o) == resolved(d) {
             bail!("--out and --dot name the same file {}", o.display());
+        }
+    }
+    for o in out.iter().chain(dot.iter()) {
+        if inputs.iter().any(|i| resolved(i) == resolved(o)) {
+            bail!(
+                "{} is an input graph; refusing to overwrite it",
+                o.display()
+            );
         }
     }
     let options = LowerOptions {
@@ -323,6 +356,26 @@ fn lower_cmd(
             }
         }
         let Some((_, graph)) = &loaded else { continue };
+        if let Some(g) = &options.group {
+            let groups: std::collections::BTreeSet<&str> = graph
+                .nodes()
+                .filter_map(|(_, n)| match &n.op {
+                    arfuse::ir::Op::AllReduce { group, .. } => Some(group.as_str()),
+                    arfuse::ir::Op::FusedAllreduceNorm(f) => Some(f.group.as_str()),
+                    _ => None,
+                })
+                .collect();
+            if !groups.is_empty() && !groups.contains(g.as_str()) {
+                let list: Vec<&str> = groups.into_iter().collect();
+                eprintln!(
+                    "error: {}: --group {g:?} matches no all-reduce; the graph's groups are {}",
+                    input.display(),
+                    list.join(", ")
+                );
+                failed += 1;
+                continue;
+            }
+        }
         let start = std::time::Instant::now();
         let lowered = match arfuse::lower_with(graph, &target, &options) {
             Ok(l) => l,
@@ -361,22 +414,17 @@ fn lower_cmd(
                     .with_context(|| format!("creating {}", dir.display()))?;
             }
         }
-        let dot_text = dot.as_ref().map(|_| lowered.graph.to_dot());
-        if let Err(e) = write_atomic(&out_path, &lowered.graph.to_json_string()) {
-            eprintln!("error: {e:#}");
+        let mut files: Vec<(&Path, String)> = vec![(&out_path, lowered.graph.to_json_string())];
+        if let Some(d) = &dot {
+            files.push((d, lowered.graph.to_dot()));
+        }
+        if let Err(e) = write_all_atomic(&files) {
+            eprintln!("error: {e:#} (nothing written)");
             failed += 1;
             continue;
         }
-        eprintln!("wrote {}", out_path.display());
-        if let (Some(d), Some(text)) = (&dot, dot_text) {
-            if let Err(e) = write_atomic(d, &text) {
-                // Do not leave the lowered graph of a failed command behind.
-                let _ = std::fs::remove_file(&out_path);
-                eprintln!("error: {e:#} (removed {})", out_path.display());
-                failed += 1;
-                continue;
-            }
-            eprintln!("wrote {}", d.display());
+        for (p, _) in &files {
+            eprintln!("wrote {}", p.display());
         }
     }
     if matches!(report, ReportFormat::Json) {
