@@ -15,6 +15,7 @@
 //! Rounding contract of every kernel: see `kernels/arfuse_common.cuh` and
 //! [`protocol::allreduce_reference`].
 
+pub mod check;
 pub mod cuda;
 pub mod error;
 pub mod layout;

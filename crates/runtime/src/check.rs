@@ -1,0 +1,1048 @@
+//! The device-independent half of the GPU check (`gpu_check`, `cargo xtask gpu-check`):
+//! the cases, their inputs, the outputs arfuse-reference's rounding contract says the
+//! kernels must write, the output byte sizes, the comparison, and the byte counts the
+//! bandwidth figures divide by. Everything here runs (and is tested) on the CPU; the
+//! binary only adds the launches.
+//!
+//! What "correct" means for a kernel (arfuse rounding contract v1,
+//! `arfuse_reference::contract`):
+//! - the all-reduce output and `residual_out`: bit-exact;
+//! - `norm_out`: within [`norm_tolerance_ulp`] of the contract (the kernels sum the
+//!   squares in a tree, the contract sequentially);
+//! - quant data and scales: bit-exact against the contract's quant applied to the
+//!   kernel's OWN `norm_out` (a 1-ulp norm difference may legitimately move a scale,
+//!   so quant is judged on what the kernel normalised), including the zeroed padding
+//!   of the packed UE8M0 and swizzled NVFP4 scale layouts;
+//! - a run with only some outputs live writes exactly the same bytes to the live
+//!   outputs as the run with all of them, and never touches the dead ones
+//!   ([`compare_partial`]).
+
+use crate::error::{Error, Result};
+use crate::variants::{Dtype, Epilogue, KernelKind, Quant, Strategy, Variant};
+use arfuse_reference::contract;
+use arfuse_reference::numerics::quant::{self as rq, GroupScaleLayout, GroupScales};
+use arfuse_reference::numerics::FloatFormat;
+use arfuse_reference::ReferenceError;
+use half::{bf16, f16};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+/// Token counts the check runs (issue 9): decode sizes, the seed bug's 40 and 42,
+/// and a prefill size.
+pub const TOKENS: [u32; 7] = [1, 7, 16, 40, 42, 128, 1024];
+/// World sizes the check runs on virtual ranks.
+pub const WORLDS: [u32; 3] = [2, 4, 8];
+/// RMSNorm epsilon of every case.
+pub const EPS: f64 = 1e-6;
+/// Static FP8 dequant scale (2^-6): normalised values above 7 in magnitude saturate,
+/// so the saturation path runs.
+pub const STATIC_FP8_SCALE: f32 = 0.015_625;
+/// NVFP4 global scale: block scales land mid-range of e4m3; the all-zero block of
+/// token 0 exercises `SF == 0`.
+pub const NVFP4_GLOBAL_SCALE: f32 = 64.0;
+/// Largest `norm_out` difference, in ulp of f32, allowed for f32 activations. The
+/// contract's [`contract::KERNEL_NORM_TOLERANCE_ULP`] (1 ulp of T) is met by 16-bit
+/// outputs, where one ulp of T is 2^16 ulp of f32; an f32 output shows the tree-order
+/// sum of squares directly: its relative error is at most about `log2(H) + 16`
+/// roundings of 2^-24 against the contract's sequential sum's `H` (worst case), and
+/// `y` inherits half of it through `1/sqrt`. 64 ulp (2^-18 relative) is far below any
+/// real defect (a missing rounding, a wrong eps or a wrong rank order each move
+/// 16-bit-representable data by >= 2^-9 relative).
+pub const F32_NORM_TOLERANCE_ULP: u64 = 64;
+/// Byte written into every output buffer before a run, so outputs a kernel should
+/// have written (or must not have written) are told apart from old data.
+pub const FILL_BYTE: u8 = 0xA5;
+
+/// The rounding format of an activation dtype.
+pub fn float_format(dtype: Dtype) -> FloatFormat {
+    match dtype {
+        Dtype::Bf16 => FloatFormat::Bf16,
+        Dtype::F16 => FloatFormat::F16,
+        Dtype::F32 => FloatFormat::F32,
+    }
+}
+
+/// Allowed `norm_out` distance from the contract, in ulp of the activation dtype.
+pub fn norm_tolerance_ulp(dtype: Dtype) -> u64 {
+    match dtype {
+        Dtype::Bf16 | Dtype::F16 => contract::KERNEL_NORM_TOLERANCE_ULP,
+        Dtype::F32 => F32_NORM_TOLERANCE_ULP,
+    }
+}
+
+fn reference(e: ReferenceError) -> Error {
+    Error::Invalid(format!("reference: {e}"))
+}
+
+fn usize_of(v: u64, what: &'static str) -> Result<usize> {
+    usize::try_from(v).map_err(|_| Error::Overflow(what))
+}
+
+/// One correctness case: one fused kernel variant at one token count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Case {
+    /// Communication strategy.
+    pub strategy: Strategy,
+    /// World size W (virtual ranks).
+    pub world: u32,
+    /// Activation dtype.
+    pub dtype: Dtype,
+    /// Epilogue (residual, RMSNorm, quant).
+    pub epilogue: Epilogue,
+    /// Tokens T.
+    pub tokens: u32,
+    /// Hidden size H (elements).
+    pub hidden: u32,
+    /// RMSNorm weight offset: 0, or 1 for the Gemma form.
+    pub weight_bias: u32,
+}
+
+impl Case {
+    /// The fused kernel variant the case launches.
+    pub fn variant(&self) -> Variant {
+        Variant {
+            kind: KernelKind::Fused {
+                strategy: self.strategy,
+                world: self.world,
+            },
+            dtype: self.dtype,
+            epilogue: self.epilogue,
+        }
+    }
+
+    /// Short pattern name: `ar`, `res_norm`, `norm_fp8tok`, ...
+    pub fn pattern(&self) -> String {
+        pattern_name(self.epilogue)
+    }
+
+    /// Checks the case is one the kernels support.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for T = 0, W outside {2, 4, 8, 16}, H * e not a multiple of 16,
+    /// a group quant with H not a multiple of 128, NVFP4 with H not a multiple of 16 or
+    /// f32 activations, a weight_bias other than 0 or 1.
+    pub fn validate(&self) -> Result<()> {
+        if self.tokens == 0 {
+            return Err(Error::Invalid("a case needs T >= 1".into()));
+        }
+        if !crate::variants::WORLD_SIZES.contains(&self.world) {
+            return Err(Error::Invalid(format!(
+                "world size {} not in {{2, 4, 8, 16}}",
+                self.world
+            )));
+        }
+        let row = u64::from(self.hidden) * self.dtype.bytes() as u64;
+        if row == 0 || row % 16 != 0 {
+            return Err(Error::Invalid(format!(
+                "H * e = {row} bytes is not a positive multiple of 16"
+            )));
+        }
+        let q = self.epilogue.quant;
+        if matches!(q, Quant::Fp8GroupPacked | Quant::Fp8GroupF32) && self.hidden % 128 != 0 {
+            return Err(Error::Invalid(format!(
+                "per-token-group FP8 needs H % 128 == 0, H = {}",
+                self.hidden
+            )));
+        }
+        if !q.supports(self.dtype) {
+            return Err(Error::Invalid(format!(
+                "{} is not defined for {} activations",
+                q.name(),
+                self.dtype.name()
+            )));
+        }
+        if self.weight_bias > 1 {
+            return Err(Error::Invalid("weight_bias must be 0 or 1".into()));
+        }
+        Ok(())
+    }
+
+    /// Elements of one rank's `[T, H]` activation.
+    pub fn elements(&self) -> Result<usize> {
+        usize_of(
+            u64::from(self.tokens) * u64::from(self.hidden),
+            "T * H elements",
+        )
+    }
+
+    /// Bytes of each output of ONE rank (0 = the kernel has no such output).
+    ///
+    /// # Errors
+    /// [`Error::Overflow`] on absurd sizes; [`Error::Invalid`] for an invalid case.
+    pub fn output_bytes(&self) -> Result<OutputBytes> {
+        self.validate()?;
+        let (t, h) = (u64::from(self.tokens), u64::from(self.hidden));
+        let act = t
+            .checked_mul(h)
+            .and_then(|v| v.checked_mul(self.dtype.bytes() as u64))
+            .ok_or(Error::Overflow("activation bytes"))?;
+        let th = t.checked_mul(h).ok_or(Error::Overflow("T * H"))?;
+        let (quant, scale) = match self.epilogue.quant {
+            Quant::None => (0, 0),
+            Quant::Fp8Static => (th, 0),
+            Quant::Fp8PerToken => (th, 4 * t),
+            Quant::Fp8GroupPacked => (
+                th,
+                rq::packed_group_scale_bytes(t, h, 128).map_err(reference)?,
+            ),
+            Quant::Fp8GroupF32 => (th, 4 * t * (h / 128)),
+            Quant::Nvfp4Swizzled => (
+                rq::nvfp4_data_bytes(t, h).map_err(reference)?,
+                rq::nvfp4_scale_bytes(t, h, rq::Nvfp4ScaleLayout::Swizzled128x4)
+                    .map_err(reference)?,
+            ),
+            Quant::Nvfp4Linear => (
+                rq::nvfp4_data_bytes(t, h).map_err(reference)?,
+                rq::nvfp4_scale_bytes(t, h, rq::Nvfp4ScaleLayout::Linear).map_err(reference)?,
+            ),
+        };
+        Ok(OutputBytes {
+            out: act,
+            residual_out: if self.epilogue.norm { act } else { 0 },
+            quant,
+            scale,
+        })
+    }
+
+    /// One line naming the case, e.g. `oneshot W=8 bf16 res_norm_fp8tok T=42`.
+    pub fn label(&self) -> String {
+        format!(
+            "{} W={} {} {} T={}",
+            self.strategy.name(),
+            self.world,
+            self.dtype.name(),
+            self.pattern(),
+            self.tokens
+        )
+    }
+}
+
+/// Pattern name of an epilogue, as in variant names (`ar`, `res_norm_fp8s`, ...).
+pub fn pattern_name(e: Epilogue) -> String {
+    let mut parts = Vec::new();
+    if e.residual {
+        parts.push("res");
+    }
+    if e.norm {
+        parts.push("norm");
+    }
+    if e.quant != Quant::None {
+        parts.push(e.quant.name());
+    }
+    if parts.is_empty() {
+        "ar".to_string()
+    } else {
+        parts.join("_")
+    }
+}
+
+/// Every case of the full check: strategy x W in [`WORLDS`] x dtype x every epilogue
+/// the pass emits (`variants::all_epilogues`, NVFP4 only for 16-bit activations and
+/// only when `nvfp4` is true, i.e. on SM100+) x T in [`TOKENS`], at hidden size
+/// `hidden`. Cases whose H does not suit a quant (group quant needs H % 128 == 0) are
+/// left out.
+pub fn all_cases(hidden: u32, nvfp4: bool) -> Vec<Case> {
+    let mut out = Vec::new();
+    for world in WORLDS {
+        for dtype in Dtype::ALL {
+            for epilogue in crate::variants::all_epilogues() {
+                if epilogue.quant.needs_sm100() && !nvfp4 {
+                    continue;
+                }
+                for strategy in [Strategy::OneShot, Strategy::TwoShot] {
+                    for tokens in TOKENS {
+                        let c = Case {
+                            strategy,
+                            world,
+                            dtype,
+                            epilogue,
+                            tokens,
+                            hidden,
+                            // The Gemma form on the residual-free norms, so both
+                            // weight forms run with every quant.
+                            weight_bias: u32::from(epilogue.norm && !epilogue.residual),
+                        };
+                        if c.validate().is_ok() {
+                            out.push(c);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Bytes of each output of one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OutputBytes {
+    /// `out`: the RMSNorm output (or the all-reduce output without norm), `T*H*e`.
+    pub out: u64,
+    /// `residual_out`, `T*H*e` (0 for all-reduce only).
+    pub residual_out: u64,
+    /// Quant data: `T*H` (FP8) or `T*H/2` (NVFP4).
+    pub quant: u64,
+    /// Quant scales in their layout (padding included).
+    pub scale: u64,
+}
+
+/// The inputs of one case: per-rank activations and residuals as raw little-endian
+/// bytes of the activation dtype, the RMSNorm weight and the fp32 scalar.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Inputs {
+    /// `x[r]`: rank r's all-reduce input, `[T, H]`.
+    pub x: Vec<Vec<u8>>,
+    /// `residual[r]`: rank r's residual, `[T, H]` (empty without residual).
+    pub residual: Vec<Vec<u8>>,
+    /// RMSNorm weight `[H]` in the activation dtype.
+    pub gamma: Vec<u8>,
+    /// fp32 scalar input: static FP8 scale or NVFP4 global scale (0 otherwise).
+    pub scale_in: f32,
+}
+
+/// Encodes f32 values (each exactly representable) as little-endian `dtype` bytes.
+pub fn encode(dtype: Dtype, values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * dtype.bytes());
+    for &v in values {
+        match dtype {
+            Dtype::Bf16 => out.extend(bf16::from_f32(v).to_bits().to_le_bytes()),
+            Dtype::F16 => out.extend(f16::from_f32(v).to_bits().to_le_bytes()),
+            Dtype::F32 => out.extend(v.to_bits().to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// Decodes little-endian `dtype` bytes to f32 (exact widening). Trailing bytes that
+/// do not form a whole element are ignored.
+pub fn decode(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
+    match dtype {
+        Dtype::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect(),
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_bits(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+            .collect(),
+    }
+}
+
+/// The smallest-magnitude negative subnormal of a dtype (its bit pattern is the
+/// sentinel's plus one: the value a float compare under FTZ confuses with -0.0).
+pub fn negative_subnormal(dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::Bf16 => bf16::from_bits(0x8001).to_f32(),
+        Dtype::F16 => f16::from_bits(0x8001).to_f32(),
+        Dtype::F32 => f32::from_bits(0x8000_0001),
+    }
+}
+
+/// Deterministic inputs for `case` from `seed`. Values are multiples of 2^-10 in
+/// [-2, 2) rounded to the dtype, with about 1/32 each of -0.0 and the dtype's
+/// smallest negative subnormal; in token 0 the first 16 elements are -0.0 on every
+/// rank (all-reduce result +0.0, an all-zero NVFP4 block with `SF == 0`); the
+/// residual of token 0 holds a few large values (static FP8 saturates).
+///
+/// # Errors
+/// As [`Case::validate`]; [`Error::Overflow`] on absurd sizes.
+pub fn make_inputs(case: &Case, seed: u64) -> Result<Inputs> {
+    case.validate()?;
+    let n = case.elements()?;
+    let fmt = float_format(case.dtype);
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let sub = negative_subnormal(case.dtype);
+    let mut value = |rng: &mut SmallRng| -> f32 {
+        match rng.gen_range(0u32..32) {
+            0 => -0.0,
+            1 => sub,
+            _ => fmt.round(rng.gen_range(-2048i32..2048) as f32 / 1024.0),
+        }
+    };
+    let h = case.hidden as usize;
+    let mut x = Vec::with_capacity(case.world as usize);
+    let mut residual = Vec::new();
+    for _ in 0..case.world {
+        let mut v: Vec<f32> = (0..n).map(|_| value(&mut rng)).collect();
+        v[..16.min(h)].fill(-0.0);
+        x.push(encode(case.dtype, &v));
+        if case.epilogue.residual {
+            let mut r: Vec<f32> = (0..n).map(|_| value(&mut rng)).collect();
+            r[..16.min(h)].fill(-0.0);
+            if h > 32 {
+                r[16] = fmt.round(60.0);
+                r[17] = fmt.round(-60.0);
+            }
+            residual.push(encode(case.dtype, &r));
+        }
+    }
+    let gamma: Vec<f32> = (0..h)
+        .map(|_| fmt.round(rng.gen_range(-1024i32..1024) as f32 / 512.0))
+        .collect();
+    let scale_in = match case.epilogue.quant {
+        Quant::Fp8Static => STATIC_FP8_SCALE,
+        Quant::Nvfp4Swizzled | Quant::Nvfp4Linear => NVFP4_GLOBAL_SCALE,
+        _ => 0.0,
+    };
+    Ok(Inputs {
+        x,
+        residual,
+        gamma: encode(case.dtype, &gamma),
+        scale_in,
+    })
+}
+
+/// What one rank's kernel wrote (or must write): raw bytes of each output in the
+/// kernel's layout; an empty vector for an output the case does not have.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RankOutputs {
+    /// `out` (norm output, or the all-reduce output without norm).
+    pub out: Vec<u8>,
+    /// `residual_out`.
+    pub residual_out: Vec<u8>,
+    /// Quant data.
+    pub quant: Vec<u8>,
+    /// Quant scales.
+    pub scale: Vec<u8>,
+}
+
+/// Quant data and scale bytes of the contract's quant applied to `y` (`[T, H]`,
+/// values of the activation dtype), in the kernel's output layouts.
+///
+/// # Errors
+/// Reference errors (bad shapes or scales) as [`Error::Invalid`].
+pub fn quant_bytes(case: &Case, y: &[f32], scale_in: f32) -> Result<(Vec<u8>, Vec<u8>)> {
+    let (t, h) = (case.tokens as usize, case.hidden as usize);
+    Ok(match case.epilogue.quant {
+        Quant::None => (Vec::new(), Vec::new()),
+        Quant::Fp8Static => (
+            rq::static_fp8_quant(y, scale_in).map_err(reference)?,
+            Vec::new(),
+        ),
+        Quant::Fp8PerToken => {
+            let (codes, scales) = rq::dynamic_per_token_fp8_quant(y, t, h).map_err(reference)?;
+            (codes, scales.iter().flat_map(|s| s.to_le_bytes()).collect())
+        }
+        Quant::Fp8GroupPacked | Quant::Fp8GroupF32 => {
+            let layout = if case.epilogue.quant == Quant::Fp8GroupPacked {
+                GroupScaleLayout::PackedUe8m0
+            } else {
+                GroupScaleLayout::F32RowMajor
+            };
+            let g = rq::per_token_group_fp8_quant(
+                y,
+                t,
+                h,
+                rq::FP8_GROUP_SIZE,
+                layout,
+                contract::group_scale_rounding(layout),
+            )
+            .map_err(reference)?;
+            let scales = match g.scales {
+                GroupScales::PackedUe8m0 { words, .. } => {
+                    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+                }
+                GroupScales::Fp32 { values, .. } => {
+                    values.iter().flat_map(|s| s.to_le_bytes()).collect()
+                }
+            };
+            (g.data, scales)
+        }
+        Quant::Nvfp4Swizzled | Quant::Nvfp4Linear => {
+            let layout = if case.epilogue.quant == Quant::Nvfp4Swizzled {
+                rq::Nvfp4ScaleLayout::Swizzled128x4
+            } else {
+                rq::Nvfp4ScaleLayout::Linear
+            };
+            let q = rq::nvfp4_quant(y, t, h, scale_in, layout).map_err(reference)?;
+            (q.data, q.scales)
+        }
+    })
+}
+
+/// The outputs the contract prescribes for every rank of `case` on `inputs`
+/// (`arfuse_reference::contract`: all-reduce, residual add, RMSNorm, quant).
+///
+/// # Errors
+/// Input sizes that do not match the case ([`Error::Invalid`]); reference errors.
+pub fn expected(case: &Case, inputs: &Inputs) -> Result<Vec<RankOutputs>> {
+    case.validate()?;
+    let n = case.elements()?;
+    let fmt = float_format(case.dtype);
+    let act_bytes = n * case.dtype.bytes();
+    if inputs.x.len() != case.world as usize || inputs.x.iter().any(|v| v.len() != act_bytes) {
+        return Err(Error::Invalid(format!(
+            "inputs: need {} ranks of {act_bytes} bytes",
+            case.world
+        )));
+    }
+    let xs: Vec<Vec<f32>> = inputs.x.iter().map(|b| decode(case.dtype, b)).collect();
+    let refs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+    let a = contract::all_reduce(&refs, fmt).map_err(reference)?;
+    let gamma = decode(case.dtype, &inputs.gamma);
+    let mut out = Vec::with_capacity(case.world as usize);
+    for r in 0..case.world as usize {
+        if !case.epilogue.norm {
+            out.push(RankOutputs {
+                out: encode(case.dtype, &a),
+                ..RankOutputs::default()
+            });
+            continue;
+        }
+        let h = if case.epilogue.residual {
+            let res = inputs
+                .residual
+                .get(r)
+                .filter(|b| b.len() == act_bytes)
+                .ok_or_else(|| Error::Invalid(format!("inputs: residual of rank {r}")))?;
+            contract::residual_add(&a, &decode(case.dtype, res), fmt).map_err(reference)?
+        } else {
+            a.clone()
+        };
+        let y = contract::rms_norm(&h, &gamma, EPS, f64::from(case.weight_bias), fmt)
+            .map_err(reference)?;
+        let (quant, scale) = quant_bytes(case, &y, inputs.scale_in)?;
+        out.push(RankOutputs {
+            out: encode(case.dtype, &y),
+            residual_out: encode(case.dtype, &h),
+            quant,
+            scale,
+        });
+    }
+    Ok(out)
+}
+
+/// The result of comparing a kernel's outputs with the contract.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Verdict {
+    /// Elements of bit-exact outputs (all-reduce, `residual_out`) that differ.
+    pub exact_mismatches: u64,
+    /// `norm_out` elements further than [`norm_tolerance_ulp`] from the contract.
+    pub norm_mismatches: u64,
+    /// Largest `norm_out` distance seen, ulp of the activation dtype.
+    pub max_norm_ulp: u64,
+    /// Quant data or scale bytes (padding included) that differ from the contract's
+    /// quant of the kernel's own `norm_out`.
+    pub quant_mismatches: u64,
+    /// Tokens whose quant output differs from the contract's quant of the
+    /// contract's `norm_out` (allowed: follows from a 1-ulp norm difference).
+    pub quant_tokens_moved: u64,
+    /// Outputs whose size is wrong (a harness defect).
+    pub size_mismatches: u64,
+}
+
+impl Verdict {
+    /// Whether every clause of the contract holds.
+    pub fn passed(&self) -> bool {
+        self.exact_mismatches == 0
+            && self.norm_mismatches == 0
+            && self.quant_mismatches == 0
+            && self.size_mismatches == 0
+    }
+
+    /// `ok`, or the counts that failed.
+    pub fn summary(&self) -> String {
+        if self.passed() {
+            return "ok".to_string();
+        }
+        let mut parts = Vec::new();
+        for (n, what) in [
+            (self.exact_mismatches, "exact"),
+            (self.norm_mismatches, "norm"),
+            (self.quant_mismatches, "quant"),
+            (self.size_mismatches, "size"),
+        ] {
+            if n > 0 {
+                parts.push(format!("{n} {what}"));
+            }
+        }
+        parts.join(", ")
+    }
+
+    fn add(&mut self, o: Verdict) {
+        self.exact_mismatches += o.exact_mismatches;
+        self.norm_mismatches += o.norm_mismatches;
+        self.max_norm_ulp = self.max_norm_ulp.max(o.max_norm_ulp);
+        self.quant_mismatches += o.quant_mismatches;
+        self.quant_tokens_moved += o.quant_tokens_moved;
+        self.size_mismatches += o.size_mismatches;
+    }
+}
+
+fn byte_mismatches(a: &[u8], b: &[u8]) -> u64 {
+    let differing = a.iter().zip(b).filter(|(x, y)| x != y).count();
+    (differing + a.len().abs_diff(b.len())) as u64
+}
+
+fn elem_mismatches(dtype: Dtype, a: &[u8], b: &[u8]) -> u64 {
+    let e = dtype.bytes();
+    let differing = a.chunks(e).zip(b.chunks(e)).filter(|(x, y)| x != y).count();
+    (differing + a.len().abs_diff(b.len()) / e) as u64
+}
+
+/// Compares what the kernel wrote with all outputs live (`got`, one entry per rank)
+/// with `expected` (from [`expected`] on the same inputs).
+///
+/// # Errors
+/// Reference errors while re-quantising the kernel's norm output.
+pub fn compare(
+    case: &Case,
+    inputs: &Inputs,
+    expected: &[RankOutputs],
+    got: &[RankOutputs],
+) -> Result<Verdict> {
+    let mut v = Verdict::default();
+    if expected.len() != got.len() {
+        v.size_mismatches += expected.len().abs_diff(got.len()) as u64;
+    }
+    let fmt = float_format(case.dtype);
+    let tol = norm_tolerance_ulp(case.dtype);
+    let hidden = case.hidden as usize;
+    for (want, have) in expected.iter().zip(got) {
+        let mut r = Verdict::default();
+        for (w, h) in [
+            (&want.out, &have.out),
+            (&want.residual_out, &have.residual_out),
+            (&want.quant, &have.quant),
+            (&want.scale, &have.scale),
+        ] {
+            r.size_mismatches += u64::from(w.len() != h.len());
+        }
+        if r.size_mismatches > 0 {
+            v.add(r);
+            continue;
+        }
+        r.exact_mismatches += elem_mismatches(case.dtype, &want.residual_out, &have.residual_out);
+        if !case.epilogue.norm {
+            r.exact_mismatches += elem_mismatches(case.dtype, &want.out, &have.out);
+            v.add(r);
+            continue;
+        }
+        let (wy, hy) = (decode(case.dtype, &want.out), decode(case.dtype, &have.out));
+        for (a, b) in wy.iter().zip(&hy) {
+            let d = fmt.ulp_distance(*a, *b);
+            r.max_norm_ulp = r.max_norm_ulp.max(d);
+            r.norm_mismatches += u64::from(d > tol);
+        }
+        if case.epilogue.quant != Quant::None {
+            let (q, s) = quant_bytes(case, &hy, inputs.scale_in)?;
+            r.quant_mismatches +=
+                byte_mismatches(&q, &have.quant) + byte_mismatches(&s, &have.scale);
+            let per_token = have.quant.len() / case.tokens.max(1) as usize;
+            if per_token > 0 {
+                r.quant_tokens_moved += want
+                    .quant
+                    .chunks(per_token)
+                    .zip(have.quant.chunks(per_token))
+                    .filter(|(a, b)| a != b)
+                    .count() as u64;
+            }
+            debug_assert!(hidden > 0);
+        }
+        v.add(r);
+    }
+    Ok(v)
+}
+
+/// Which outputs a partial run leaves dead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Liveness {
+    /// `out` written.
+    pub out: bool,
+    /// `residual_out` written.
+    pub residual_out: bool,
+    /// Quant data written.
+    pub quant: bool,
+    /// Quant scales written.
+    pub scale: bool,
+}
+
+impl Liveness {
+    /// Every output the case has.
+    pub fn all(case: &Case) -> Result<Liveness> {
+        let b = case.output_bytes()?;
+        Ok(Liveness {
+            out: b.out > 0,
+            residual_out: b.residual_out > 0,
+            quant: b.quant > 0,
+            scale: b.scale > 0,
+        })
+    }
+
+    /// The subset a partial run writes: with a quant, the quant outputs and
+    /// `residual_out` (the norm output dead, as when only the next GEMM reads it);
+    /// without, the norm output only (`residual_out` dead, as in the last layer).
+    /// All-reduce only has a single output: `None`.
+    pub fn partial(case: &Case) -> Result<Option<Liveness>> {
+        let all = Liveness::all(case)?;
+        if !case.epilogue.norm {
+            return Ok(None);
+        }
+        Ok(Some(if all.quant {
+            Liveness {
+                out: false,
+                residual_out: all.residual_out,
+                quant: true,
+                scale: all.scale,
+            }
+        } else {
+            Liveness {
+                out: true,
+                residual_out: false,
+                quant: false,
+                scale: false,
+            }
+        }))
+    }
+}
+
+/// Checks a partial run (`partial`, written with `live`) against the all-live run
+/// (`full`): live outputs byte-identical, dead outputs still all [`FILL_BYTE`].
+/// Returns the number of differing bytes.
+pub fn compare_partial(live: Liveness, full: &[RankOutputs], partial: &[RankOutputs]) -> u64 {
+    let mut bad = full.len().abs_diff(partial.len()) as u64;
+    for (f, p) in full.iter().zip(partial) {
+        for (is_live, fb, pb) in [
+            (live.out, &f.out, &p.out),
+            (live.residual_out, &f.residual_out, &p.residual_out),
+            (live.quant, &f.quant, &p.quant),
+            (live.scale, &f.scale, &p.scale),
+        ] {
+            bad += if is_live {
+                byte_mismatches(fb, pb)
+            } else {
+                pb.iter().filter(|&&b| b != FILL_BYTE).count() as u64
+            };
+        }
+    }
+    bad
+}
+
+/// Device-memory bytes that all W virtual ranks together read and write in one fused
+/// call (the numerator of the achieved-bandwidth figure), with `R = T*H*e`:
+/// - one-shot, per rank: read x (R), push it to every peer (W*R), re-fill the
+///   previous call's buffer with the sentinel (W*R, same T assumed), poll and read the
+///   W slots (W*R);
+/// - two-shot, per rank: read x (R), push to the owners (R), read the owned slots
+///   (R), push the reduced tokens to every peer (R), read the gathered tokens (R);
+/// - epilogue, per rank: read the residual (R), write `residual_out` (R, norm
+///   patterns), write `out` (R), read gamma (H*e), write quant data and scales
+///   ([`Case::output_bytes`]).
+///
+/// # Errors
+/// [`Error::Overflow`] on absurd sizes; invalid cases.
+pub fn bytes_moved(case: &Case) -> Result<u64> {
+    let o = case.output_bytes()?;
+    let w = u64::from(case.world);
+    let r = o.out;
+    let comm = match case.strategy {
+        Strategy::OneShot => r.checked_mul(1 + 3 * w),
+        Strategy::TwoShot => r.checked_mul(5),
+    }
+    .ok_or(Error::Overflow("bytes moved"))?;
+    let residual_in = if case.epilogue.residual { r } else { 0 };
+    let gamma = if case.epilogue.norm {
+        u64::from(case.hidden) * case.dtype.bytes() as u64
+    } else {
+        0
+    };
+    let per_rank = [
+        comm,
+        residual_in,
+        o.residual_out,
+        o.out,
+        gamma,
+        o.quant,
+        o.scale,
+    ]
+    .iter()
+    .try_fold(0u64, |acc, &b| acc.checked_add(b))
+    .ok_or(Error::Overflow("bytes moved"))?;
+    per_rank
+        .checked_mul(w)
+        .ok_or(Error::Overflow("bytes moved"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn case(epilogue: Epilogue, dtype: Dtype, tokens: u32) -> Case {
+        Case {
+            strategy: Strategy::OneShot,
+            world: 4,
+            dtype,
+            epilogue,
+            tokens,
+            hidden: 256,
+            weight_bias: 0,
+        }
+    }
+
+    /// Moves one little-endian float element one ulp away from zero.
+    fn bump_ulp(elem: &mut [u8]) {
+        for b in elem.iter_mut() {
+            let (v, carry) = b.overflowing_add(1);
+            *b = v;
+            if !carry {
+                break;
+            }
+        }
+    }
+
+    fn all_quants() -> Vec<Epilogue> {
+        crate::variants::all_epilogues()
+    }
+
+    #[test]
+    fn the_full_matrix_has_every_pattern_dtype_world_and_token_count() {
+        let with = all_cases(4096, true);
+        let without = all_cases(4096, false);
+        // 15 epilogues for 16-bit types (all-reduce only, residual on/off x 7 quant
+        // forms), 11 for f32 (no NVFP4); x 2 strategies x 3 W x 7 T.
+        assert_eq!(with.len(), (15 + 15 + 11) * 2 * 3 * 7);
+        assert_eq!(without.len(), (11 + 11 + 11) * 2 * 3 * 7);
+        assert!(without.iter().all(|c| !c.epilogue.quant.needs_sm100()));
+        assert!(with
+            .iter()
+            .any(|c| c.epilogue.norm && !c.epilogue.residual && c.weight_bias == 1));
+        // H = 2880 (gpt-oss) is not a multiple of 128: no group quant cases.
+        assert!(all_cases(2880, true)
+            .iter()
+            .all(|c| !matches!(c.epilogue.quant, Quant::Fp8GroupPacked | Quant::Fp8GroupF32)));
+    }
+
+    #[test]
+    fn output_sizes_follow_the_layouts() {
+        let e = |quant| Epilogue {
+            residual: true,
+            norm: true,
+            quant,
+        };
+        let c = |q, t| case(e(q), Dtype::Bf16, t).output_bytes().unwrap();
+        let b = c(Quant::None, 7);
+        assert_eq!(
+            (b.out, b.residual_out, b.quant, b.scale),
+            (3584, 3584, 0, 0)
+        );
+        assert_eq!(c(Quant::Fp8PerToken, 7).scale, 28);
+        // Packed UE8M0: 2 groups -> 1 word column x round_up(7, 4) = 8 tokens.
+        assert_eq!(c(Quant::Fp8GroupPacked, 7).scale, 32);
+        assert_eq!(c(Quant::Fp8GroupF32, 7).scale, 7 * 2 * 4);
+        // NVFP4 swizzled: round_up(7, 128) x round_up(16, 4) bytes.
+        assert_eq!(c(Quant::Nvfp4Swizzled, 7).scale, 128 * 16);
+        assert_eq!(c(Quant::Nvfp4Linear, 7).scale, 7 * 16);
+        assert_eq!(c(Quant::Nvfp4Linear, 7).quant, 7 * 128);
+        let ar = case(Epilogue::AR_ONLY, Dtype::F32, 3)
+            .output_bytes()
+            .unwrap();
+        assert_eq!((ar.out, ar.residual_out), (3 * 256 * 4, 0));
+        assert!(case(e(Quant::Nvfp4Linear), Dtype::F32, 1)
+            .output_bytes()
+            .is_err());
+        let mut bad = case(e(Quant::Fp8GroupF32), Dtype::Bf16, 1);
+        bad.hidden = 192;
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn inputs_hold_the_edge_values_and_are_deterministic() {
+        let c = case(Epilogue::RES_NORM, Dtype::Bf16, 16);
+        let a = make_inputs(&c, 7).unwrap();
+        assert_eq!(a, make_inputs(&c, 7).unwrap());
+        assert_ne!(a, make_inputs(&c, 8).unwrap());
+        assert_eq!(a.x.len(), 4);
+        let x0 = decode(Dtype::Bf16, &a.x[0]);
+        assert!(x0[..16].iter().all(|v| v.to_bits() == (-0.0f32).to_bits()));
+        let all: Vec<f32> = a.x.iter().flat_map(|b| decode(Dtype::Bf16, b)).collect();
+        let sub = negative_subnormal(Dtype::Bf16);
+        assert!(all.iter().filter(|v| v.to_bits() == sub.to_bits()).count() > 10);
+        assert!(all.iter().all(|v| FloatFormat::Bf16.is_exact(*v)));
+    }
+
+    #[test]
+    fn expected_outputs_are_the_contract() {
+        // All -0.0 columns reduce to +0.0; the negative subnormal survives; residual
+        // and norm follow the contract functions.
+        let c = case(Epilogue::RES_NORM, Dtype::Bf16, 2);
+        let inp = make_inputs(&c, 1).unwrap();
+        let e = expected(&c, &inp).unwrap();
+        assert_eq!(e.len(), 4);
+        let h0 = decode(Dtype::Bf16, &e[0].residual_out);
+        let r0 = decode(Dtype::Bf16, &inp.residual[0]);
+        // Token 0, element 0: a = +0.0 (all ranks -0.0), residual -0.0 -> +0.0.
+        assert_eq!(h0[0].to_bits(), 0.0f32.to_bits());
+        let xs: Vec<Vec<f32>> = inp.x.iter().map(|b| decode(Dtype::Bf16, b)).collect();
+        for i in [20usize, 300, 511] {
+            let mut acc = 0.0f32;
+            for x in &xs {
+                acc += x[i];
+            }
+            let a = FloatFormat::Bf16.round(acc);
+            assert_eq!(h0[i], FloatFormat::Bf16.round(a + r0[i]), "element {i}");
+        }
+        // AR only: every rank gets the same bytes.
+        let ar = case(Epilogue::AR_ONLY, Dtype::F16, 3);
+        let e = expected(&ar, &make_inputs(&ar, 2).unwrap()).unwrap();
+        assert!(e.windows(2).all(|w| w[0] == w[1]));
+        assert!(e[0].residual_out.is_empty());
+    }
+
+    #[test]
+    fn compare_accepts_the_contract_and_catches_each_kind_of_defect() {
+        for epilogue in all_quants() {
+            for dtype in Dtype::ALL {
+                let c = case(epilogue, dtype, 5);
+                if c.validate().is_err() {
+                    continue;
+                }
+                let inp = make_inputs(&c, 3).unwrap();
+                let want = expected(&c, &inp).unwrap();
+                let v = compare(&c, &inp, &want, &want).unwrap();
+                assert!(v.passed(), "{}: {v:?}", c.label());
+                assert_eq!(v.max_norm_ulp, 0);
+                // A flipped low bit in the residual / all-reduce output is caught.
+                let mut bad = want.clone();
+                if epilogue.norm {
+                    bad[1].residual_out[40] ^= 1;
+                } else {
+                    bad[1].out[40] ^= 1;
+                }
+                let v = compare(&c, &inp, &want, &bad).unwrap();
+                assert_eq!(v.exact_mismatches, 1, "{}", c.label());
+                if !epilogue.norm {
+                    continue;
+                }
+                // A norm output 1 ulp away (bump the magnitude of element 20 of
+                // token 0) is within tolerance and moves the quant check onto the
+                // kernel's own value: the quant must follow it, else it is caught.
+                let mut near = want.clone();
+                let e = dtype.bytes();
+                bump_ulp(&mut near[2].out[20 * e..21 * e]);
+                let v = compare(&c, &inp, &want, &near).unwrap();
+                assert_eq!(v.norm_mismatches, 0, "{}", c.label());
+                assert_eq!(v.max_norm_ulp, 1);
+                if epilogue.quant != Quant::None {
+                    // The kernel kept the old quant bytes for a changed norm: only a
+                    // defect if re-quantising the new value differs.
+                    let y = decode(dtype, &near[2].out);
+                    let (q, s) = quant_bytes(&c, &y, inp.scale_in).unwrap();
+                    let expect_bad =
+                        byte_mismatches(&q, &want[2].quant) + byte_mismatches(&s, &want[2].scale);
+                    assert_eq!(v.quant_mismatches, expect_bad, "{}", c.label());
+                    // A flipped quant byte is caught.
+                    let mut qbad = want.clone();
+                    qbad[0].quant[3] ^= 0x10;
+                    let v = compare(&c, &inp, &want, &qbad).unwrap();
+                    assert_eq!(v.quant_mismatches, 1, "{}", c.label());
+                    assert_eq!(v.quant_tokens_moved, 1);
+                }
+                // A norm far off (sign flipped on a non-zero element) is caught.
+                let mut far = want.clone();
+                let y = decode(dtype, &far[0].out);
+                let i = y.iter().position(|v| *v != 0.0).unwrap();
+                far[0].out[i * e + e - 1] ^= 0x80;
+                let v = compare(&c, &inp, &want, &far).unwrap();
+                assert!(v.norm_mismatches >= 1 && !v.passed(), "{}", c.label());
+            }
+        }
+    }
+
+    #[test]
+    fn compare_flags_wrong_sizes() {
+        let c = case(Epilogue::RES_NORM, Dtype::Bf16, 2);
+        let inp = make_inputs(&c, 1).unwrap();
+        let want = expected(&c, &inp).unwrap();
+        let mut short = want.clone();
+        short[0].out.pop();
+        assert_eq!(compare(&c, &inp, &want, &short).unwrap().size_mismatches, 1);
+        assert_eq!(
+            compare(&c, &inp, &want, &want[..3])
+                .unwrap()
+                .size_mismatches,
+            1
+        );
+    }
+
+    #[test]
+    fn partial_runs_must_match_and_leave_dead_outputs_alone() {
+        let e = Epilogue {
+            residual: true,
+            norm: true,
+            quant: Quant::Fp8PerToken,
+        };
+        let c = case(e, Dtype::Bf16, 3);
+        let live = Liveness::partial(&c).unwrap().unwrap();
+        assert!(!live.out && live.residual_out && live.quant && live.scale);
+        let full = expected(&c, &make_inputs(&c, 1).unwrap()).unwrap();
+        let mut part = full.clone();
+        for p in &mut part {
+            p.out.fill(FILL_BYTE);
+        }
+        assert_eq!(compare_partial(live, &full, &part), 0);
+        part[1].out[5] = 0;
+        assert_eq!(compare_partial(live, &full, &part), 1);
+        part[1].out[5] = FILL_BYTE;
+        part[2].scale[0] ^= 1;
+        assert_eq!(compare_partial(live, &full, &part), 1);
+        let plain = case(Epilogue::RES_NORM, Dtype::Bf16, 3);
+        let l = Liveness::partial(&plain).unwrap().unwrap();
+        assert!(l.out && !l.residual_out);
+        assert!(Liveness::partial(&case(Epilogue::AR_ONLY, Dtype::Bf16, 3))
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn bytes_moved_counts_each_rank() {
+        // One-shot, W=4, T=1, H=256, bf16, res+norm: R = 512;
+        // per rank (1 + 12) R + R residual + R res_out + R out + 512 gamma = 17 R.
+        let c = case(Epilogue::RES_NORM, Dtype::Bf16, 1);
+        assert_eq!(bytes_moved(&c).unwrap(), 4 * 17 * 512);
+        let mut two = c;
+        two.strategy = Strategy::TwoShot;
+        assert_eq!(bytes_moved(&two).unwrap(), 4 * 9 * 512);
+        let ar = case(Epilogue::AR_ONLY, Dtype::Bf16, 1);
+        assert_eq!(bytes_moved(&ar).unwrap(), 4 * 14 * 512);
+    }
+
+    #[test]
+    fn f32_tolerance_covers_a_tree_order_sum_of_squares() {
+        // Emulate the kernels' order (16-element per-thread partials, then a tree) for
+        // f32 activations and check the norm stays within F32_NORM_TOLERANCE_ULP of
+        // the contract's sequential sum, for the largest hidden size the kernels take.
+        let fmt = FloatFormat::F32;
+        let mut rng = SmallRng::seed_from_u64(5);
+        let mut worst = 0u64;
+        for h in [256usize, 4096, 16384] {
+            for _ in 0..4 {
+                let x: Vec<f32> = (0..h).map(|_| rng.gen_range(-4.0f32..4.0)).collect();
+                let g: Vec<f32> = (0..h).map(|_| rng.gen_range(-2.0f32..2.0)).collect();
+                let want = contract::rms_norm(&x, &g, EPS, 0.0, fmt).unwrap();
+                let mut parts: Vec<f32> = x
+                    .chunks(16)
+                    .map(|c| c.iter().fold(0.0f32, |a, v| a + v * v))
+                    .collect();
+                while parts.len() > 1 {
+                    parts = parts
+                        .chunks(2)
+                        .map(|p| p[0] + p.get(1).copied().unwrap_or(0.0))
+                        .collect();
+                }
+                let r = 1.0f32 / (parts[0] / h as f32 + contract::eps_f32(EPS)).sqrt();
+                for ((v, gm), w) in x.iter().zip(&g).zip(&want) {
+                    worst = worst.max(fmt.ulp_distance((v * r) * gm, *w));
+                }
+            }
+        }
+        println!("tree-order f32 norm: worst {worst} ulp");
+        assert!(
+            worst <= F32_NORM_TOLERANCE_ULP / 4,
+            "tree order moved f32 norm by {worst} ulp"
+        );
+    }
+}
