@@ -122,21 +122,117 @@ fn workspace_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
-fn load_target(spec: &str) -> Result<(Target, String)> {
+/// True when `--target` names a TOML file rather than a preset.
+fn is_target_file(spec: &str) -> bool {
     let p = Path::new(spec);
-    if p.extension().is_some_and(|e| e == "toml") || p.is_file() {
+    p.extension().is_some_and(|e| e == "toml") || p.is_file()
+}
+
+/// The name a target goes by in reports and default output names: the preset name,
+/// or a target file's stem.
+fn target_name(spec: &str) -> String {
+    if is_target_file(spec) {
+        Path::new(spec)
+            .file_stem()
+            .map(|s| s.to_string_lossy().to_string())
+            .unwrap_or_else(|| "target".into())
+    } else {
+        spec.to_string()
+    }
+}
+
+fn load_target(spec: &str) -> Result<(Target, String)> {
+    if is_target_file(spec) {
+        let p = Path::new(spec);
         let text = std::fs::read_to_string(p)
             .with_context(|| format!("reading target file {}", p.display()))?;
         let t =
             Target::from_toml_str(&text).with_context(|| format!("target file {}", p.display()))?;
-        let name = p
-            .file_stem()
-            .map(|s| s.to_string_lossy().to_string())
-            .unwrap_or_else(|| "target".into());
-        return Ok((t, name));
+        return Ok((t, target_name(spec)));
     }
     let t = Target::preset(spec)?;
-    Ok((t, spec.to_string()))
+    Ok((t, target_name(spec)))
+}
+
+/// Where the lowered graph goes without `--out`:
+/// `<root>/target/arfuse/<stem>.<target>.lowered.json`. The stem is the file name less
+/// `.json` / `.pt2`; for an already lowered graph (`*.lowered.json`) also less
+/// `.lowered` and a `.<target>` just before it, so that re-lowering
+/// `x.<target>.lowered.json` is named `x.<target>.lowered.json` again, not a stacked
+/// `x.<target>.lowered.<target>.lowered.json`. (`lower_cmd` refuses when this is the
+/// input itself.)
+fn default_out(root: &Path, input: &Path, target_name: &str) -> PathBuf {
+    let name = input
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
+    let mut stem = name
+        .strip_suffix(".json")
+        .or_else(|| name.strip_suffix(".pt2"))
+        .unwrap_or(&name);
+    if let Some(s) = stem.strip_suffix(".lowered") {
+        stem = s
+            .strip_suffix(target_name)
+            .and_then(|s| s.strip_suffix('.'))
+            .filter(|s| !s.is_empty())
+            .unwrap_or(s);
+    }
+    if stem.is_empty() {
+        stem = "graph";
+    }
+    root.join("target/arfuse")
+        .join(format!("{stem}.{target_name}.lowered.json"))
+}
+
+/// Checks every `--shared-hidden` size once, before any graph is read (each would
+/// otherwise fail every (graph, target) pair with the same policy error).
+fn check_shared_hidden(sizes: &[u64]) -> Result<()> {
+    for &h in sizes {
+        // bf16 has the smallest elements of the activation dtypes: a size refused at
+        // bf16 is refused at every dtype.
+        if let Err(e) = arfuse::policy::check_hidden(h, arfuse::policy::ActDtype::Bf16) {
+            let why = match e {
+                arfuse::policy::PolicyError::InvalidHidden { reason, .. } => reason,
+                other => other.to_string(),
+            };
+            bail!(
+                "--shared-hidden {h}: {why} (give the hidden size, in elements, of another \
+                 graph that shares this graph's workspace)"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The graph's own tensor-parallel size from its metadata (`world_size` or `tp`, the
+/// keys `arfuse-rewrite`'s world-size check reads; `arfuse-models` writes `tp`).
+fn recorded_world_size(graph: &Graph) -> Option<u64> {
+    graph.metadata().and_then(|m| {
+        ["world_size", "tp"]
+            .iter()
+            .find_map(|k| m.get(*k).and_then(|v| v.as_u64()))
+    })
+}
+
+/// The note printed (stderr) when a graph with all-reduces records no tensor-parallel
+/// size: nothing checks that the target's world size is the one it was exported for.
+fn assumed_world_size_note(graph: &Graph, target: &Target, target_name: &str) -> Option<String> {
+    let has_all_reduce = graph.nodes().any(|(_, n)| {
+        matches!(
+            n.op,
+            arfuse::ir::Op::AllReduce { .. } | arfuse::ir::Op::FusedAllreduceNorm(_)
+        )
+    });
+    if !has_all_reduce || recorded_world_size(graph).is_some() {
+        return None;
+    }
+    Some(format!(
+        "the graph records no tensor-parallel size (metadata `tp` or `world_size`, absent \
+         from torch.export output): planned for {target_name}'s world_size {}; if the \
+         model was exported for another tensor-parallel size, pass a --target with that \
+         world_size",
+        target.world_size
+    ))
 }
 
 fn read_graph(path: &Path) -> Result<Graph> {
@@ -288,7 +384,8 @@ fn lower_cmd(
     } else {
         target
     };
-    // A bad target is reported once, before any graph is read.
+    // A bad target or --shared-hidden is reported once, before any graph is read.
+    check_shared_hidden(&shared_hidden)?;
     if let Some(t) = &target {
         let (t, _) = load_target(t)?;
         arfuse::policy::resolve_backend(&t).context("the target")?;
@@ -318,12 +415,47 @@ fn lower_cmd(
             bail!("--out and --dot name the same file {}", o.display());
         }
     }
+    let resolved_inputs: Vec<PathBuf> = inputs.iter().map(|i| resolved(i)).collect();
     for o in out.iter().chain(dot.iter()) {
-        if inputs.iter().any(|i| resolved(i) == resolved(o)) {
+        if resolved_inputs.contains(&resolved(o)) {
             bail!(
                 "{} is an input graph; refusing to overwrite it",
                 o.display()
             );
+        }
+    }
+    // Every output path, decided (and checked) before anything is lowered or written.
+    let out_paths: Vec<PathBuf> = jobs
+        .iter()
+        .map(|(input, t)| match &out {
+            Some(p) => p.clone(),
+            None => default_out(root, input, &target_name(t)),
+        })
+        .collect();
+    if out.is_none() {
+        let mut seen: std::collections::BTreeMap<PathBuf, &Path> = Default::default();
+        for ((input, t), o) in jobs.iter().zip(&out_paths) {
+            let r = resolved(o);
+            if resolved_inputs.contains(&r) {
+                bail!(
+                    "the default output for {} on {} is {}, an input graph (it is already \
+                     lowered for this target); refusing to overwrite it: pass --out FILE",
+                    input.display(),
+                    target_name(t),
+                    o.display()
+                );
+            }
+            if let Some(other) = seen.insert(r, input) {
+                if other != input.as_path() {
+                    bail!(
+                        "{} and {} would both be written to {}; lower them one at a time \
+                         with --out FILE",
+                        other.display(),
+                        input.display(),
+                        o.display()
+                    );
+                }
+            }
         }
     }
     let options = LowerOptions {
@@ -334,16 +466,8 @@ fn lower_cmd(
     let mut failed = 0usize;
     let mut json_reports = Vec::new();
     let mut loaded: Option<(PathBuf, Graph)> = None;
-    for (input, target_spec) in &jobs {
+    for ((input, target_spec), out_path) in jobs.iter().zip(&out_paths) {
         let (target, target_name) = load_target(target_spec)?;
-        let stem = input
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_else(|| "graph".into());
-        let stem = stem
-            .trim_end_matches(".json")
-            .trim_end_matches(".pt2")
-            .to_string();
         if loaded.as_ref().map(|(p, _)| p) != Some(input) {
             match read_graph(input) {
                 Ok(g) => loaded = Some((input.clone(), g)),
@@ -376,6 +500,9 @@ fn lower_cmd(
                 continue;
             }
         }
+        if let Some(note) = assumed_world_size_note(graph, &target, &target_name) {
+            eprintln!("note: {}: {note}", input.display());
+        }
         let start = std::time::Instant::now();
         let lowered = match arfuse::lower_with(graph, &target, &options) {
             Ok(l) => l,
@@ -402,19 +529,13 @@ fn lower_cmd(
                 "report": lowered.report,
             })),
         }
-        let out_path = match &out {
-            Some(p) => p.clone(),
-            None => root
-                .join("target/arfuse")
-                .join(format!("{stem}.{target_name}.lowered.json")),
-        };
         if out.is_none() {
             if let Some(dir) = out_path.parent() {
                 std::fs::create_dir_all(dir)
                     .with_context(|| format!("creating {}", dir.display()))?;
             }
         }
-        let mut files: Vec<(&Path, String)> = vec![(&out_path, lowered.graph.to_json_string())];
+        let mut files: Vec<(&Path, String)> = vec![(out_path, lowered.graph.to_json_string())];
         if let Some(d) = &dot {
             files.push((d, lowered.graph.to_dot()));
         }
@@ -508,4 +629,72 @@ fn gpu_check(root: &Path, build_only: bool) -> Result<ExitCode> {
         eprintln!("gpu-check: no CUDA driver on this machine, nothing was checked (exit status 2)");
     }
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_out_names_do_not_stack() {
+        let root = Path::new("/r");
+        let out = |input: &str, t: &str| default_out(root, Path::new(input), t);
+        let expect = |name: &str| PathBuf::from("/r/target/arfuse").join(name);
+        assert_eq!(
+            out("m/x.json", "h200-sxm-x8"),
+            expect("x.h200-sxm-x8.lowered.json")
+        );
+        assert_eq!(out("m/x.pt2", "b200-x8"), expect("x.b200-x8.lowered.json"));
+        // An already lowered graph: `.lowered` and the same target's name come off.
+        assert_eq!(
+            out("/tmp/x.lowered.json", "h200-sxm-x8"),
+            expect("x.h200-sxm-x8.lowered.json")
+        );
+        assert_eq!(
+            out("target/arfuse/x.h200-sxm-x8.lowered.json", "h200-sxm-x8"),
+            expect("x.h200-sxm-x8.lowered.json")
+        );
+        // Lowered for another target: that target's name stays, `.lowered` does not.
+        assert_eq!(
+            out("x.h200-sxm-x8.lowered.json", "h100-sxm-x8"),
+            expect("x.h200-sxm-x8.h100-sxm-x8.lowered.json")
+        );
+        // Only a whole `.<target>` component comes off; nothing leaves an empty stem.
+        assert_eq!(
+            out("xh200-sxm-x8.lowered.json", "h200-sxm-x8"),
+            expect("xh200-sxm-x8.h200-sxm-x8.lowered.json")
+        );
+        assert_eq!(
+            out("h200-sxm-x8.lowered.json", "h200-sxm-x8"),
+            expect("h200-sxm-x8.h200-sxm-x8.lowered.json")
+        );
+        assert_eq!(
+            out(".lowered.json", "b200-x8"),
+            expect("graph.b200-x8.lowered.json")
+        );
+    }
+
+    #[test]
+    fn shared_hidden_is_checked_with_the_flag_named() {
+        check_shared_hidden(&[]).unwrap();
+        check_shared_hidden(&[4096, 7168]).unwrap();
+        let e = check_shared_hidden(&[4096, 0]).unwrap_err().to_string();
+        assert!(e.starts_with("--shared-hidden 0: "), "{e}");
+        let e = check_shared_hidden(&[1 << 40]).unwrap_err().to_string();
+        assert!(e.starts_with("--shared-hidden 1099511627776: "), "{e}");
+    }
+
+    #[test]
+    fn assumed_world_size_note_only_without_recorded_tp() {
+        let root = workspace_root();
+        let target = Target::preset("b300-x4").unwrap();
+        let exported =
+            read_graph(&root.join("ir-fixtures/exported/gemma3_1b_L2_tp2.exported_program.json"))
+                .unwrap();
+        let note = assumed_world_size_note(&exported, &target, "b300-x4").unwrap();
+        assert!(note.contains("b300-x4's world_size 4"), "{note}");
+        let corpus = read_graph(&root.join("ir-fixtures/models/gemma3_1b_tp4.json")).unwrap();
+        assert_eq!(recorded_world_size(&corpus), Some(4));
+        assert_eq!(assumed_world_size_note(&corpus, &target, "b300-x4"), None);
+    }
 }

@@ -1,0 +1,245 @@
+//! `cargo xtask lower` end to end: the binary run on the bundled graphs and targets.
+//!
+//! Outputs go to a temporary directory (`--out`) except where the default output name
+//! is what is tested; those use unique names under `target/arfuse/` and remove them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use arfuse::Target;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+const EXAMPLE_TARGET: &str = "ir-fixtures/targets/example-h100-x8.toml";
+const LLAMA: &str = "ir-fixtures/models/llama31_8b_tp8.json";
+const EXPORTED: &str = "ir-fixtures/exported/llama31_8b_L2_tp8.exported_program.json";
+
+/// Runs `xtask lower ARGS` in the checkout's root.
+fn lower(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .current_dir(root())
+        .arg("lower")
+        .args(args)
+        .output()
+        .expect("running xtask")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A fresh empty directory, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("arfuse-xtask-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.0.join(name).to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Every field of `Target`, by its TOML name.
+fn target_fields() -> Vec<String> {
+    let mut t = Target::preset("h100-sxm-x8").unwrap();
+    t.max_bytes_override = Some(1); // serialised only when set
+    let v = serde_json::to_value(&t).unwrap();
+    v.as_object().unwrap().keys().cloned().collect()
+}
+
+#[test]
+fn every_target_file_parses_and_the_example_shows_every_field() {
+    let dir = root().join("ir-fixtures/targets");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "toml") {
+            let text = std::fs::read_to_string(&p).unwrap();
+            Target::from_toml_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            n += 1;
+        }
+    }
+    assert!(n >= 1, "no target files in {}", dir.display());
+
+    let text = std::fs::read_to_string(root().join(EXAMPLE_TARGET)).unwrap();
+    let t = Target::from_toml_str(&text).unwrap();
+    assert_eq!(t.world_size, 8);
+    // Each field is set or shown commented out, at the start of a line.
+    for field in target_fields() {
+        let shown = text.lines().any(|l| {
+            let l = l.trim_start_matches("# ");
+            l.starts_with(&format!("{field} ="))
+        });
+        assert!(shown, "{EXAMPLE_TARGET} does not show the field `{field}`");
+    }
+    // And with the commented-out field uncommented it still parses.
+    let all = text.replace("\n# max_bytes_override =", "\nmax_bytes_override =");
+    assert!(Target::from_toml_str(&all)
+        .unwrap()
+        .max_bytes_override
+        .is_some());
+}
+
+#[test]
+fn readme_names_every_target_field() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    for field in target_fields() {
+        assert!(
+            readme.contains(&format!("`{field}`")),
+            "README.md does not name the target field `{field}`"
+        );
+    }
+    assert!(
+        readme.contains(EXAMPLE_TARGET),
+        "README.md does not point at the example"
+    );
+}
+
+#[test]
+fn example_target_lowers_the_bundled_graph() {
+    let tmp = TempDir::new("example");
+    let out = tmp.path("llama.json");
+    let o = lower(&[
+        LLAMA,
+        "--target",
+        EXAMPLE_TARGET,
+        "--out",
+        &out,
+        "--report",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let reports: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let r = &reports[0];
+    assert_eq!(r["target"], "example-h100-x8");
+    assert_eq!(r["report"]["target"]["world_size"], 8);
+    assert_eq!(r["report"]["all_reduces_seen"], 65);
+    assert_eq!(r["report"]["all_reduces_fused"], 65);
+    assert!(Path::new(&out).is_file());
+}
+
+#[test]
+fn relowering_a_lowered_graph_does_not_stack_names_or_overwrite_it() {
+    let tmp = TempDir::new("relower");
+    let unique = format!("xtask-test-relower-{}", std::process::id());
+    // A lowered graph outside target/arfuse: its default output drops `.lowered`.
+    let first = tmp.path(&format!("{unique}.lowered.json"));
+    let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", &first]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let expected = root().join(format!("target/arfuse/{unique}.h200-sxm-x8.lowered.json"));
+    let o = lower(&[&first, "--target", "h200-sxm-x8"]);
+    let written = expected.is_file();
+    let bytes = std::fs::read(&expected).unwrap_or_default();
+    let _ = std::fs::remove_file(&expected);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        written,
+        "expected {} to be written; stderr: {}",
+        expected.display(),
+        stderr(&o)
+    );
+    assert!(
+        !stderr(&o).contains(".lowered.h200-sxm-x8"),
+        "{}",
+        stderr(&o)
+    );
+    // Idempotent: the same graph again.
+    assert_eq!(bytes, std::fs::read(&first).unwrap());
+
+    // The default output of a graph lowered into target/arfuse is that graph itself:
+    // refused, asking for --out, and the input untouched.
+    std::fs::create_dir_all(expected.parent().unwrap()).unwrap();
+    std::fs::copy(&first, &expected).unwrap();
+    let before = std::fs::metadata(&expected).unwrap().modified().unwrap();
+    let input = format!("target/arfuse/{unique}.h200-sxm-x8.lowered.json");
+    let o = lower(&[&input, "--target", "h200-sxm-x8"]);
+    let after = std::fs::metadata(&expected).unwrap().modified().unwrap();
+    let _ = std::fs::remove_file(&expected);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("refusing to overwrite") && e.contains("--out"),
+        "{e}"
+    );
+    assert_eq!(before, after);
+}
+
+#[test]
+fn shared_hidden_zero_is_reported_once_for_a_directory() {
+    let o = lower(&["ir-fixtures/models", "--shared-hidden", "0"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert_eq!(e.matches("--shared-hidden 0").count(), 1, "{e}");
+    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(!e.contains("pair(s) failed"), "{e}");
+}
+
+#[test]
+fn a_graph_without_a_tp_size_gets_one_note_naming_the_assumed_world_size() {
+    let tmp = TempDir::new("note");
+    let o = lower(&[
+        EXPORTED,
+        "--target",
+        "h100-sxm-x8",
+        "--out",
+        &tmp.path("e.json"),
+        "--report",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    let notes: Vec<&str> = e
+        .lines()
+        .filter(|l| l.contains("records no tensor-parallel size"))
+        .collect();
+    assert_eq!(notes.len(), 1, "{e}");
+    assert!(notes[0].contains("h100-sxm-x8's world_size 8"), "{e}");
+    // Not part of the report.
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("records no tensor-parallel size"));
+
+    // A graph recording its tp (the corpus) gets no such note.
+    let o = lower(&[
+        LLAMA,
+        "--target",
+        "h100-sxm-x8",
+        "--out",
+        &tmp.path("l.json"),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("records no tensor-parallel size"));
+}
+
+#[test]
+fn two_inputs_with_one_default_output_are_refused_before_lowering() {
+    let tmp = TempDir::new("collide");
+    std::fs::copy(root().join(LLAMA), tmp.0.join("x.json")).unwrap();
+    let o = lower(&[
+        LLAMA,
+        "--target",
+        "h200-sxm-x8",
+        "--out",
+        &tmp.path("x.lowered.json"),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = lower(&[tmp.0.to_str().unwrap(), "--target", "h200-sxm-x8"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("would both be written to"), "{e}");
+    assert!(!e.contains("wrote "), "{e}");
+}
