@@ -2,7 +2,7 @@
 //!
 //! - `cargo xtask lower [GRAPH|DIR] [--target PRESET|FILE] [--out FILE] [--report table|json] [--dot FILE] [--group NAME] [--shared-hidden H]`
 //! - `cargo xtask test [CARGO TEST ARGS]`
-//! - `cargo xtask gpu-check [--build-only]`
+//! - `cargo xtask gpu-check [--build-only] [-- GPU_CHECK ARGS]`
 //!
 //! Run `cargo xtask help` for details.
 
@@ -72,11 +72,15 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Build the GPU check binary and, on a machine with a GPU, run it.
+    /// Build the GPU check binary (crates/gpu-check) and, on a machine with a GPU, run
+    /// it; arguments after `--` go to `gpu_check` (see `gpu_check --help`).
     GpuCheck {
         /// Only build the binary and print where it is.
         #[arg(long)]
         build_only: bool,
+        /// Arguments for `gpu_check`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
     },
 }
 
@@ -102,7 +106,7 @@ fn main() -> ExitCode {
             }
             lower_cmd(&root, path, target, out, report, dot, group, shared_hidden)
         }
-        Command::GpuCheck { build_only } => gpu_check(&root, build_only),
+        Command::GpuCheck { build_only, args } => gpu_check(&root, build_only, &args),
         Command::Test { args } => test_cmd(&root, &args),
     };
     match result {
@@ -593,14 +597,14 @@ fn test_cmd(root: &Path, args: &[String]) -> Result<ExitCode> {
     })
 }
 
-fn gpu_check(root: &Path, build_only: bool) -> Result<ExitCode> {
+fn gpu_check(root: &Path, build_only: bool, args: &[String]) -> Result<ExitCode> {
     let status = cargo()
         .current_dir(root)
         .args([
             "build",
             "--release",
             "-p",
-            "arfuse-runtime",
+            "arfuse-gpu-check",
             "--bin",
             "gpu_check",
         ])
@@ -619,6 +623,7 @@ fn gpu_check(root: &Path, build_only: bool) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let status = std::process::Command::new(&bin)
+        .args(args)
         .current_dir(root)
         .status()
         .with_context(|| format!("running {}", bin.display()))?;

@@ -27,6 +27,9 @@ use half::{bf16, f16};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+/// The name of the contract the kernels are checked against.
+pub use arfuse_reference::contract::CONTRACT_NAME as CONTRACT;
+
 /// Token counts the check runs (issue 9): decode sizes, the seed bug's 40 and 42,
 /// and a prefill size.
 pub const TOKENS: [u32; 7] = [1, 7, 16, 40, 42, 128, 1024];
@@ -95,6 +98,9 @@ pub struct Case {
     pub hidden: u32,
     /// RMSNorm weight offset: 0, or 1 for the Gemma form.
     pub weight_bias: u32,
+    /// The RMSNorm weight is f32 (the Gemma form `1 + w.float()`), not the activation
+    /// dtype.
+    pub gamma_f32: bool,
 }
 
 impl Case {
@@ -153,6 +159,9 @@ impl Case {
         }
         if self.weight_bias > 1 {
             return Err(Error::Invalid("weight_bias must be 0 or 1".into()));
+        }
+        if self.gamma_f32 && !self.epilogue.norm {
+            return Err(Error::Invalid("an f32 weight needs an RMSNorm".into()));
         }
         Ok(())
     }
@@ -249,8 +258,10 @@ pub fn all_cases(hidden: u32, nvfp4: bool) -> Vec<Case> {
                 if epilogue.quant.needs_sm100() && !nvfp4 {
                     continue;
                 }
-                for strategy in [Strategy::OneShot, Strategy::TwoShot] {
-                    for tokens in TOKENS {
+                // Strategies alternate call by call on one workspace (a counter
+                // shared between them deadlocked public code).
+                for tokens in TOKENS {
+                    for strategy in [Strategy::OneShot, Strategy::TwoShot] {
                         let c = Case {
                             strategy,
                             world,
@@ -258,9 +269,11 @@ pub fn all_cases(hidden: u32, nvfp4: bool) -> Vec<Case> {
                             epilogue,
                             tokens,
                             hidden,
-                            // The Gemma form on the residual-free norms, so both
-                            // weight forms run with every quant.
+                            // The Gemma form (offset weight in f32) on the
+                            // residual-free norms, so both weight forms run with
+                            // every quant.
                             weight_bias: u32::from(epilogue.norm && !epilogue.residual),
+                            gamma_f32: epilogue.norm && !epilogue.residual,
                         };
                         if c.validate().is_ok() {
                             out.push(c);
@@ -294,7 +307,7 @@ pub struct Inputs {
     pub x: Vec<Vec<u8>>,
     /// `residual[r]`: rank r's residual, `[T, H]` (empty without residual).
     pub residual: Vec<Vec<u8>>,
-    /// RMSNorm weight `[H]` in the activation dtype.
+    /// RMSNorm weight `[H]` in the activation dtype, or f32 when the case says so.
     pub gamma: Vec<u8>,
     /// fp32 scalar input: static FP8 scale or NVFP4 global scale (0 otherwise).
     pub scale_in: f32,
@@ -356,7 +369,7 @@ pub fn make_inputs(case: &Case, seed: u64) -> Result<Inputs> {
     let fmt = float_format(case.dtype);
     let mut rng = SmallRng::seed_from_u64(seed);
     let sub = negative_subnormal(case.dtype);
-    let mut value = |rng: &mut SmallRng| -> f32 {
+    let value = |rng: &mut SmallRng| -> f32 {
         match rng.gen_range(0u32..32) {
             0 => -0.0,
             1 => sub,
@@ -380,9 +393,17 @@ pub fn make_inputs(case: &Case, seed: u64) -> Result<Inputs> {
             residual.push(encode(case.dtype, &r));
         }
     }
-    let gamma: Vec<f32> = (0..h)
-        .map(|_| fmt.round(rng.gen_range(-1024i32..1024) as f32 / 512.0))
-        .collect();
+    let gamma = if case.gamma_f32 {
+        // Any f32 (not only values of the activation dtype): w.float() of a trained
+        // offset weight, or an f32 parameter.
+        let g: Vec<f32> = (0..h).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        encode(Dtype::F32, &g)
+    } else {
+        let g: Vec<f32> = (0..h)
+            .map(|_| fmt.round(rng.gen_range(-1024i32..1024) as f32 / 512.0))
+            .collect();
+        encode(case.dtype, &g)
+    };
     let scale_in = match case.epilogue.quant {
         Quant::Fp8Static => STATIC_FP8_SCALE,
         Quant::Nvfp4Swizzled | Quant::Nvfp4Linear => NVFP4_GLOBAL_SCALE,
@@ -391,7 +412,7 @@ pub fn make_inputs(case: &Case, seed: u64) -> Result<Inputs> {
     Ok(Inputs {
         x,
         residual,
-        gamma: encode(case.dtype, &gamma),
+        gamma,
         scale_in,
     })
 }
@@ -464,6 +485,15 @@ pub fn quant_bytes(case: &Case, y: &[f32], scale_in: f32) -> Result<(Vec<u8>, Ve
     })
 }
 
+/// The dtype the RMSNorm weight is stored in.
+pub fn gamma_dtype(case: &Case) -> Dtype {
+    if case.gamma_f32 {
+        Dtype::F32
+    } else {
+        case.dtype
+    }
+}
+
 /// The outputs the contract prescribes for every rank of `case` on `inputs`
 /// (`arfuse_reference::contract`: all-reduce, residual add, RMSNorm, quant).
 ///
@@ -483,7 +513,7 @@ pub fn expected(case: &Case, inputs: &Inputs) -> Result<Vec<RankOutputs>> {
     let xs: Vec<Vec<f32>> = inputs.x.iter().map(|b| decode(case.dtype, b)).collect();
     let refs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
     let a = contract::all_reduce(&refs, fmt).map_err(reference)?;
-    let gamma = decode(case.dtype, &inputs.gamma);
+    let gamma = decode(gamma_dtype(case), &inputs.gamma);
     let mut out = Vec::with_capacity(case.world as usize);
     for r in 0..case.world as usize {
         if !case.epilogue.norm {
@@ -746,7 +776,7 @@ pub fn bytes_moved(case: &Case) -> Result<u64> {
     .ok_or(Error::Overflow("bytes moved"))?;
     let residual_in = if case.epilogue.residual { r } else { 0 };
     let gamma = if case.epilogue.norm {
-        u64::from(case.hidden) * case.dtype.bytes() as u64
+        u64::from(case.hidden) * gamma_dtype(case).bytes() as u64
     } else {
         0
     };
@@ -780,6 +810,7 @@ mod tests {
             tokens,
             hidden: 256,
             weight_bias: 0,
+            gamma_f32: false,
         }
     }
 

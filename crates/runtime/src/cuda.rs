@@ -169,8 +169,11 @@ pub struct KernelParams {
     pub eps: f32,
     /// 0 or 1 (Gemma-style weight offset).
     pub weight_bias: f32,
+    /// 1 when `gamma` is f32 (the Gemma form `1 + w.float()` with 16-bit activations),
+    /// 0 when it has the activation dtype. `ArfParams::gamma_f32`.
+    pub gamma_f32: i32,
     /// Padding.
-    pub pad: [i32; 2],
+    pub pad: i32,
 }
 
 const _: () = assert!(std::mem::size_of::<KernelParams>() == 344);
@@ -417,6 +420,10 @@ impl Gpu {
             ))
         })?;
         let compiled = variants::compile(v, arch, false)?;
+        self.load(v, &compiled)
+    }
+
+    fn load(&mut self, v: &Variant, compiled: &crate::nvrtc::Compiled) -> Result<KernelFn> {
         let mut module: sys::CUmodule = std::ptr::null_mut();
         // SAFETY: the cubin image lives for the call; the driver copies it.
         check(
@@ -496,9 +503,87 @@ impl Gpu {
         )
     }
 
+    /// Compiles every variant of `variants` not loaded yet with NVRTC on up to
+    /// `threads` threads (NVRTC is thread safe), then loads them, so nothing is
+    /// compiled later (and never during capture).
+    ///
+    /// # Errors
+    /// As [`Gpu::kernel`]; the first failure is returned.
+    pub fn preload(&mut self, variants: &[Variant], threads: usize) -> Result<()> {
+        if self.capturing()? {
+            return Err(Error::Capturing("preloading kernels".into()));
+        }
+        let arch = self.arch.ok_or_else(|| {
+            Error::Unsupported(format!(
+                "SM {} has no kernel build (SM 90 and 100 only)",
+                self.info.sm
+            ))
+        })?;
+        let mut todo: Vec<Variant> = variants
+            .iter()
+            .filter(|v| !self.kernels.contains_key(v))
+            .copied()
+            .collect();
+        todo.sort();
+        todo.dedup();
+        let threads = threads.clamp(1, 64);
+        let compiled: Vec<(Variant, Result<crate::nvrtc::Compiled>)> =
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..threads)
+                    .map(|k| {
+                        let todo = &todo;
+                        scope.spawn(move || {
+                            todo.iter()
+                                .skip(k)
+                                .step_by(threads)
+                                .map(|v| (*v, variants::compile(v, arch, false)))
+                                .collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .flat_map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            vec![(
+                                todo[0],
+                                Err(Error::Invalid("an NVRTC thread panicked".into())),
+                            )]
+                        })
+                    })
+                    .collect()
+            });
+        for (v, c) in compiled {
+            self.load(&v, &c?)?;
+        }
+        Ok(())
+    }
+
+    /// Sets `bytes` bytes of `buf` from `offset` to `value` (enqueued on the stream).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the range overruns the buffer; driver errors.
+    pub fn fill(&self, buf: &DeviceBuffer, offset: u64, bytes: u64, value: u8) -> Result<()> {
+        let end = offset.checked_add(bytes).ok_or(Error::Overflow("fill"))?;
+        if end > buf.bytes {
+            return Err(Error::Invalid(format!(
+                "fill of {bytes} bytes at {offset} overruns {} bytes",
+                buf.bytes
+            )));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: range checked above.
+        check(
+            unsafe { sys::cuMemsetD8Async(buf.ptr + offset, value, bytes as usize, self.stream) },
+            "cuMemsetD8Async",
+        )
+    }
+
     /// Captures what `body` enqueues on the stream into an instantiated graph.
     /// Allocation and kernel loading are refused while `body` runs.
-    pub fn capture(&self, body: impl FnOnce() -> Result<()>) -> Result<Graph> {
+    pub fn capture(&mut self, body: impl FnOnce(&mut Gpu) -> Result<()>) -> Result<Graph> {
         // SAFETY: valid stream.
         check(
             unsafe {
@@ -510,7 +595,7 @@ impl Gpu {
             "cuStreamBeginCapture",
         )?;
         self.capturing.set(true);
-        let r = body();
+        let r = body(self);
         self.capturing.set(false);
         let mut graph: sys::CUgraph = std::ptr::null_mut();
         // SAFETY: capture was begun on this stream.
@@ -762,13 +847,13 @@ impl CaptureSet {
     /// Captures `launch(T)` for every T in `sizes` (all workspaces and kernels must
     /// exist beforehand: nothing is created during capture).
     pub fn capture(
-        gpu: &Gpu,
+        gpu: &mut Gpu,
         sizes: &[u32],
-        mut launch: impl FnMut(u32) -> Result<()>,
+        mut launch: impl FnMut(&mut Gpu, u32) -> Result<()>,
     ) -> Result<CaptureSet> {
         let mut graphs = BTreeMap::new();
         for &t in sizes {
-            let g = gpu.capture(|| launch(t))?;
+            let g = gpu.capture(|g| launch(g, t))?;
             graphs.insert(t, g);
         }
         Ok(CaptureSet { graphs })

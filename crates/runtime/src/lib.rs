@@ -19,6 +19,7 @@ pub mod check;
 pub mod cuda;
 pub mod error;
 pub mod layout;
+pub mod node;
 pub mod nvrtc;
 pub mod protocol;
 pub mod variants;

@@ -1,0 +1,686 @@
+//! `gpu_check`: the one prepared script for a GPU machine. Built here
+//! (`cargo xtask gpu-check --build-only`), carried and run there.
+//!
+//! 1. Correctness, on virtual ranks (W logical ranks on one GPU, one cooperative
+//!    launch): every fused pattern x dtype x W in {2, 4, 8} x strategy x T in
+//!    {1, 7, 16, 40, 42, 128, 1024} (`arfuse_runtime::check::all_cases`), checked
+//!    against arfuse-reference's rounding contract (`arfuse_runtime::check`): once by a
+//!    direct launch with every output live, once with only some outputs live (dead
+//!    outputs must stay untouched), and once more after `--replays` (default 1,000)
+//!    replays of a CUDA graph. One-shot and two-shot alternate on one workspace.
+//! 2. Timings (W = 8 unless `--timing-world`): median microseconds per call replayed
+//!    from a CUDA graph of fused vs unfused (arfuse's all-reduce-only kernel + local
+//!    kernel), achieved GB/s over the bytes every virtual rank reads and writes
+//!    (`check::bytes_moved`) against a measured device-to-device copy, and the issue's
+//!    targets (>= 2x for T <= 128, <= 4 us at T = 1, >= 80% of copy at large T).
+//!
+//! Exit status: 0 every check passed; 1 a check failed or the GPU run errored; 2
+//! nothing was checked (no CUDA driver on this machine).
+
+use anyhow::{anyhow, Context};
+use arfuse_runtime::check::{self, Case, Inputs, Liveness, RankOutputs, FILL_BYTE};
+use arfuse_runtime::cuda::{
+    self, DeviceBuffer, FusedCall, Gpu, KernelParams, RankTensor, VirtualWorkspace,
+};
+use arfuse_runtime::layout::WorkspaceRequest;
+use arfuse_runtime::variants::{Dtype, Epilogue, KernelKind, Quant, Strategy, Variant};
+use arfuse_runtime::Error;
+use clap::Parser;
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "gpu_check",
+    about = "Checks arfuse's fused kernels on this GPU against the reference contract, then times them"
+)]
+struct Args {
+    /// Hidden size H of every case (elements).
+    #[arg(long, default_value_t = 4096)]
+    hidden: u32,
+    /// CUDA graph replays before the second comparison.
+    #[arg(long, default_value_t = 1000)]
+    replays: u32,
+    /// Only these world sizes (repeatable; default 2, 4, 8).
+    #[arg(long = "world")]
+    worlds: Vec<u32>,
+    /// Only these dtypes (bf16, f16, f32; repeatable).
+    #[arg(long = "dtype")]
+    dtypes: Vec<String>,
+    /// Only patterns whose name contains this text (e.g. `fp8tok`, `res_norm`).
+    #[arg(long)]
+    pattern: Option<String>,
+    /// Only these token counts (repeatable).
+    #[arg(long = "tokens")]
+    tokens: Vec<u32>,
+    /// Skip the correctness matrix.
+    #[arg(long)]
+    no_correctness: bool,
+    /// Skip the timings.
+    #[arg(long)]
+    no_timings: bool,
+    /// World size of the timing table.
+    #[arg(long, default_value_t = 8)]
+    timing_world: u32,
+    /// Calls per captured graph in the timings (per-call time = graph time / calls).
+    #[arg(long, default_value_t = 50)]
+    calls_per_graph: u32,
+    /// NVRTC compile threads.
+    #[arg(long, default_value_t = 8)]
+    compile_threads: usize,
+}
+
+/// Device buffers for W ranks' tensors of the largest case, reused by every case.
+struct Io {
+    x: DeviceBuffer,
+    residual: DeviceBuffer,
+    out: DeviceBuffer,
+    residual_out: DeviceBuffer,
+    quant: DeviceBuffer,
+    scale: DeviceBuffer,
+    gamma: DeviceBuffer,
+    scale_in: DeviceBuffer,
+    /// Unfused baseline: the all-reduce output the local kernel reads.
+    ar_out: DeviceBuffer,
+}
+
+impl Io {
+    fn new(gpu: &Gpu, world: u32, dtype: Dtype, hidden: u32, max_t: u32) -> anyhow::Result<Io> {
+        // Largest output of any case at (W, dtype, H, max T): try every quant.
+        let mut big = check::OutputBytes::default();
+        for e in arfuse_runtime::variants::all_epilogues() {
+            let c = Case {
+                strategy: Strategy::OneShot,
+                world,
+                dtype,
+                epilogue: e,
+                tokens: max_t,
+                hidden,
+                weight_bias: 0,
+                gamma_f32: false,
+            };
+            if let Ok(b) = c.output_bytes() {
+                big.out = big.out.max(b.out);
+                big.residual_out = big.residual_out.max(b.residual_out);
+                big.quant = big.quant.max(b.quant);
+                big.scale = big.scale.max(b.scale);
+            }
+        }
+        let w = u64::from(world);
+        let alloc = |b: u64| gpu.alloc(b.max(16) * w);
+        Ok(Io {
+            x: alloc(big.out)?,
+            residual: alloc(big.out)?,
+            out: alloc(big.out)?,
+            residual_out: alloc(big.out)?,
+            quant: alloc(big.quant)?,
+            scale: alloc(big.scale)?,
+            gamma: gpu.alloc(u64::from(hidden) * 4)?,
+            scale_in: gpu.alloc(4)?,
+            ar_out: alloc(big.out)?,
+        })
+    }
+}
+
+fn rank_tensor(buf: &DeviceBuffer, per_rank: u64, live: bool) -> RankTensor {
+    if live && per_rank > 0 {
+        RankTensor {
+            ptr: buf.ptr(),
+            rank_stride: per_rank,
+        }
+    } else {
+        RankTensor::default()
+    }
+}
+
+fn params(io: &Io, case: &Case, live: Liveness) -> anyhow::Result<KernelParams> {
+    let b = case.output_bytes()?;
+    Ok(KernelParams {
+        x: rank_tensor(&io.x, b.out, true),
+        residual_in: rank_tensor(&io.residual, b.out, case.epilogue.residual),
+        residual_out: rank_tensor(&io.residual_out, b.residual_out, live.residual_out),
+        out: rank_tensor(&io.out, b.out, live.out),
+        quant_out: rank_tensor(&io.quant, b.quant, live.quant),
+        scale_out: rank_tensor(&io.scale, b.scale, live.scale),
+        gamma: io.gamma.ptr(),
+        scale_in: if matches!(
+            case.epilogue.quant,
+            Quant::Fp8Static | Quant::Nvfp4Swizzled | Quant::Nvfp4Linear
+        ) {
+            io.scale_in.ptr()
+        } else {
+            0
+        },
+        eps: check::EPS as f32,
+        weight_bias: case.weight_bias as f32,
+        gamma_f32: i32::from(case.gamma_f32),
+        timeout_ns: cuda::DEFAULT_TIMEOUT_NS,
+        ..KernelParams::default()
+    })
+}
+
+fn upload_inputs(gpu: &Gpu, io: &Io, inputs: &Inputs) -> anyhow::Result<()> {
+    gpu.upload(&io.x, 0, &inputs.x.concat())?;
+    if !inputs.residual.is_empty() {
+        gpu.upload(&io.residual, 0, &inputs.residual.concat())?;
+    }
+    gpu.upload(&io.gamma, 0, &inputs.gamma)?;
+    gpu.upload(&io.scale_in, 0, &inputs.scale_in.to_le_bytes())?;
+    Ok(())
+}
+
+/// Fills every output of the case with FILL_BYTE (so unwritten bytes show).
+fn fill_outputs(gpu: &Gpu, io: &Io, case: &Case) -> anyhow::Result<()> {
+    let b = case.output_bytes()?;
+    let w = u64::from(case.world);
+    for (buf, n) in [
+        (&io.out, b.out),
+        (&io.residual_out, b.residual_out),
+        (&io.quant, b.quant),
+        (&io.scale, b.scale),
+    ] {
+        gpu.fill(buf, 0, n * w, FILL_BYTE)?;
+    }
+    gpu.sync()?;
+    Ok(())
+}
+
+fn download_outputs(gpu: &Gpu, io: &Io, case: &Case) -> anyhow::Result<Vec<RankOutputs>> {
+    let b = case.output_bytes()?;
+    let w = case.world as usize;
+    let get = |buf: &DeviceBuffer, n: u64| -> anyhow::Result<Vec<Vec<u8>>> {
+        let n = usize::try_from(n)?;
+        let mut all = vec![0u8; n * w];
+        if n > 0 {
+            gpu.download(buf, 0, &mut all)?;
+        }
+        Ok((0..w).map(|r| all[r * n..(r + 1) * n].to_vec()).collect())
+    };
+    let (out, res, q, s) = (
+        get(&io.out, b.out)?,
+        get(&io.residual_out, b.residual_out)?,
+        get(&io.quant, b.quant)?,
+        get(&io.scale, b.scale)?,
+    );
+    Ok((0..w)
+        .map(|r| RankOutputs {
+            out: out[r].clone(),
+            residual_out: res[r].clone(),
+            quant: q[r].clone(),
+            scale: s[r].clone(),
+        })
+        .collect())
+}
+
+fn fused_call(case: &Case, p: KernelParams) -> FusedCall {
+    FusedCall {
+        variant: case.variant(),
+        tokens: case.tokens,
+        ranks: case.world,
+        params: p,
+    }
+}
+
+/// Outcome of one case.
+#[derive(Default, Clone)]
+struct Outcome {
+    direct: Option<check::Verdict>,
+    partial_bad: Option<u64>,
+    replayed: Option<check::Verdict>,
+    error: Option<String>,
+}
+
+impl Outcome {
+    fn passed(&self) -> bool {
+        self.error.is_none()
+            && self.direct.is_some_and(|v| v.passed())
+            && self.partial_bad.unwrap_or(0) == 0
+            && self.replayed.is_some_and(|v| v.passed())
+    }
+    fn cell(&self) -> String {
+        if let Some(e) = &self.error {
+            let short: String = e.chars().take(24).collect();
+            return format!("ERR {short}");
+        }
+        if self.passed() {
+            return "ok".into();
+        }
+        let mut parts = Vec::new();
+        if let Some(v) = self.direct.filter(|v| !v.passed()) {
+            parts.push(format!("D:{}", v.summary()));
+        }
+        if let Some(n) = self.partial_bad.filter(|n| *n > 0) {
+            parts.push(format!("P:{n}"));
+        }
+        if let Some(v) = self.replayed.filter(|v| !v.passed()) {
+            parts.push(format!("R:{}", v.summary()));
+        }
+        parts.join(" ")
+    }
+}
+
+fn run_case(
+    gpu: &mut Gpu,
+    ws: &VirtualWorkspace,
+    io: &Io,
+    case: &Case,
+    replays: u32,
+) -> anyhow::Result<Outcome> {
+    let mut o = Outcome::default();
+    let inputs = check::make_inputs(case, 0x5eed ^ u64::from(case.tokens))?;
+    let want = check::expected(case, &inputs)?;
+    upload_inputs(gpu, io, &inputs)?;
+    let all = Liveness::all(case)?;
+
+    // 1. Direct launch, every output live.
+    fill_outputs(gpu, io, case)?;
+    cuda::launch_fused(gpu, ws, &fused_call(case, params(io, case, all)?))?;
+    gpu.sync()?;
+    ws.take_error(gpu)?;
+    let full = download_outputs(gpu, io, case)?;
+    o.direct = Some(check::compare(case, &inputs, &want, &full)?);
+
+    // 2. Some outputs dead: live ones identical, dead ones untouched.
+    if let Some(live) = Liveness::partial(case)? {
+        fill_outputs(gpu, io, case)?;
+        cuda::launch_fused(gpu, ws, &fused_call(case, params(io, case, live)?))?;
+        gpu.sync()?;
+        ws.take_error(gpu)?;
+        let part = download_outputs(gpu, io, case)?;
+        o.partial_bad = Some(check::compare_partial(live, &full, &part));
+    }
+
+    // 3. A CUDA graph of one call, replayed `replays` times; the last replay's outputs.
+    let call = fused_call(case, params(io, case, all)?);
+    let graph = gpu.capture(|g| cuda::launch_fused(g, ws, &call))?;
+    fill_outputs(gpu, io, case)?;
+    for _ in 0..replays {
+        graph.launch()?;
+    }
+    gpu.sync()?;
+    ws.take_error(gpu)?;
+    let replayed = download_outputs(gpu, io, case)?;
+    o.replayed = Some(check::compare(case, &inputs, &want, &replayed)?);
+    Ok(o)
+}
+
+fn dtype_of(name: &str) -> anyhow::Result<Dtype> {
+    Dtype::ALL
+        .into_iter()
+        .find(|d| d.name() == name)
+        .ok_or_else(|| anyhow!("unknown dtype {name:?} (bf16, f16, f32)"))
+}
+
+fn correctness(gpu: &mut Gpu, args: &Args) -> anyhow::Result<usize> {
+    let nvfp4 = gpu.info().sm >= 100;
+    let dtypes: Vec<Dtype> = args
+        .dtypes
+        .iter()
+        .map(|d| dtype_of(d))
+        .collect::<anyhow::Result<_>>()?;
+    let cases: Vec<Case> = check::all_cases(args.hidden, nvfp4)
+        .into_iter()
+        .filter(|c| args.worlds.is_empty() || args.worlds.contains(&c.world))
+        .filter(|c| dtypes.is_empty() || dtypes.contains(&c.dtype))
+        .filter(|c| args.tokens.is_empty() || args.tokens.contains(&c.tokens))
+        .filter(|c| {
+            args.pattern
+                .as_ref()
+                .map_or(true, |p| c.pattern().contains(p.as_str()))
+        })
+        .collect();
+    if cases.is_empty() {
+        return Err(anyhow!("no case matches the filters"));
+    }
+    let mut variants: Vec<Variant> = cases.iter().map(Case::variant).collect();
+    variants.sort();
+    variants.dedup();
+    let t0 = Instant::now();
+    gpu.preload(&variants, args.compile_threads)?;
+    println!(
+        "compiled and loaded {} kernel variants in {:.1} s; {} cases{}",
+        variants.len(),
+        t0.elapsed().as_secs_f64(),
+        cases.len(),
+        if nvfp4 { "" } else { " (no NVFP4: SM < 100)" }
+    );
+    let max_t = cases.iter().map(|c| c.tokens).max().unwrap_or(1);
+    // Rows: (W, dtype, pattern, strategy) -> T -> outcome.
+    type Row = (u32, &'static str, String, &'static str);
+    let mut table: BTreeMap<Row, BTreeMap<u32, Outcome>> = BTreeMap::new();
+    let mut max_ulp: BTreeMap<Row, u64> = BTreeMap::new();
+    let mut failures = 0usize;
+    let t0 = Instant::now();
+    let mut groups: Vec<(u32, Dtype)> = cases.iter().map(|c| (c.world, c.dtype)).collect();
+    groups.sort();
+    groups.dedup();
+    for (world, dtype) in groups {
+        let ws = VirtualWorkspace::create(
+            gpu,
+            WorkspaceRequest {
+                world,
+                hidden: args.hidden,
+                dtype,
+                max_tokens: max_t,
+                oneshot_max_tokens: max_t,
+            },
+        )
+        .with_context(|| format!("workspace W={world} {}", dtype.name()))?;
+        let io = Io::new(gpu, world, dtype, args.hidden, max_t)?;
+        for case in cases
+            .iter()
+            .filter(|c| c.world == world && c.dtype == dtype)
+        {
+            let o = match run_case(gpu, &ws, &io, case, args.replays) {
+                Ok(o) => o,
+                Err(e) => {
+                    let msg = format!("{e:#}");
+                    eprintln!("{}: {msg}", case.label());
+                    Outcome {
+                        error: Some(msg),
+                        ..Outcome::default()
+                    }
+                }
+            };
+            if !o.passed() {
+                failures += 1;
+                eprintln!("FAIL {}: {}", case.label(), o.cell());
+            }
+            let row = (world, dtype.name(), case.pattern(), case.strategy.name());
+            let ulp = o
+                .direct
+                .map(|v| v.max_norm_ulp)
+                .max(o.replayed.map(|v| v.max_norm_ulp))
+                .unwrap_or(0);
+            let m = max_ulp.entry(row.clone()).or_default();
+            *m = (*m).max(ulp);
+            table.entry(row).or_default().insert(case.tokens, o);
+        }
+    }
+    let tokens: Vec<u32> = {
+        let mut t: Vec<u32> = cases.iter().map(|c| c.tokens).collect();
+        t.sort();
+        t.dedup();
+        t
+    };
+    println!(
+        "\ncorrectness vs {} (H = {}; each cell: direct, partial outputs, after {} graph replays; ulp = max norm distance)",
+        arfuse_runtime::check::CONTRACT,
+        args.hidden,
+        args.replays
+    );
+    let mut head = format!(
+        "{:>2} {:<5} {:<22} {:<8}",
+        "W", "dtype", "pattern", "strategy"
+    );
+    for t in &tokens {
+        head.push_str(&format!(" {:>6}", format!("T={t}")));
+    }
+    head.push_str("  ulp");
+    println!("{head}");
+    for (row, cells) in &table {
+        let mut line = format!("{:>2} {:<5} {:<22} {:<8}", row.0, row.1, row.2, row.3);
+        for t in &tokens {
+            let c = cells
+                .get(t)
+                .map(Outcome::cell)
+                .unwrap_or_else(|| "-".into());
+            line.push_str(&format!(" {c:>6}"));
+        }
+        line.push_str(&format!("  {}", max_ulp.get(row).copied().unwrap_or(0)));
+        println!("{line}");
+    }
+    println!(
+        "{} cases, {} failed, {:.1} s",
+        cases.len(),
+        failures,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(failures)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Median microseconds per call of what `body` enqueues, captured `calls` times in one
+/// graph and replayed 20 times (after 3 warm-up replays).
+fn time_graph(
+    gpu: &mut Gpu,
+    calls: u32,
+    mut body: impl FnMut(&mut Gpu) -> arfuse_runtime::Result<()>,
+) -> anyhow::Result<f64> {
+    let graph = gpu.capture(|g| {
+        for _ in 0..calls {
+            body(g)?;
+        }
+        Ok(())
+    })?;
+    for _ in 0..3 {
+        graph.launch()?;
+    }
+    gpu.sync()?;
+    let mut v = Vec::new();
+    for _ in 0..20 {
+        let ms = gpu.time_ms(|_| graph.launch())?;
+        v.push(f64::from(ms) * 1000.0 / f64::from(calls));
+    }
+    Ok(median(v))
+}
+
+fn timings(gpu: &mut Gpu, args: &Args) -> anyhow::Result<()> {
+    let world = args.timing_world;
+    let hidden = args.hidden;
+    let dtype = Dtype::Bf16;
+    // Device-to-device copy: 1 GiB, read + write counted.
+    let big = 1u64 << 30;
+    let (src, dst) = (gpu.alloc(big)?, gpu.alloc(big)?);
+    gpu.copy_d2d(&dst, &src, big)?;
+    gpu.sync()?;
+    let mut copy = Vec::new();
+    for _ in 0..10 {
+        copy.push(f64::from(gpu.time_ms(|g| g.copy_d2d(&dst, &src, big))?));
+    }
+    drop((src, dst));
+    let copy_gbs = 2.0 * big as f64 / (median(copy) * 1e-3) / 1e9;
+    println!("\ndevice-to-device copy: {copy_gbs:.0} GB/s (1 GiB, read + write)");
+    let max_t = *check::TOKENS.iter().max().unwrap_or(&1);
+    let ws = VirtualWorkspace::create(
+        gpu,
+        WorkspaceRequest {
+            world,
+            hidden,
+            dtype,
+            max_tokens: max_t,
+            oneshot_max_tokens: max_t,
+        },
+    )?;
+    let io = Io::new(gpu, world, dtype, hidden, max_t)?;
+    let mut quants = vec![Quant::None, Quant::Fp8PerToken];
+    if gpu.info().sm >= 100 {
+        quants.push(Quant::Nvfp4Swizzled);
+    }
+    let mut needed = Vec::new();
+    for &q in &quants {
+        let e = Epilogue {
+            residual: true,
+            norm: true,
+            quant: q,
+        };
+        for s in [Strategy::OneShot, Strategy::TwoShot] {
+            for ep in [e, Epilogue::AR_ONLY] {
+                needed.push(Variant {
+                    kind: KernelKind::Fused { strategy: s, world },
+                    dtype,
+                    epilogue: ep,
+                });
+            }
+        }
+        needed.push(Variant {
+            kind: KernelKind::Local,
+            dtype,
+            epilogue: e,
+        });
+    }
+    gpu.preload(&needed, args.compile_threads)?;
+    println!(
+        "W = {world}, H = {hidden}, bf16, per call replayed from a CUDA graph of {} calls (median of 20)",
+        args.calls_per_graph
+    );
+    println!(
+        "{:<18} {:>5} {:<8} {:>9} {:>11} {:>8} {:>8} {:>7}  target",
+        "pattern", "T", "strategy", "fused us", "unfused us", "speedup", "GB/s", "% copy"
+    );
+    for &q in &quants {
+        let e = Epilogue {
+            residual: true,
+            norm: true,
+            quant: q,
+        };
+        for tokens in check::TOKENS {
+            for strategy in [Strategy::OneShot, Strategy::TwoShot] {
+                let case = Case {
+                    strategy,
+                    world,
+                    dtype,
+                    epilogue: e,
+                    tokens,
+                    hidden,
+                    weight_bias: 0,
+                    gamma_f32: false,
+                };
+                let inputs = check::make_inputs(&case, 1)?;
+                upload_inputs(gpu, &io, &inputs)?;
+                let p = params(&io, &case, Liveness::all(&case)?)?;
+                let fused = fused_call(&case, p);
+                // Unfused: all-reduce-only kernel into ar_out, then the local kernel.
+                let b = case.output_bytes()?;
+                let mut ar_p = p;
+                ar_p.residual_in = RankTensor::default();
+                ar_p.residual_out = RankTensor::default();
+                ar_p.quant_out = RankTensor::default();
+                ar_p.scale_out = RankTensor::default();
+                ar_p.out = rank_tensor(&io.ar_out, b.out, true);
+                let ar = FusedCall {
+                    variant: Variant {
+                        kind: KernelKind::Fused { strategy, world },
+                        dtype,
+                        epilogue: Epilogue::AR_ONLY,
+                    },
+                    tokens,
+                    ranks: world,
+                    params: ar_p,
+                };
+                let mut local_p = p;
+                local_p.x = rank_tensor(&io.ar_out, b.out, true);
+                let local = FusedCall {
+                    variant: Variant {
+                        kind: KernelKind::Local,
+                        dtype,
+                        epilogue: e,
+                    },
+                    tokens,
+                    ranks: world,
+                    params: local_p,
+                };
+                let tf = time_graph(gpu, args.calls_per_graph, |g| {
+                    cuda::launch_fused(g, &ws, &fused)
+                })?;
+                let tu = time_graph(gpu, args.calls_per_graph, |g| {
+                    cuda::launch_fused(g, &ws, &ar)?;
+                    cuda::launch_local(g, &local, hidden)
+                })?;
+                ws.take_error(gpu)?;
+                let moved = check::bytes_moved(&case)? as f64;
+                let gbs = moved / (tf * 1e-6) / 1e9;
+                let mut target = Vec::new();
+                if tokens <= 128 {
+                    target.push(format!(
+                        "2x unfused: {}",
+                        if tu / tf >= 2.0 { "met" } else { "MISSED" }
+                    ));
+                }
+                if tokens == 1 && world == 8 && q == Quant::None {
+                    target.push(format!(
+                        "<= 4 us: {}",
+                        if tf <= 4.0 { "met" } else { "MISSED" }
+                    ));
+                }
+                if tokens >= 1024 {
+                    target.push(format!(
+                        ">= 80% copy: {}",
+                        if gbs >= 0.8 * copy_gbs {
+                            "met"
+                        } else {
+                            "MISSED"
+                        }
+                    ));
+                }
+                println!(
+                    "{:<18} {tokens:>5} {:<8} {tf:>9.2} {tu:>11.2} {:>7.2}x {gbs:>8.0} {:>6.1}%  {}",
+                    case.pattern(),
+                    strategy.name(),
+                    tu / tf,
+                    100.0 * gbs / copy_gbs,
+                    target.join(", ")
+                );
+            }
+        }
+    }
+    let per_rank = ws.layout.per_rank_bytes;
+    println!(
+        "workspace: {} bytes allocated for {world} virtual ranks = {world} x {per_rank} (layout per rank), nothing more",
+        ws.memory.bytes()
+    );
+    Ok(())
+}
+
+fn run(args: &Args) -> anyhow::Result<usize> {
+    let mut gpu = Gpu::open(0)?;
+    let info = gpu.info().clone();
+    let nv = arfuse_runtime::nvrtc::nvrtc()?;
+    println!(
+        "device: {} (SM {}, {} SMs, multicast {}, {:.1} GiB free); NVRTC {}.{} at {}",
+        info.name,
+        info.sm,
+        info.sm_count,
+        info.multicast,
+        info.free_bytes as f64 / (1u64 << 30) as f64,
+        nv.version().0,
+        nv.version().1,
+        nv.path()
+    );
+    let mut failures = 0;
+    if !args.no_correctness {
+        failures += correctness(&mut gpu, args)?;
+    }
+    if !args.no_timings {
+        timings(&mut gpu, args)?;
+    }
+    Ok(failures)
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(0) => {
+            println!("\ngpu_check: all checks passed");
+            std::process::ExitCode::SUCCESS
+        }
+        Ok(n) => {
+            println!("\ngpu_check: {n} cases FAILED");
+            std::process::ExitCode::from(1)
+        }
+        Err(e) => {
+            if let Some(Error::NoDriver(m)) = e.downcast_ref::<Error>() {
+                eprintln!(
+                    "gpu_check: skipped: no CUDA driver ({m}); nothing was checked. Run it on a machine with an NVIDIA GPU."
+                );
+                return std::process::ExitCode::from(2);
+            }
+            eprintln!("gpu_check: error: {e:#}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,459 @@
+//! From the IR's fused node (`arfuse_ir::FusedAllReduceNorm` with the plan the pass
+//! wrote) to what the runtime launches: the kernel variant per token count, the
+//! workspace request, and the scalar arguments.
+//!
+//! The plan's dispatch ranges decide, for every T from 1 to the largest batched token
+//! count, whether the call is one-shot, two-shot or unfused; [`NodeKernels::route`]
+//! follows them exactly and refuses a T the plan does not cover, so a graph never
+//! runs a strategy the planner did not prove fits.
+//!
+//! Workspace: the runtime's own layout ([`crate::layout`]) sized for the plan's largest
+//! fused T (two-shot inboxes) and largest one-shot T (Lamport buffers). The plan's
+//! `workspace_bytes` is the planner's figure for the backend's published allocation
+//! (FlashInfer's formulas, domain.md section 5); [`NodeKernels::plan_workspace_bytes`]
+//! and [`NodeKernels::layout`] give both so a caller can report them side by side.
+
+use crate::error::{Error, Result};
+use crate::layout::{WorkspaceLayout, WorkspaceRequest};
+use crate::variants::{self, Dtype, Epilogue, KernelKind, Quant, Strategy, Variant};
+use crate::workspace::Backend;
+use arfuse_ir::{
+    DType, FusedAllReduceNorm, FusedOutput, FusedQuant, Graph, GroupScaleLayout, Nvfp4ScaleLayout,
+    Op,
+};
+
+/// How one call of the node runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// The fused kernel (its strategy is in the variant).
+    Fused(Variant),
+    /// Unfused: the all-reduce by the collective library (NCCL on real ranks), then
+    /// the `local` kernel (residual add, RMSNorm, quant) on the all-reduced tensor.
+    Unfused {
+        /// The local kernel.
+        local: Variant,
+    },
+}
+
+/// Everything the runtime needs to run one fused node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeKernels {
+    /// IR node id (for messages).
+    pub node: String,
+    /// World size W.
+    pub world: u32,
+    /// Activation dtype.
+    pub dtype: Dtype,
+    /// Hidden size H (elements).
+    pub hidden: u32,
+    /// The epilogue (residual, RMSNorm, quant).
+    pub epilogue: Epilogue,
+    /// RMSNorm epsilon as the kernels take it (the f32 nearest the IR's f64).
+    pub eps: f32,
+    /// 0, or 1 for Gemma-style offset weights.
+    pub weight_bias: f32,
+    /// Outputs the node writes (the others are passed as null pointers).
+    pub outputs: Vec<FusedOutput>,
+    /// The plan's backend, in the runtime's terms.
+    pub backend: Backend,
+    /// The workspace the fused ranges need.
+    pub request: WorkspaceRequest,
+    /// The plan's per-rank workspace bytes (the planner's figure for the backend).
+    pub plan_workspace_bytes: u64,
+    dispatch: Vec<(u32, u32, Option<Strategy>)>,
+}
+
+fn activation_dtype(d: DType, node: &str) -> Result<Dtype> {
+    match d {
+        DType::Bf16 => Ok(Dtype::Bf16),
+        DType::F16 => Ok(Dtype::F16),
+        DType::F32 => Ok(Dtype::F32),
+        other => Err(Error::Unsupported(format!(
+            "node {node}: activation dtype {other:?} has no fused kernel (bf16, f16, f32)"
+        ))),
+    }
+}
+
+fn to_u32(v: u64, node: &str, what: &str) -> Result<u32> {
+    u32::try_from(v)
+        .map_err(|_| Error::Unsupported(format!("node {node}: {what} = {v} exceeds 2^32 - 1")))
+}
+
+/// The kernel quant form of an IR quant epilogue.
+///
+/// # Errors
+/// [`Error::Unsupported`] for a per-token-group FP8 group size other than 128 (the
+/// kernels' fixed group).
+pub fn quant_of(q: FusedQuant, node: &str) -> Result<Quant> {
+    Ok(match q {
+        FusedQuant::None => Quant::None,
+        FusedQuant::Fp8Static => Quant::Fp8Static,
+        FusedQuant::Fp8PerToken => Quant::Fp8PerToken,
+        FusedQuant::Fp8PerTokenGroup {
+            group_size,
+            scale_layout,
+        } => {
+            if group_size != 128 {
+                return Err(Error::Unsupported(format!(
+                    "node {node}: per-token-group FP8 with group size {group_size}; the kernels use 128"
+                )));
+            }
+            match scale_layout {
+                GroupScaleLayout::PackedUe8m0 => Quant::Fp8GroupPacked,
+                GroupScaleLayout::F32RowMajor => Quant::Fp8GroupF32,
+            }
+        }
+        FusedQuant::Nvfp4 { scale_layout } => match scale_layout {
+            Nvfp4ScaleLayout::Swizzled128x4 => Quant::Nvfp4Swizzled,
+            Nvfp4ScaleLayout::Linear => Quant::Nvfp4Linear,
+        },
+    })
+}
+
+impl NodeKernels {
+    /// Builds the launch description of a fused node with attributes `attrs`, id
+    /// `node`, activation dtype `dtype`, hidden size `hidden` (elements), RMSNorm
+    /// weight dtype `weight_dtype`, for world size `world`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the node has no plan, or its plan does not cover
+    /// 1..=max tokens without gaps; [`Error::Unsupported`] for what the kernels do not
+    /// implement (W outside {2, 4, 8, 16}, dtypes other than bf16/f16/f32, a weight
+    /// dtype other than the activation's or f32 with `weight_bias` 1, a group size
+    /// other than 128, NVFP4 on f32, `weight_bias` other than 0 or 1, a fused range
+    /// whose variant is not built); workspace errors from [`WorkspaceLayout::new`].
+    pub fn new(
+        node: &str,
+        attrs: &FusedAllReduceNorm,
+        dtype: DType,
+        hidden: u64,
+        weight_dtype: DType,
+        world: u32,
+    ) -> Result<NodeKernels> {
+        let dt = activation_dtype(dtype, node)?;
+        let hidden = to_u32(hidden, node, "hidden size")?;
+        if !variants::WORLD_SIZES.contains(&world) {
+            return Err(Error::Unsupported(format!(
+                "node {node}: world size {world}; the kernels are built for 2, 4, 8 and 16"
+            )));
+        }
+        let weight_bias = attrs.weight_bias;
+        if weight_bias != 0.0 && weight_bias != 1.0 {
+            return Err(Error::Unsupported(format!(
+                "node {node}: weight_bias {weight_bias}; the kernels take 0 or 1"
+            )));
+        }
+        if weight_dtype != dtype {
+            return Err(Error::Unsupported(format!(
+                "node {node}: RMSNorm weight is {weight_dtype:?} but activations are {dtype:?}; the kernels read the weight in the activation dtype"
+            )));
+        }
+        let quant = quant_of(attrs.quant, node)?;
+        if !quant.supports(dt) {
+            return Err(Error::Unsupported(format!(
+                "node {node}: {} is not defined for {} activations",
+                quant.name(),
+                dt.name()
+            )));
+        }
+        let epilogue = Epilogue {
+            residual: attrs.residual,
+            norm: true,
+            quant,
+        };
+        let plan = attrs.plan.as_ref().ok_or_else(|| {
+            Error::Invalid(format!(
+                "node {node}: the fused node carries no plan; lower the graph with a target first"
+            ))
+        })?;
+        let backend = match plan.backend {
+            arfuse_ir::Backend::Trtllm => Backend::Trtllm,
+            arfuse_ir::Backend::Mnnvl => Backend::Mnnvl,
+        };
+        let mut dispatch = Vec::with_capacity(plan.dispatch.len());
+        let mut next = 1u64;
+        let (mut max_fused, mut max_oneshot) = (0u32, 0u32);
+        for r in &plan.dispatch {
+            if r.min_tokens != next || r.max_tokens < r.min_tokens {
+                return Err(Error::Invalid(format!(
+                    "node {node}: plan dispatch range {}..={} does not continue from T = {next}",
+                    r.min_tokens, r.max_tokens
+                )));
+            }
+            next = r.max_tokens.saturating_add(1);
+            let lo = to_u32(r.min_tokens, node, "dispatch range start")?;
+            let hi = to_u32(r.max_tokens, node, "dispatch range end")?;
+            let strategy = match r.strategy {
+                arfuse_ir::Strategy::OneShot => Some(Strategy::OneShot),
+                arfuse_ir::Strategy::TwoShot => Some(Strategy::TwoShot),
+                arfuse_ir::Strategy::Unfused => None,
+            };
+            if let Some(s) = strategy {
+                max_fused = max_fused.max(hi);
+                if s == Strategy::OneShot {
+                    max_oneshot = max_oneshot.max(hi);
+                }
+                let v = Variant {
+                    kind: KernelKind::Fused { strategy: s, world },
+                    dtype: dt,
+                    epilogue,
+                };
+                if variants::find(v.kind, dt, epilogue).is_none() {
+                    return Err(Error::Unsupported(format!(
+                        "node {node}: no kernel variant {v} for T = {lo}..={hi}"
+                    )));
+                }
+            }
+            dispatch.push((lo, hi, strategy));
+        }
+        if dispatch.is_empty() {
+            return Err(Error::Invalid(format!(
+                "node {node}: the plan has no dispatch ranges"
+            )));
+        }
+        let request = WorkspaceRequest {
+            world,
+            hidden,
+            dtype: dt,
+            max_tokens: max_fused.max(1),
+            oneshot_max_tokens: max_oneshot,
+        };
+        // Validates the sizes now (a plan the runtime cannot hold fails here, at load
+        // time, not at the first launch or during capture).
+        WorkspaceLayout::new(request).map_err(|e| match e {
+            Error::Unsupported(m) | Error::Invalid(m) => {
+                Error::Unsupported(format!("node {node}: workspace: {m}"))
+            }
+            other => other,
+        })?;
+        Ok(NodeKernels {
+            node: node.to_string(),
+            world,
+            dtype: dt,
+            hidden,
+            epilogue,
+            eps: attrs.eps as f32,
+            weight_bias: weight_bias as f32,
+            outputs: attrs.outputs.clone(),
+            backend,
+            request,
+            plan_workspace_bytes: plan.workspace_bytes,
+            dispatch,
+        })
+    }
+
+    /// [`NodeKernels::new`] for node `id` of `graph`: the activation dtype and hidden
+    /// size come from its `x` input (the last dimension must be a constant), the weight
+    /// dtype from its weight input.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `id` is not a fused node of the graph or its hidden size
+    /// is symbolic; then as [`NodeKernels::new`].
+    pub fn from_graph(graph: &Graph, id: &str, world: u32) -> Result<NodeKernels> {
+        let nid = graph
+            .find(id)
+            .ok_or_else(|| Error::Invalid(format!("no node {id:?} in the graph")))?;
+        let node = graph.node(nid);
+        let Op::FusedAllreduceNorm(attrs) = &node.op else {
+            return Err(Error::Invalid(format!(
+                "node {id} is not a fused all-reduce node"
+            )));
+        };
+        let ty = |k: usize, what: &str| {
+            node.inputs
+                .get(k)
+                .and_then(|v| graph.value_type(*v))
+                .ok_or_else(|| Error::Invalid(format!("node {id}: missing {what} input")))
+        };
+        let x = ty(0, "x")?;
+        let weight = ty(if attrs.residual { 2 } else { 1 }, "weight")?;
+        let hidden = x.shape.last().and_then(|d| d.as_const()).ok_or_else(|| {
+            Error::Invalid(format!(
+                "node {id}: the hidden (last) dimension of x is not a constant"
+            ))
+        })?;
+        NodeKernels::new(id, attrs, x.dtype, hidden, weight.dtype, world)
+    }
+
+    /// How a call of `tokens` tokens runs.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for T = 0 or a T beyond the plan's last range (the plan
+    /// covers every T the graph can run with; anything else is a caller error).
+    pub fn route(&self, tokens: u32) -> Result<Route> {
+        let hit = self
+            .dispatch
+            .iter()
+            .find(|(lo, hi, _)| (*lo..=*hi).contains(&tokens))
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "node {}: T = {tokens} is outside the plan (1..={})",
+                    self.node,
+                    self.dispatch.last().map_or(0, |r| r.1)
+                ))
+            })?;
+        Ok(match hit.2 {
+            Some(strategy) => Route::Fused(Variant {
+                kind: KernelKind::Fused {
+                    strategy,
+                    world: self.world,
+                },
+                dtype: self.dtype,
+                epilogue: self.epilogue,
+            }),
+            None => Route::Unfused {
+                local: Variant {
+                    kind: KernelKind::Local,
+                    dtype: self.dtype,
+                    epilogue: self.epilogue,
+                },
+            },
+        })
+    }
+
+    /// The runtime's workspace layout for this node (per rank).
+    ///
+    /// # Errors
+    /// As [`WorkspaceLayout::new`] (already checked by the constructor).
+    pub fn layout(&self) -> Result<WorkspaceLayout> {
+        WorkspaceLayout::new(self.request)
+    }
+
+    /// Whether an output is live.
+    pub fn writes(&self, output: FusedOutput) -> bool {
+        self.outputs.contains(&output)
+    }
+
+    /// The dispatch ranges: `(first T, last T, strategy or None for unfused)`.
+    pub fn dispatch(&self) -> &[(u32, u32, Option<Strategy>)] {
+        &self.dispatch
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arfuse_ir::{DispatchRange, FusedPlan};
+
+    fn range(lo: u64, hi: u64, s: arfuse_ir::Strategy) -> DispatchRange {
+        DispatchRange {
+            min_tokens: lo,
+            max_tokens: hi,
+            strategy: s,
+            required_bytes: 0,
+        }
+    }
+
+    /// The seed case of domain.md section 5: W=8, H=6144, bf16, M=42, one-shot 1..=10,
+    /// two-shot 11..=42, unfused above.
+    fn seed() -> FusedAllReduceNorm {
+        use arfuse_ir::Strategy as S;
+        FusedAllReduceNorm {
+            group: "tp".into(),
+            eps: 1e-5,
+            weight_bias: 0.0,
+            residual: true,
+            quant: FusedQuant::None,
+            outputs: vec![FusedOutput::Norm, FusedOutput::Residual],
+            plan: Some(FusedPlan {
+                backend: arfuse_ir::Backend::Mnnvl,
+                pattern_code: 1,
+                max_token_num: 42,
+                workspace_bytes: 3 * 1_179_648 + 2048,
+                lamport_buffer_bytes: 1_179_648,
+                dispatch: vec![
+                    range(1, 10, S::OneShot),
+                    range(11, 42, S::TwoShot),
+                    range(43, 8192, S::Unfused),
+                ],
+            }),
+        }
+    }
+
+    #[test]
+    fn seed_plan_routes_every_token_count_as_planned() {
+        let k = NodeKernels::new("ln", &seed(), DType::Bf16, 6144, DType::Bf16, 8).unwrap();
+        assert_eq!(k.request.max_tokens, 42);
+        assert_eq!(k.request.oneshot_max_tokens, 10);
+        assert_eq!(k.backend, Backend::Mnnvl);
+        let strategy = |t| match k.route(t).unwrap() {
+            Route::Fused(v) => match v.kind {
+                KernelKind::Fused { strategy, world } => {
+                    assert_eq!(world, 8);
+                    Some(strategy)
+                }
+                KernelKind::Local => unreachable!(),
+            },
+            Route::Unfused { local } => {
+                assert_eq!(local.kind, KernelKind::Local);
+                None
+            }
+        };
+        assert_eq!(strategy(1), Some(Strategy::OneShot));
+        assert_eq!(strategy(10), Some(Strategy::OneShot));
+        assert_eq!(strategy(11), Some(Strategy::TwoShot));
+        assert_eq!(strategy(40), Some(Strategy::TwoShot));
+        assert_eq!(strategy(42), Some(Strategy::TwoShot));
+        assert_eq!(strategy(43), None);
+        assert!(k.route(0).is_err());
+        let e = k.route(8193).unwrap_err().to_string();
+        assert!(e.contains("node ln") && e.contains("8193"), "{e}");
+        // The layout holds one-shot at T=10 in ONE Lamport buffer and refuses T=11.
+        let l = k.layout().unwrap();
+        l.check_call(Strategy::OneShot, 10).unwrap();
+        assert!(l.check_call(Strategy::OneShot, 11).is_err());
+        l.check_call(Strategy::TwoShot, 42).unwrap();
+        assert_eq!(k.plan_workspace_bytes, 3_540_992);
+        assert_eq!(k.eps, 1e-5f32);
+        assert!(k.writes(FusedOutput::Residual) && !k.writes(FusedOutput::Quant));
+    }
+
+    #[test]
+    fn unsupported_and_invalid_nodes_are_errors_naming_the_node() {
+        let s = seed();
+        let err = |a: &FusedAllReduceNorm, d: DType, w: DType, world: u32| {
+            NodeKernels::new("n7", a, d, 6144, w, world)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(&s, DType::Bf16, DType::Bf16, 6).contains("world size 6"));
+        assert!(err(&s, DType::Fp8E4m3, DType::Bf16, 8).contains("n7"));
+        assert!(err(&s, DType::Bf16, DType::F32, 8).contains("weight"));
+        let mut g = s.clone();
+        g.quant = FusedQuant::Fp8PerTokenGroup {
+            group_size: 64,
+            scale_layout: GroupScaleLayout::PackedUe8m0,
+        };
+        assert!(err(&g, DType::Bf16, DType::Bf16, 8).contains("group size 64"));
+        let mut n = s.clone();
+        n.quant = FusedQuant::Nvfp4 {
+            scale_layout: Nvfp4ScaleLayout::Linear,
+        };
+        assert!(err(&n, DType::F32, DType::F32, 8).contains("not defined for f32"));
+        let mut no_plan = s.clone();
+        no_plan.plan = None;
+        assert!(err(&no_plan, DType::Bf16, DType::Bf16, 8).contains("no plan"));
+        let mut gap = s.clone();
+        gap.plan.as_mut().unwrap().dispatch.remove(1);
+        assert!(err(&gap, DType::Bf16, DType::Bf16, 8).contains("does not continue from T = 11"));
+        let mut wb = s;
+        wb.weight_bias = 0.5;
+        assert!(err(&wb, DType::Bf16, DType::Bf16, 8).contains("weight_bias"));
+    }
+
+    #[test]
+    fn a_plan_too_large_for_one_shot_fails_at_load_time() {
+        use arfuse_ir::Strategy as S;
+        // One-shot up to T = 8192 at W = 8, H = 16384, bf16 is 2 GiB of comm: above the
+        // Lamport limit, refused when the node is loaded, not at launch.
+        let mut a = seed();
+        a.plan.as_mut().unwrap().dispatch = vec![range(1, 8192, S::OneShot)];
+        let e = NodeKernels::new("big", &a, DType::Bf16, 16384, DType::Bf16, 8)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("node big") && e.contains("Lamport") || e.contains("INT32_MAX"),
+            "{e}"
+        );
+    }
+}
