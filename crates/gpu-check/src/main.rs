@@ -13,6 +13,8 @@
 //!    kernel), achieved GB/s over the bytes every virtual rank reads and writes
 //!    (`check::bytes_moved`) against a measured device-to-device copy, and the issue's
 //!    targets (>= 2x for T <= 128, <= 4 us at T = 1, >= 80% of copy at large T).
+//! 3. The same unfused sequence written with torch ops (`torch_baseline.py` next to this
+//!    crate, run with the machine's `python3`), when PyTorch is there.
 //!
 //! Exit status: 0 every check passed; 1 a check failed or the GPU run errored; 2
 //! nothing was checked (no CUDA driver on this machine).
@@ -68,6 +70,13 @@ struct Args {
     /// NVRTC compile threads.
     #[arg(long, default_value_t = 8)]
     compile_threads: usize,
+    /// The torch-ops baseline script run after the timings (`python3 SCRIPT`); skipped
+    /// with a note when the file, python3 or PyTorch is missing.
+    #[arg(long, default_value = "crates/gpu-check/torch_baseline.py")]
+    torch_script: std::path::PathBuf,
+    /// Skip the torch baseline.
+    #[arg(long)]
+    no_torch: bool,
 }
 
 /// Device buffers for W ranks' tensors of the largest case, reused by every case.
@@ -636,6 +645,30 @@ fn timings(gpu: &mut Gpu, args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runs the torch-ops baseline in a child process (it needs the GPU memory this
+/// process no longer uses: the timing buffers are dropped by then).
+fn torch_baseline(args: &Args) {
+    if !args.torch_script.is_file() {
+        println!(
+            "\ntorch baseline: {} not found (run from the repository root); skipped",
+            args.torch_script.display()
+        );
+        return;
+    }
+    println!();
+    let status = std::process::Command::new("python3")
+        .arg(&args.torch_script)
+        .args(["--world", &args.timing_world.to_string()])
+        .args(["--hidden", &args.hidden.to_string()])
+        .args(["--calls", &args.calls_per_graph.to_string()])
+        .status();
+    match status {
+        Ok(s) if s.success() => {}
+        Ok(s) => println!("torch baseline: exited with {s}; no torch figures"),
+        Err(e) => println!("torch baseline: cannot run python3 ({e}); no torch figures"),
+    }
+}
+
 fn run(args: &Args) -> anyhow::Result<usize> {
     let mut gpu = Gpu::open(0)?;
     let info = gpu.info().clone();
@@ -657,6 +690,9 @@ fn run(args: &Args) -> anyhow::Result<usize> {
     }
     if !args.no_timings {
         timings(&mut gpu, args)?;
+        if !args.no_torch {
+            torch_baseline(args);
+        }
     }
     Ok(failures)
 }
