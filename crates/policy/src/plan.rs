@@ -309,7 +309,7 @@ impl Ctx<'_> {
         reason: String,
         h: u64,
     ) -> Result<DispatchRange> {
-        dispatch_range(Some(&self.ws), lo, hi, s, reason, h)
+        dispatch_range(Some(self.ws), lo, hi, s, reason, h)
     }
 
     /// The dispatch at hidden `h` for `1..=t_max`, computed on segments between the
