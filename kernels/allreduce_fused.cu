@@ -65,7 +65,7 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
-      const int idx = threadIdx.x + v * blockDim.x;
+      const int idx = arf_vec_idx(v);
       if (v < vpt && idx < nvec) {
         const uint4 d = arf_vec_scrub(arf_ld(x + (u64)t * row_bytes + (u64)idx * 16u));
         const u64 off = cur_off + (u64)rank * slot_bytes + (u64)t * row_bytes + (u64)idx * 16u;
@@ -84,19 +84,22 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
       arf_st(base + i * 16u, sent);
   }
 
-  // 3. Poll, reduce in fixed rank order, epilogue.
+  // 3. Poll, reduce in fixed rank order, epilogue. The buffer offset is re-derived
+  // from s_call per token (and again in step 4) rather than held in registers across
+  // the epilogue (see arf_tid).
   ArfPoll poll = {0, 0};
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
+    const u64 tok_off = p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride + (u64)t * row_bytes;
     uint4 a[ARF_MAX_VPT];
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
-      const int idx = threadIdx.x + v * blockDim.x;
+      const int idx = arf_vec_idx(v);
       a[v] = make_uint4(0, 0, 0, 0);
       if (v < vpt && idx < nvec) {
         float acc[ARF_VEC];
 #pragma unroll
         for (int i = 0; i < ARF_VEC; ++i) acc[i] = 0.0f;
-        const u64 base = ws + cur_off + (u64)t * row_bytes + (u64)idx * 16u;
+        const u64 base = ws + tok_off + (u64)idx * 16u;
 #pragma unroll 1
         for (int s = 0; s < ARF_W; ++s) {
           uint4 d = arf_ld_sys(base + (u64)s * slot_bytes);
@@ -124,11 +127,12 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
     __threadfence();
     const u32 arrived = atomicAdd(os + 1, 1u);
     if (arrived == gridDim.x - 1u) {
+      const u32 n = s_call;  // this call; its buffer n % 3, previous (n + 2) % 3
       os[1] = 0u;
-      os[2 + prev] = 0u;
-      os[2 + cur] = (u32)((u64)ARF_W * slot_bytes);
+      os[2 + (n + 2u) % 3u] = 0u;
+      os[2 + n % 3u] = (u32)((u64)ARF_W * slot_bytes);
       __threadfence();
-      os[0] = s_call + 1u;
+      os[0] = n + 1u;
     }
   }
 }
@@ -180,7 +184,8 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
     s_bail = 0;
   }
   __syncthreads();
-  u32 epoch = s_epoch;
+  // Barrier epochs are s_epoch + 1 and s_epoch + 2, read from shared memory where
+  // used instead of a register live across all three phases (see arf_tid).
   ArfPoll poll = {0, 0};
   const u64 x = arf_rank_ptr(p.x, rank);
 
@@ -191,11 +196,11 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
                     ((u64)rank * rows_per_slot + (u64)(t - arf_owner_start(o, p.T))) * row_bytes;
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
-      const int idx = threadIdx.x + v * blockDim.x;
+      const int idx = arf_vec_idx(v);
       if (v < vpt && idx < nvec) arf_st_sys(dst + (u64)idx * 16u, arf_ld(x + (u64)t * row_bytes + (u64)idx * 16u));
     }
   }
-  arf_barrier(p, rank, ++epoch, poll, &s_bail);
+  arf_barrier(p, rank, s_epoch + 1u, poll, &s_bail);
 
   // 2. Reduce the owned tokens in rank order, round, all-gather to every rank.
   const int my_start = arf_owner_start(rank, p.T);
@@ -205,7 +210,7 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
     const u64 src = ws + p.off_scatter + (u64)(t - my_start) * row_bytes;
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
-      const int idx = threadIdx.x + v * blockDim.x;
+      const int idx = arf_vec_idx(v);
       if (v < vpt && idx < nvec) {
         float acc[ARF_VEC];
 #pragma unroll
@@ -224,20 +229,20 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
       }
     }
   }
-  arf_barrier(p, rank, ++epoch, poll, &s_bail);
+  arf_barrier(p, rank, s_epoch + 2u, poll, &s_bail);
 
   // 3. Every rank runs the epilogue on every token of this CTA.
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     uint4 a[ARF_MAX_VPT];
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
-      const int idx = threadIdx.x + v * blockDim.x;
+      const int idx = arf_vec_idx(v);
       a[v] = (v < vpt && idx < nvec) ? arf_ld_sys(ws + p.off_gather + (u64)t * row_bytes + (u64)idx * 16u)
                                      : make_uint4(0, 0, 0, 0);
     }
     arf_epilogue(p, rank, t, a, vpt, nvec, red);
   }
-  if (threadIdx.x == 0) *epoch_p = epoch;
+  if (threadIdx.x == 0) *epoch_p = s_epoch + 2u;
 }
 #endif
 

@@ -40,9 +40,10 @@
 #endif
 // Maximum 16-byte vectors per thread per token, held in registers between the two
 // RMSNorm passes. Blocks are at most 1024 threads (64 registers each), so the default
-// 4 covers 4 * 1024 * 16 B = 64 KiB per token (bf16 H <= 32,768, f32 H <= 16,384)
-// without spills; the runtime compiles with ARF_MAX_VPT=8 for wider tokens (bf16 H up
-// to 65,536), accepting some spills there.
+// 4 covers 4 * 1024 * 16 B = 64 KiB per token (bf16 H <= 32,768, f32 H <= 16,384);
+// every variant of the matrix is checked for zero spills at that cap
+// (crates/runtime/tests/kernels_compile.rs). ARF_MAX_VPT=8 would cover wider tokens
+// (bf16 H up to 65,536) but is not built: the runtime refuses such H (cuda.rs).
 #ifndef ARF_MAX_VPT
 #define ARF_MAX_VPT 4
 #endif
@@ -274,13 +275,31 @@ __device__ __forceinline__ void arf_trigger_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// ---------------------------------------------------------------- thread index
+// threadIdx.x read by a volatile asm, so that NVVM cannot hoist what is derived from it
+// (the vector indices threadIdx.x + v * blockDim.x of the ARF_MAX_VPT unrolled
+// vectors, their 64-bit byte offsets, the lane and warp of the block reductions) out
+// of the token loop and keep it in registers across every token; ptxas sees a fresh
+// S2R each time and in practice recomputes too. Those hoisted values (with the
+// one-shot buffer indices and the two-shot epoch, now re-read from shared memory),
+// live next to a[] through the IEEE-division slow-path calls of the epilogue, were
+// what spilled at the 64-register cap of 1024-thread blocks. Recomputing costs a few
+// integer instructions per pass; no floating-point operation changes.
+__device__ __forceinline__ int arf_tid() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+// Index of this thread's vector v of a token (see arf_tid).
+__device__ __forceinline__ int arf_vec_idx(int v) { return arf_tid() + v * (int)blockDim.x; }
+
 // ---------------------------------------------------------------- reductions
 // Blocks are a multiple of 32 threads (>= 128), so every warp is full and the
 // full-mask shuffles below are valid: no sub-warp block reductions exist.
 __device__ __forceinline__ float arf_block_sum(float v, float* red) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tid = arf_tid(), lane = tid & 31, warp = tid >> 5;
   __syncthreads();
   if (lane == 0) red[warp] = v;
   __syncthreads();
@@ -292,7 +311,7 @@ __device__ __forceinline__ float arf_block_sum(float v, float* red) {
 __device__ __forceinline__ float arf_block_max(float v, float* red) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tid = arf_tid(), lane = tid & 31, warp = tid >> 5;
   __syncthreads();
   if (lane == 0) red[warp] = v;
   __syncthreads();
@@ -363,7 +382,7 @@ __device__ __forceinline__ u64 arf_rank_ptr(const ArfTensor& a, int rank) {
 
 // ---------------------------------------------------------------- epilogue
 // Runs on one token `t` of rank `rank` whose all-reduced values (already rounded to
-// T) are in a[0..vpt) (vector v of this thread is idx = threadIdx.x + v * blockDim.x).
+// T) are in a[0..vpt) (vector v of this thread is idx = arf_vec_idx(v)).
 // Every thread of the block calls it (block reductions inside).
 __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t, uint4 (&a)[ARF_MAX_VPT],
                                              int vpt, int nvec, float* red) {
@@ -378,7 +397,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
 #endif
 #pragma unroll
   for (int v = 0; v < ARF_MAX_VPT; ++v) {
-    const int idx = threadIdx.x + v * blockDim.x;
+    const int idx = arf_vec_idx(v);
     if (v < vpt && idx < nvec) {
 #if ARF_RESIDUAL
       float af[ARF_VEC], rf[ARF_VEC];
@@ -402,7 +421,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
   const float rstd = rsqrtf(ss / (float)p.H + p.eps);
 #pragma unroll
   for (int v = 0; v < ARF_MAX_VPT; ++v) {
-    const int idx = threadIdx.x + v * blockDim.x;
+    const int idx = arf_vec_idx(v);
     if (v < vpt && idx < nvec) {
       float hf[ARF_VEC], gf[ARF_VEC];
       arf_unpack(a[v], hf);
@@ -416,7 +435,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
   if (out) {
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
-      const int idx = threadIdx.x + v * blockDim.x;
+      const int idx = arf_vec_idx(v);
       if (v < vpt && idx < nvec) arf_st(out + row + (u64)idx * 16u, a[v]);
     }
   }
@@ -433,7 +452,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
   float amax = 0.0f;
 #pragma unroll
   for (int v = 0; v < ARF_MAX_VPT; ++v) {
-    const int idx = threadIdx.x + v * blockDim.x;
+    const int idx = arf_vec_idx(v);
     if (v < vpt && idx < nvec) {
       float yf[ARF_VEC];
       arf_unpack(a[v], yf);
@@ -448,7 +467,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
   if (qout) {
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
-      const int idx = threadIdx.x + v * blockDim.x;
+      const int idx = arf_vec_idx(v);
       if (v < vpt && idx < nvec) {
         float yf[ARF_VEC];
         arf_unpack(a[v], yf);
@@ -465,7 +484,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
 #pragma unroll
   for (int v = 0; v < ARF_MAX_VPT; ++v) {
     if (v < vpt) {  // uniform across the block
-      const int idx = threadIdx.x + v * blockDim.x;
+      const int idx = arf_vec_idx(v);
       const bool live = idx < nvec;
       float amax = 0.0f;
       if (live) {
@@ -510,7 +529,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
 #pragma unroll
   for (int v = 0; v < ARF_MAX_VPT; ++v) {
     if (v < vpt) {
-      const int idx = threadIdx.x + v * blockDim.x;
+      const int idx = arf_vec_idx(v);
       const bool live = idx < nvec;
       float amax = 0.0f;
       if (live) {

@@ -22,7 +22,7 @@ extern "C" __global__ void __launch_bounds__(1024) arf_local(const ArfParams p) 
     uint4 a[ARF_MAX_VPT];
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
-      const int idx = threadIdx.x + v * blockDim.x;
+      const int idx = arf_vec_idx(v);
       a[v] = (v < vpt && idx < nvec) ? arf_ld(x + (u64)t * row_bytes + (u64)idx * 16u) : make_uint4(0, 0, 0, 0);
     }
     arf_epilogue(p, rank, t, a, vpt, nvec, red);

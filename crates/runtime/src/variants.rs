@@ -1,12 +1,22 @@
 //! The kernel variants: every combination of kernel, dtype, world size and epilogue
 //! that the runtime compiles, with the `-D` defines that select it in `kernels/`.
 //!
-//! The matrix is deliberately not the full product (that would be thousands of NVRTC
-//! runs): every dtype x W x strategy for the all-reduce-only and the main
-//! (residual + RMSNorm) epilogues; every epilogue for bf16 at W = 8 on both
-//! strategies; every quant for f16 / f32 at W = 8 one-shot; and the unfused local
-//! kernels for every dtype. The world size and dtype change only loop bounds and
-//! conversions, which the first group covers; the epilogue code is shared by all.
+//! The matrix ([`all`]) is the full product the rewrite pass can ask for:
+//! - fused kernels (`arf_fused`): strategy {one-shot, two-shot} x W in
+//!   [`WORLD_SIZES`] {2, 4, 8, 16} x dtype {bf16, f16, f32} x every epilogue of
+//!   [`all_epilogues`] (all-reduce only; residual add or none, then RMSNorm with
+//!   `weight_bias`, then no quant or one of the FP8 / NVFP4 quant forms), keeping only
+//!   the epilogues whose quant accepts the dtype ([`Quant::supports`]: NVFP4 is for
+//!   16-bit activations). That is 2 x 4 x (15 + 15 + 11) = 328 variants.
+//! - local kernels (`arf_local`, the unfused path), for every dtype: residual +
+//!   RMSNorm, RMSNorm alone, and for every quant the dtype supports, the quant alone
+//!   and residual + RMSNorm + quant: 14 + 14 + 10 = 38 variants.
+//!
+//! Which outputs are live (residual_out, norm_out, quant, scales) is a run-time
+//! choice (a null pointer is dead), so "any subset of live outputs" needs no variant
+//! of its own. NVFP4 variants are built for sm_100a only ([`Variant::archs`]), every
+//! other variant for sm_90a and sm_100a: 660 NVRTC compilations in all, which
+//! `tests/kernels_compile.rs` runs (two threads) and checks for zero spills.
 
 use std::fmt;
 
@@ -354,35 +364,18 @@ pub fn all_epilogues() -> Vec<Epilogue> {
 /// The variant matrix (see the module documentation), sorted and without duplicates.
 pub fn all() -> Vec<Variant> {
     let mut out = Vec::new();
-    let fused = |strategy, world, dtype, epilogue| Variant {
-        kind: KernelKind::Fused { strategy, world },
-        dtype,
-        epilogue,
-    };
     for strategy in [Strategy::OneShot, Strategy::TwoShot] {
         for world in WORLD_SIZES {
             for dtype in Dtype::ALL {
-                out.push(fused(strategy, world, dtype, Epilogue::AR_ONLY));
-                out.push(fused(strategy, world, dtype, Epilogue::RES_NORM));
-            }
-        }
-        for e in all_epilogues() {
-            out.push(fused(strategy, 8, Dtype::Bf16, e));
-        }
-    }
-    for dtype in [Dtype::F16, Dtype::F32] {
-        for quant in Quant::ALL {
-            if quant.supports(dtype) {
-                out.push(fused(
-                    Strategy::OneShot,
-                    8,
-                    dtype,
-                    Epilogue {
-                        residual: true,
-                        norm: true,
-                        quant,
-                    },
-                ));
+                for epilogue in all_epilogues() {
+                    if epilogue.quant.supports(dtype) {
+                        out.push(Variant {
+                            kind: KernelKind::Fused { strategy, world },
+                            dtype,
+                            epilogue,
+                        });
+                    }
+                }
             }
         }
     }
@@ -500,32 +493,65 @@ mod tests {
     }
 
     #[test]
-    fn matrix_covers_every_dtype_world_strategy_and_epilogue() {
+    fn matrix_is_the_full_product_of_strategy_world_dtype_and_epilogue() {
         let all = all();
+        assert_eq!(all_epilogues().len(), 15);
+        let mut fused = 0;
         for s in [Strategy::OneShot, Strategy::TwoShot] {
             for w in WORLD_SIZES {
+                let k = KernelKind::Fused {
+                    strategy: s,
+                    world: w,
+                };
                 for d in Dtype::ALL {
-                    for e in [Epilogue::AR_ONLY, Epilogue::RES_NORM] {
-                        let k = KernelKind::Fused {
-                            strategy: s,
-                            world: w,
-                        };
-                        assert!(find(k, d, e).is_some(), "{s:?} {w} {d:?} {e:?}");
+                    for e in all_epilogues() {
+                        let found = find(k, d, e);
+                        if e.quant.supports(d) {
+                            assert!(found.is_some(), "{s:?} {w} {d:?} {e:?}");
+                            fused += 1;
+                        } else {
+                            assert!(found.is_none(), "{s:?} {w} {d:?} {e:?}");
+                        }
                     }
                 }
             }
-            for e in all_epilogues() {
-                let k = KernelKind::Fused {
-                    strategy: s,
-                    world: 8,
-                };
-                assert!(all.contains(&Variant {
-                    kind: k,
-                    dtype: Dtype::Bf16,
-                    epilogue: e
-                }));
-            }
         }
-        assert_eq!(all_epilogues().len(), 15);
+        assert_eq!(fused, 2 * 4 * (15 + 15 + 11));
+        let n_fused = all
+            .iter()
+            .filter(|v| matches!(v.kind, KernelKind::Fused { .. }))
+            .count();
+        assert_eq!(n_fused, fused, "no fused variant outside the product");
+        let n_local = all.iter().filter(|v| v.kind == KernelKind::Local).count();
+        assert_eq!(n_local, 14 + 14 + 10);
+        let compiles: usize = all.iter().map(|v| v.archs().len()).sum();
+        assert_eq!(compiles, 660);
+    }
+
+    #[test]
+    fn two_shot_w4_f16_per_token_fp8_is_built() {
+        // The case the issue names: it used to be missing, so the runtime could not
+        // launch such a fused node.
+        let k = KernelKind::Fused {
+            strategy: Strategy::TwoShot,
+            world: 4,
+        };
+        let e = Epilogue {
+            residual: true,
+            norm: true,
+            quant: Quant::Fp8PerToken,
+        };
+        let v = find(k, Dtype::F16, e).expect("twoshot_w4_f16_res_norm_fp8tok");
+        assert_eq!(v.name(), "twoshot_w4_f16_res_norm_fp8tok");
+        assert_eq!(v.archs(), Arch::ALL.to_vec());
+        let nvfp4 = Epilogue {
+            quant: Quant::Nvfp4Linear,
+            ..e
+        };
+        assert!(find(k, Dtype::F32, nvfp4).is_none());
+        assert_eq!(
+            find(k, Dtype::Bf16, nvfp4).unwrap().archs(),
+            vec![Arch::Sm100a]
+        );
     }
 }
