@@ -21,8 +21,11 @@
 //         transport replaces -0.0 by +0.0, which cannot change a sum that starts at +0)
 //   a   = round_T(s)                              (the unfused all-reduce output)
 //   h   = round_T(float(a) + float(residual))     -> residual_out
-//   r   = rsqrtf(sum_i(float(h_i)^2) / H + eps)   sum in fp32, block-tree order
-//   y   = round_T((float(h) * r) * (float(gamma) + weight_bias))   (one rounding)
+//   r   = 1.0f / sqrtf(sum_i(float(h_i)^2) / H + eps)   sum in fp32, block-tree
+//         order (the contract sums sequentially: the one allowed difference);
+//         correctly rounded sqrt and division (NVRTC defaults), no FMA (--fmad=false)
+//   y   = round_T((float(h) * r) * (float(gamma) + weight_bias))   (one rounding;
+//         gamma in T, or f32 when p.gamma_f32, the Gemma form 1 + w.float())
 //   quant applied to float(y).
 #pragma once
 
@@ -88,7 +91,7 @@ struct ArfTensor {
 };
 
 // Kernel parameters, passed by value. Mirrored by `KernelParams` in
-// crates/runtime/src/launch.rs (repr(C)); both sides assert the size.
+// crates/runtime/src/cuda.rs (repr(C)); both sides assert the size.
 struct ArfParams {
   // Byte address of every rank's workspace as seen from the launching GPU: one
   // allocation with W slices for virtual ranks, IPC / multicast-unicast mappings for
@@ -100,7 +103,7 @@ struct ArfParams {
   ArfTensor out;           // [T, H] T: norm_out (ARF_NORM=1) or all-reduce output; 0 = dead
   ArfTensor quant_out;     // fp8 [T, H] or nvfp4 [T, H/2] bytes; 0 = dead
   ArfTensor scale_out;     // per-token / per-group / nvfp4 block scales
-  u64 gamma;               // [H] T, shared by all ranks
+  u64 gamma;               // [H] T (or f32 when gamma_f32), shared by all ranks
   u64 scale_in;            // fp32[1]: static fp8 dequant scale or nvfp4 global scale
   u64 off_os_state;        // workspace offsets (bytes), identical on every rank
   u64 off_ts_state;
@@ -117,10 +120,10 @@ struct ArfParams {
   int max_tokens;          // tokens the workspace is sized for
   float eps;
   float weight_bias;       // 0 or 1 (Gemma-style norm weight stored as an offset)
-  int pad0;
+  int gamma_f32;           // 1: gamma is f32 (Gemma's 1 + w.float()); 0: gamma is T
   int pad1;
 };
-static_assert(sizeof(ArfParams) == 344, "ArfParams layout changed: update launch.rs");
+static_assert(sizeof(ArfParams) == 344, "ArfParams layout changed: update KernelParams in crates/runtime/src/cuda.rs");
 
 // ---------------------------------------------------------------- conversions
 __device__ __forceinline__ float arf_bits_to_f32(u32 b) {
@@ -380,6 +383,27 @@ __device__ __forceinline__ u64 arf_rank_ptr(const ArfTensor& a, int rank) {
   return a.ptr == 0 ? 0 : a.ptr + (u64)rank * a.rank_stride;
 }
 
+// The RMSNorm weight of vector `idx` (ARF_VEC elements): in T (one 16-byte load) or,
+// when p.gamma_f32, in f32 (ARF_VEC * 4 bytes).
+__device__ __forceinline__ void arf_load_gamma(const ArfParams& p, int idx, float (&g)[ARF_VEC]) {
+#if ARF_DTYPE == 2
+  arf_unpack(arf_ld(p.gamma + (u64)idx * 16u), g);
+#else
+  if (p.gamma_f32) {
+#pragma unroll
+    for (int k = 0; k < ARF_VEC / 4; ++k) {
+      const uint4 w = arf_ld(p.gamma + (u64)idx * (ARF_VEC * 4u) + (u64)k * 16u);
+      g[4 * k + 0] = __uint_as_float(w.x);
+      g[4 * k + 1] = __uint_as_float(w.y);
+      g[4 * k + 2] = __uint_as_float(w.z);
+      g[4 * k + 3] = __uint_as_float(w.w);
+    }
+  } else {
+    arf_unpack(arf_ld(p.gamma + (u64)idx * 16u), g);
+  }
+#endif
+}
+
 // ---------------------------------------------------------------- epilogue
 // Runs on one token `t` of rank `rank` whose all-reduced values (already rounded to
 // T) are in a[0..vpt) (vector v of this thread is idx = arf_vec_idx(v)).
@@ -418,14 +442,14 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
   }
 #if ARF_NORM
   ss = arf_block_sum(ss, red);
-  const float rstd = rsqrtf(ss / (float)p.H + p.eps);
+  const float rstd = 1.0f / sqrtf(ss / (float)p.H + p.eps);
 #pragma unroll
   for (int v = 0; v < ARF_MAX_VPT; ++v) {
     const int idx = arf_vec_idx(v);
     if (v < vpt && idx < nvec) {
       float hf[ARF_VEC], gf[ARF_VEC];
       arf_unpack(a[v], hf);
-      arf_unpack(arf_ld(p.gamma + (u64)idx * 16u), gf);
+      arf_load_gamma(p, idx, gf);
 #pragma unroll
       for (int i = 0; i < ARF_VEC; ++i) hf[i] = (hf[i] * rstd) * (gf[i] + p.weight_bias);
       a[v] = arf_pack(hf);
@@ -494,11 +518,16 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
         for (int i = 0; i < ARF_VEC; ++i) amax = fmaxf(amax, fabsf(yf[i]));
       }
       amax = arf_group_max(amax, gw);
-      // scale = ue8m0_round_up(max(amax / 448, 1e-10)): the next power of two.
+      // scale = max(amax / 448, 1e-10); the packed UE8M0 layout rounds it up to the
+      // next power of two, the f32 layout keeps it exact (contract v1 clause 4).
       const float raw = fmaxf(amax / 448.0f, 1e-10f);
+#if ARF_QUANT == ARF_Q_FP8_GROUP_PACKED
       u32 ex = __float_as_uint(raw) >> 23;
       if (__float_as_uint(raw) & 0x7fffffu) ex += 1u;
       const float gscale = __uint_as_float(ex << 23);
+#else
+      const float gscale = raw;
+#endif
       if (live) {
         const int g = idx / gw;
         if ((idx % gw) == 0 && sout) {
@@ -556,8 +585,9 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
           u32 packed = 0;
 #pragma unroll
           for (int i = 0; i < ARF_VEC; i += 2) {
-            const float q0 = sff != 0.0f ? (yf[i] * gs) / sff : 0.0f;
-            const float q1 = sff != 0.0f ? (yf[i + 1] * gs) / sff : 0.0f;
+            // SF == 0: a zero with the sign of y * gs (contract v1 clause 4).
+            const float q0 = sff != 0.0f ? (yf[i] * gs) / sff : (yf[i] * gs) * 0.0f;
+            const float q1 = sff != 0.0f ? (yf[i + 1] * gs) / sff : (yf[i + 1] * gs) * 0.0f;
             packed |= arf_e2m1x2(q0, q1) << (4 * i);
           }
           *reinterpret_cast<u32*>(qout + (u64)t * (u64)(p.H / 2) + (u64)idx * 4u) = packed;

@@ -35,11 +35,13 @@
 //!    `y_i = round_T((f32(h_i) * r) * (f32(gamma_i) + weight_bias))`: ONE
 //!    rounding to T, as FlashInfer's fused kernel. `gamma` is T, or f32 for
 //!    the Gemma form (`weight_bias = 1`). [`rms_norm`].
-//!    Kernels reduce `ss` with a tree and may use an approximate `rsqrt`: the
-//!    contract allows their `norm_out` to differ from this reference by at
-//!    most [`KERNEL_NORM_TOLERANCE_ULP`] ulp of T, and quant outputs derived
-//!    from it accordingly; `residual_out` and the all-reduce output are
-//!    bit-exact.
+//!    Kernels reduce `ss` with a tree (arfuse's kernels then use a correctly
+//!    rounded `sqrt` and division): the contract allows their `norm_out` of a
+//!    16-bit T to differ from this reference by at most
+//!    [`KERNEL_NORM_TOLERANCE_ULP`] ulp of T, and quant outputs derived from
+//!    it accordingly (an f32 T shows the reordering directly; the runtime's
+//!    GPU check states its f32 bound, `arfuse_runtime::check`);
+//!    `residual_out` and the all-reduce output are bit-exact.
 //! 4. **Quant epilogues** act on `y` (already rounded to T, widened to f32),
 //!    as domain.md section 1 ([`Epilogue`], [`apply_epilogue`],
 //!    [`crate::numerics::quant`]). All arithmetic f32, left to right:
@@ -83,8 +85,8 @@ use crate::numerics::FloatFormat;
 pub const CONTRACT_NAME: &str = "arfuse rounding contract v1";
 
 /// Largest difference, in ulp of T, the contract allows between a kernel's
-/// `norm_out` and [`rms_norm`] (tree-order sum of squares and approximate
-/// rsqrt). The all-reduce output and `residual_out` allow none.
+/// `norm_out` and [`rms_norm`] for a 16-bit T (tree-order sum of squares).
+/// The all-reduce output and `residual_out` allow none.
 pub const KERNEL_NORM_TOLERANCE_ULP: u64 = 1;
 
 /// Largest difference, in ulp of T, between a decomposed two-rounding

@@ -837,6 +837,35 @@ pub fn launch_local(gpu: &mut Gpu, call: &FusedCall, hidden: u32) -> Result<()> 
     gpu.launch(f, gx, call.ranks, block, &p, false, false)
 }
 
+/// Launches the virtual-rank all-reduce of the unfused path: for every rank r,
+/// `params.out[r] = round_T(sum over q in rank order of params.x[q])` (contract v1
+/// clause 1), `tokens` tokens of `hidden` elements. Needs no workspace.
+///
+/// # Errors
+/// [`Error::Invalid`] for a world size outside {2, 4, 8, 16}, T = 0 or H * e not a
+/// multiple of 16; launch errors.
+pub fn launch_virtual_allreduce(
+    gpu: &mut Gpu,
+    world: u32,
+    dtype: Dtype,
+    hidden: u32,
+    tokens: u32,
+    params: &KernelParams,
+) -> Result<()> {
+    if !variants::WORLD_SIZES.contains(&world) || tokens == 0 {
+        return Err(Error::Invalid(format!(
+            "virtual all-reduce: W = {world}, T = {tokens}"
+        )));
+    }
+    let f = gpu.kernel(&variants::virtual_allreduce(world, dtype))?;
+    let block = block_size(hidden, dtype)?;
+    let mut p = *params;
+    p.tokens = i32::try_from(tokens).map_err(|_| Error::Overflow("T"))?;
+    p.hidden = i32::try_from(hidden).map_err(|_| Error::Overflow("H"))?;
+    p.rank_base = 0;
+    gpu.launch(f, tokens.min(65_535), world, block, &p, false, false)
+}
+
 /// One instantiated graph per capture size T.
 #[derive(Default)]
 pub struct CaptureSet {

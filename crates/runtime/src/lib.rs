@@ -22,6 +22,7 @@ pub mod layout;
 pub mod node;
 pub mod nvrtc;
 pub mod protocol;
+pub mod runner;
 pub mod variants;
 pub mod workspace;
 

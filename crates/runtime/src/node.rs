@@ -52,6 +52,9 @@ pub struct NodeKernels {
     pub eps: f32,
     /// 0, or 1 for Gemma-style offset weights.
     pub weight_bias: f32,
+    /// The RMSNorm weight is f32 (the Gemma form `1 + w.float()` with 16-bit
+    /// activations), not the activation dtype.
+    pub gamma_f32: bool,
     /// Outputs the node writes (the others are passed as null pointers).
     pub outputs: Vec<FusedOutput>,
     /// The plan's backend, in the runtime's terms.
@@ -143,9 +146,11 @@ impl NodeKernels {
                 "node {node}: weight_bias {weight_bias}; the kernels take 0 or 1"
             )));
         }
-        if weight_dtype != dtype {
+        // The weight is read in the activation dtype, or as f32 (Gemma's offset
+        // weight `1 + w.float()`).
+        if weight_dtype != dtype && weight_dtype != DType::F32 {
             return Err(Error::Unsupported(format!(
-                "node {node}: RMSNorm weight is {weight_dtype:?} but activations are {dtype:?}; the kernels read the weight in the activation dtype"
+                "node {node}: RMSNorm weight is {weight_dtype:?} with {dtype:?} activations; the kernels read it as the activation dtype or f32"
             )));
         }
         let quant = quant_of(attrs.quant, node)?;
@@ -234,6 +239,7 @@ impl NodeKernels {
             epilogue,
             eps: attrs.eps as f32,
             weight_bias: weight_bias as f32,
+            gamma_f32: weight_dtype == DType::F32,
             outputs: attrs.outputs.clone(),
             backend,
             request,
@@ -382,7 +388,7 @@ mod tests {
                     assert_eq!(world, 8);
                     Some(strategy)
                 }
-                KernelKind::Local => unreachable!(),
+                _ => unreachable!(),
             },
             Route::Unfused { local } => {
                 assert_eq!(local.kind, KernelKind::Local);
@@ -418,7 +424,9 @@ mod tests {
         };
         assert!(err(&s, DType::Bf16, DType::Bf16, 6).contains("world size 6"));
         assert!(err(&s, DType::Fp8E4m3, DType::Bf16, 8).contains("n7"));
-        assert!(err(&s, DType::Bf16, DType::F32, 8).contains("weight"));
+        assert!(err(&s, DType::Bf16, DType::F16, 8).contains("weight"));
+        let gemma = NodeKernels::new("g", &s, DType::Bf16, 6144, DType::F32, 8).unwrap();
+        assert!(gemma.gamma_f32);
         let mut g = s.clone();
         g.quant = FusedQuant::Fp8PerTokenGroup {
             group_size: 64,

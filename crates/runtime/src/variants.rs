@@ -8,14 +8,17 @@
 //!   `weight_bias`, then no quant or one of the FP8 / NVFP4 quant forms), keeping only
 //!   the epilogues whose quant accepts the dtype ([`Quant::supports`]: NVFP4 is for
 //!   16-bit activations). That is 2 x 4 x (15 + 15 + 11) = 328 variants.
-//! - local kernels (`arf_local`, the unfused path), for every dtype: residual +
-//!   RMSNorm, RMSNorm alone, and for every quant the dtype supports, the quant alone
-//!   and residual + RMSNorm + quant: 14 + 14 + 10 = 38 variants.
+//! - local kernels (`arf_local`, the unfused path after the all-reduce), for every
+//!   dtype: every norm epilogue of [`all_epilogues`] (residual or none, RMSNorm, any
+//!   quant the dtype supports) and every quant alone: 14 + 14 + 10 norm epilogues plus
+//!   6 + 6 + 4 quant-only = 54 variants.
+//! - the virtual-rank all-reduce of the unfused path (`arf_virtual_allreduce`, W
+//!   logical ranks in one device memory), for every W and dtype: 12 variants.
 //!
 //! Which outputs are live (residual_out, norm_out, quant, scales) is a run-time
 //! choice (a null pointer is dead), so "any subset of live outputs" needs no variant
 //! of its own. NVFP4 variants are built for sm_100a only ([`Variant::archs`]), every
-//! other variant for sm_90a and sm_100a: 660 NVRTC compilations in all, which
+//! other variant for sm_90a and sm_100a: 712 NVRTC compilations in all, which
 //! `tests/kernels_compile.rs` runs (two threads) and checks for zero spills.
 
 use std::fmt;
@@ -26,6 +29,8 @@ pub const COMMON_HEADER: &str = include_str!("../../../kernels/arfuse_common.cuh
 pub const FUSED_SOURCE: &str = include_str!("../../../kernels/allreduce_fused.cu");
 /// Source of `kernels/unfused.cu` (entry point `arf_local`).
 pub const LOCAL_SOURCE: &str = include_str!("../../../kernels/unfused.cu");
+/// Source of `kernels/virtual_allreduce.cu` (entry point `arf_virtual_allreduce`).
+pub const VIRTUAL_ALLREDUCE_SOURCE: &str = include_str!("../../../kernels/virtual_allreduce.cu");
 
 /// Activation dtype `T`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -212,6 +217,12 @@ pub enum KernelKind {
     },
     /// `arf_local` from `unfused.cu` (no communication).
     Local,
+    /// `arf_virtual_allreduce` from `virtual_allreduce.cu`: the all-reduce of the
+    /// unfused path on W virtual ranks (no workspace; epilogue all-reduce only).
+    VirtualAllReduce {
+        /// World size W in {2, 4, 8, 16}.
+        world: u32,
+    },
 }
 
 /// One compiled kernel.
@@ -269,6 +280,9 @@ impl Variant {
                 self.epilogue.name()
             ),
             KernelKind::Local => format!("local_{}_{}", self.dtype.name(), self.epilogue.name()),
+            KernelKind::VirtualAllReduce { world } => {
+                format!("vallreduce_w{world}_{}", self.dtype.name())
+            }
         }
     }
 
@@ -277,6 +291,7 @@ impl Variant {
         match self.kind {
             KernelKind::Fused { .. } => "arf_fused",
             KernelKind::Local => "arf_local",
+            KernelKind::VirtualAllReduce { .. } => "arf_virtual_allreduce",
         }
     }
 
@@ -285,6 +300,7 @@ impl Variant {
         match self.kind {
             KernelKind::Fused { .. } => FUSED_SOURCE,
             KernelKind::Local => LOCAL_SOURCE,
+            KernelKind::VirtualAllReduce { .. } => VIRTUAL_ALLREDUCE_SOURCE,
         }
     }
 
@@ -309,6 +325,9 @@ impl Variant {
             ));
             d.push(("ARF_W".to_string(), world));
         }
+        if let KernelKind::VirtualAllReduce { world } = self.kind {
+            d.push(("ARF_W".to_string(), world));
+        }
         d
     }
 
@@ -328,6 +347,9 @@ impl Variant {
             format!("--gpu-architecture={}", arch.name()),
             "--std=c++17".to_string(),
             "-default-device".to_string(),
+            // Contract v1: no fused multiply-add (the defaults already give IEEE
+            // division and square root and keep subnormals).
+            "--fmad=false".to_string(),
         ];
         if ptxas_verbose {
             o.push("--ptxas-options=--verbose".to_string());
@@ -385,12 +407,11 @@ pub fn all() -> Vec<Variant> {
             dtype,
             epilogue,
         };
-        out.push(local(Epilogue::RES_NORM));
-        out.push(local(Epilogue {
-            residual: false,
-            norm: true,
-            quant: Quant::None,
-        }));
+        for e in all_epilogues() {
+            if e.norm && e.quant.supports(dtype) {
+                out.push(local(e));
+            }
+        }
         for quant in Quant::ALL {
             if quant != Quant::None && quant.supports(dtype) {
                 out.push(local(Epilogue {
@@ -398,17 +419,24 @@ pub fn all() -> Vec<Variant> {
                     norm: false,
                     quant,
                 }));
-                out.push(local(Epilogue {
-                    residual: true,
-                    norm: true,
-                    quant,
-                }));
             }
+        }
+        for world in WORLD_SIZES {
+            out.push(virtual_allreduce(world, dtype));
         }
     }
     out.sort();
     out.dedup();
     out
+}
+
+/// The virtual-rank all-reduce of the unfused path for W ranks of `dtype`.
+pub fn virtual_allreduce(world: u32, dtype: Dtype) -> Variant {
+    Variant {
+        kind: KernelKind::VirtualAllReduce { world },
+        dtype,
+        epilogue: Epilogue::AR_ONLY,
+    }
 }
 
 /// Finds the variant for a request; `None` when it is not in the matrix.
@@ -523,9 +551,24 @@ mod tests {
             .count();
         assert_eq!(n_fused, fused, "no fused variant outside the product");
         let n_local = all.iter().filter(|v| v.kind == KernelKind::Local).count();
-        assert_eq!(n_local, 14 + 14 + 10);
+        assert_eq!(n_local, (14 + 6) + (14 + 6) + (10 + 4));
+        // Every norm epilogue the pass can emit has a local kernel (the unfused path).
+        for d in Dtype::ALL {
+            for e in all_epilogues().into_iter().filter(|e| e.norm) {
+                assert_eq!(
+                    find(KernelKind::Local, d, e).is_some(),
+                    e.quant.supports(d),
+                    "{d:?} {e:?}"
+                );
+            }
+        }
+        let n_var = all
+            .iter()
+            .filter(|v| matches!(v.kind, KernelKind::VirtualAllReduce { .. }))
+            .count();
+        assert_eq!(n_var, 4 * 3);
         let compiles: usize = all.iter().map(|v| v.archs().len()).sum();
-        assert_eq!(compiles, 660);
+        assert_eq!(compiles, 712);
     }
 
     #[test]

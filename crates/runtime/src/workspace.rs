@@ -92,6 +92,17 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
         self.attempts
     }
 
+    /// The factory and, when one exists, the live workspace for `request` with its
+    /// backend: both at once, so a caller can launch on the device the factory wraps
+    /// with a workspace it holds. Never creates anything.
+    pub fn parts(
+        &mut self,
+        request: &WorkspaceRequest,
+    ) -> (&mut F, Option<(Backend, &F::Workspace)>) {
+        let live = self.live.get(request).map(|(b, w)| (*b, w));
+        (&mut self.factory, live)
+    }
+
     /// The cached failure of `backend` for `request`, if any.
     pub fn failure(&self, backend: Backend, request: &WorkspaceRequest) -> Option<&str> {
         self.failures.get(&(backend, *request)).map(String::as_str)

@@ -1,0 +1,268 @@
+//! Running one fused node of a lowered graph on virtual ranks: the workspace from the
+//! plan with the fallback chain, the route of every token count, the unfused path,
+//! and one CUDA graph per capture size.
+//!
+//! Order of use: [`NodeRunner::new`] (nothing on the device yet), [`NodeRunner::prepare`]
+//! outside any capture (creates the workspace, or records why none could be made, and
+//! compiles and loads every kernel any token count of the plan can route to), then
+//! [`NodeRunner::launch`] or [`NodeRunner::capture`] as often as needed: they never
+//! allocate, compile or retry a failed backend, so they are safe inside a capture.
+//!
+//! NOT YET RUN ON A GPU (see `cuda`'s module note).
+
+use crate::cuda::{self, CaptureSet, FusedCall, Gpu, KernelParams, RankTensor, VirtualWorkspace};
+use crate::error::{Error, Result};
+use crate::node::{NodeKernels, Route};
+use crate::variants::{self, Variant};
+use crate::workspace::{Acquired, Backend, WorkspaceManager};
+
+/// The tensors of one call, each with one slice per virtual rank (`ptr + r *
+/// rank_stride`); a zero `ptr` marks a dead output. `gamma` is `[H]` in the activation
+/// dtype; `scale_in` the fp32 static-FP8 or NVFP4 global scale (0 when unused).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NodeTensors {
+    /// All-reduce input `[T, H]` per rank.
+    pub x: RankTensor,
+    /// Residual input `[T, H]` per rank (when the node adds one).
+    pub residual_in: RankTensor,
+    /// New residual `[T, H]` per rank.
+    pub residual_out: RankTensor,
+    /// RMSNorm output `[T, H]` per rank.
+    pub out: RankTensor,
+    /// Quant data per rank.
+    pub quant_out: RankTensor,
+    /// Quant scales per rank.
+    pub scale_out: RankTensor,
+    /// RMSNorm weight address.
+    pub gamma: u64,
+    /// fp32 scalar address.
+    pub scale_in: u64,
+}
+
+/// What [`NodeRunner::prepare`] settled on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prepared {
+    /// Fused ranges run fused with this backend's workspace.
+    Fused(Backend),
+    /// No fused backend could be created; every call runs unfused. One reason per
+    /// backend tried.
+    Unfused(Vec<String>),
+}
+
+/// Runs one fused node on the W virtual ranks of one GPU.
+pub struct NodeRunner {
+    kernels: NodeKernels,
+    manager: WorkspaceManager<Gpu>,
+    chain: Vec<Backend>,
+    prepared: Option<Prepared>,
+}
+
+impl NodeRunner {
+    /// A runner for `kernels` on `gpu`. The fallback chain starts at the plan's
+    /// backend: mnnvl -> trtllm -> unfused, or trtllm -> unfused.
+    pub fn new(gpu: Gpu, kernels: NodeKernels) -> NodeRunner {
+        let chain = match kernels.backend {
+            Backend::Mnnvl => vec![Backend::Mnnvl, Backend::Trtllm, Backend::Unfused],
+            Backend::Trtllm => vec![Backend::Trtllm, Backend::Unfused],
+            Backend::Unfused => vec![Backend::Unfused],
+        };
+        NodeRunner {
+            kernels,
+            manager: WorkspaceManager::new(gpu),
+            chain,
+            prepared: None,
+        }
+    }
+
+    /// The node's launch description.
+    pub fn kernels(&self) -> &NodeKernels {
+        &self.kernels
+    }
+
+    /// The GPU (for buffers and uploads).
+    pub fn gpu(&mut self) -> &mut Gpu {
+        self.manager.parts(&self.kernels.request).0
+    }
+
+    /// Creates the workspace (first backend of the chain that works; failures are
+    /// cached and never retried) and loads every kernel a token count of the plan can
+    /// route to. Idempotent.
+    ///
+    /// # Errors
+    /// [`Error::Capturing`] when called while the stream captures; NVRTC and driver
+    /// errors while loading kernels.
+    pub fn prepare(&mut self) -> Result<Prepared> {
+        if let Some(p) = &self.prepared {
+            return Ok(p.clone());
+        }
+        let prepared = match self.manager.acquire(self.kernels.request, &self.chain)? {
+            Acquired::Fused { backend, .. } => Prepared::Fused(backend),
+            Acquired::Unfused { reasons } => Prepared::Unfused(reasons),
+        };
+        let mut needed: Vec<Variant> = Vec::new();
+        for &(lo, _, _) in self.kernels.dispatch() {
+            match self.kernels.route(lo)? {
+                Route::Fused(v) => needed.push(v),
+                Route::Unfused { local } => needed.push(local),
+            }
+        }
+        // The unfused path serves every T when no workspace exists, and the T above
+        // the fused range otherwise.
+        needed.push(variants::virtual_allreduce(
+            self.kernels.world,
+            self.kernels.dtype,
+        ));
+        needed.push(Variant {
+            kind: variants::KernelKind::Local,
+            dtype: self.kernels.dtype,
+            epilogue: self.kernels.epilogue,
+        });
+        self.gpu().preload(&needed, 4)?;
+        self.prepared = Some(prepared.clone());
+        Ok(prepared)
+    }
+
+    /// Enqueues one call of `tokens` tokens (on the stream; inside a capture it is
+    /// recorded). Returns the route taken.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] before [`NodeRunner::prepare`], for a T outside the plan, or
+    /// an unfused call whose norm and residual outputs are both dead (the all-reduce
+    /// result is staged in one of them); launch errors.
+    pub fn launch(&mut self, tokens: u32, t: &NodeTensors) -> Result<Route> {
+        let prepared = self.prepared.clone().ok_or_else(|| {
+            Error::Invalid(format!(
+                "node {}: prepare() must run before the first launch (outside capture)",
+                self.kernels.node
+            ))
+        })?;
+        let route = self.kernels.route(tokens)?;
+        let k = self.kernels.clone();
+        let (gpu, ws) = self.manager.parts(&k.request);
+        let ws = match prepared {
+            Prepared::Fused(_) => ws.map(|(_, w)| w),
+            Prepared::Unfused(_) => None,
+        };
+        match (route, ws) {
+            (Route::Fused(v), Some(ws)) => {
+                launch_fused_node(gpu, ws, &k, v, tokens, t)?;
+                Ok(route)
+            }
+            _ => {
+                launch_unfused_node(gpu, &k, tokens, t)?;
+                Ok(Route::Unfused {
+                    local: Variant {
+                        kind: variants::KernelKind::Local,
+                        dtype: k.dtype,
+                        epilogue: k.epilogue,
+                    },
+                })
+            }
+        }
+    }
+
+    /// Captures one CUDA graph per size in `sizes`, each holding one call with tensors
+    /// `t` (the tensors must be large enough for the largest size).
+    ///
+    /// # Errors
+    /// As [`NodeRunner::launch`]; capture errors.
+    pub fn capture(&mut self, sizes: &[u32], t: &NodeTensors) -> Result<CaptureSet> {
+        let prepared = self.prepared.clone().ok_or_else(|| {
+            Error::Invalid(format!(
+                "node {}: prepare() must run before capture",
+                self.kernels.node
+            ))
+        })?;
+        let k = self.kernels.clone();
+        for &s in sizes {
+            k.route(s)?;
+        }
+        let (gpu, ws) = self.manager.parts(&k.request);
+        let ws = match prepared {
+            Prepared::Fused(_) => ws.map(|(_, w)| w),
+            Prepared::Unfused(_) => None,
+        };
+        CaptureSet::capture(gpu, sizes, |g, tokens| match (k.route(tokens)?, ws) {
+            (Route::Fused(v), Some(ws)) => launch_fused_node(g, ws, &k, v, tokens, t),
+            _ => launch_unfused_node(g, &k, tokens, t),
+        })
+    }
+}
+
+fn base_params(k: &NodeKernels, t: &NodeTensors) -> KernelParams {
+    KernelParams {
+        x: t.x,
+        residual_in: if k.epilogue.residual {
+            t.residual_in
+        } else {
+            RankTensor::default()
+        },
+        residual_out: t.residual_out,
+        out: t.out,
+        quant_out: t.quant_out,
+        scale_out: t.scale_out,
+        gamma: t.gamma,
+        scale_in: t.scale_in,
+        eps: k.eps,
+        weight_bias: k.weight_bias,
+        gamma_f32: i32::from(k.gamma_f32),
+        timeout_ns: cuda::DEFAULT_TIMEOUT_NS,
+        ..KernelParams::default()
+    }
+}
+
+fn launch_fused_node(
+    gpu: &mut Gpu,
+    ws: &VirtualWorkspace,
+    k: &NodeKernels,
+    variant: Variant,
+    tokens: u32,
+    t: &NodeTensors,
+) -> Result<()> {
+    cuda::launch_fused(
+        gpu,
+        ws,
+        &FusedCall {
+            variant,
+            tokens,
+            ranks: k.world,
+            params: base_params(k, t),
+        },
+    )
+}
+
+/// Unfused: the virtual-rank all-reduce writes the reduced tensor into the norm output
+/// (or the residual output when the norm output is dead), then the local kernel reads
+/// it from there and overwrites it in place (each thread loads its vectors of a token
+/// before any of them is written).
+fn launch_unfused_node(gpu: &mut Gpu, k: &NodeKernels, tokens: u32, t: &NodeTensors) -> Result<()> {
+    let stage = if t.out.ptr != 0 {
+        t.out
+    } else if t.residual_out.ptr != 0 {
+        t.residual_out
+    } else {
+        return Err(Error::Invalid(format!(
+            "node {}: the unfused path stages the all-reduce in the norm or residual output; both are dead",
+            k.node
+        )));
+    };
+    let mut ar = base_params(k, t);
+    ar.out = stage;
+    cuda::launch_virtual_allreduce(gpu, k.world, k.dtype, k.hidden, tokens, &ar)?;
+    let mut local = base_params(k, t);
+    local.x = stage;
+    cuda::launch_local(
+        gpu,
+        &FusedCall {
+            variant: Variant {
+                kind: variants::KernelKind::Local,
+                dtype: k.dtype,
+                epilogue: k.epilogue,
+            },
+            tokens,
+            ranks: k.world,
+            params: local,
+        },
+        k.hidden,
+    )
+}
