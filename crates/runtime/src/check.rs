@@ -26,6 +26,7 @@ use arfuse_reference::ReferenceError;
 use half::{bf16, f16};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
 
 /// The name of the contract the kernels are checked against.
 pub use arfuse_reference::contract::CONTRACT_NAME as CONTRACT;
@@ -355,54 +356,76 @@ pub fn negative_subnormal(dtype: Dtype) -> f32 {
     }
 }
 
-/// Deterministic inputs for `case` from `seed`. Values are multiples of 2^-10 in
-/// [-2, 2) rounded to the dtype, with about 1/32 each of -0.0 and the dtype's
-/// smallest negative subnormal; in token 0 the first 16 elements are -0.0 on every
-/// rank (all-reduce result +0.0, an all-zero NVFP4 block with `SF == 0`); the
-/// residual of token 0 holds a few large values (static FP8 saturates).
+/// A random value of `dtype` drawn from its bits: 1/32 -0.0, 1/32 the smallest
+/// negative subnormal, otherwise `+-(1 + m) * 2^k` with `k` in -9..=0 and `m` on the
+/// dtype's mantissa grid (at most 22 bits), so every value is exact in the dtype.
+fn random_value(dtype: Dtype, rng: &mut SmallRng) -> f32 {
+    let r: u32 = rng.gen();
+    match r & 31 {
+        0 => -0.0,
+        1 => negative_subnormal(dtype),
+        _ => {
+            let mb = float_format(dtype).mantissa_bits().min(22);
+            let sign = (r >> 5) & 1;
+            let k = ((r >> 6) & 15) % 10; // exponent 2^(k - 9)
+            let m = (r >> 10) & ((1u32 << mb) - 1);
+            f32::from_bits(sign << 31 | (118 + k) << 23 | m << (23 - mb))
+        }
+    }
+}
+
+/// Deterministic inputs for `case` from `seed` (rank r draws from its own stream, so
+/// ranks are generated in parallel). Values: see `random_value` (magnitudes in
+/// [2^-9, 2), about 1/32 each of -0.0 and the dtype's smallest negative subnormal);
+/// in token 0 the first 16 elements are -0.0 on every rank (all-reduce result +0.0,
+/// an all-zero NVFP4 block with `SF == 0`); the residual of token 0 holds +-60 (static
+/// FP8 saturates).
 ///
 /// # Errors
 /// As [`Case::validate`]; [`Error::Overflow`] on absurd sizes.
 pub fn make_inputs(case: &Case, seed: u64) -> Result<Inputs> {
     case.validate()?;
     let n = case.elements()?;
-    let fmt = float_format(case.dtype);
-    let mut rng = SmallRng::seed_from_u64(seed);
-    let sub = negative_subnormal(case.dtype);
-    let value = |rng: &mut SmallRng| -> f32 {
-        match rng.gen_range(0u32..32) {
-            0 => -0.0,
-            1 => sub,
-            _ => fmt.round(rng.gen_range(-2048i32..2048) as f32 / 1024.0),
-        }
-    };
     let h = case.hidden as usize;
-    let mut x = Vec::with_capacity(case.world as usize);
-    let mut residual = Vec::new();
-    for _ in 0..case.world {
-        let mut v: Vec<f32> = (0..n).map(|_| value(&mut rng)).collect();
+    let dtype = case.dtype;
+    let stream = |rank: u64, which: u64| {
+        SmallRng::seed_from_u64(seed ^ (rank * 2 + which + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+    };
+    let tensor = |rank: u64, residual: bool| {
+        let mut rng = stream(rank, u64::from(residual));
+        let mut v: Vec<f32> = (0..n).map(|_| random_value(dtype, &mut rng)).collect();
         v[..16.min(h)].fill(-0.0);
-        x.push(encode(case.dtype, &v));
-        if case.epilogue.residual {
-            let mut r: Vec<f32> = (0..n).map(|_| value(&mut rng)).collect();
-            r[..16.min(h)].fill(-0.0);
-            if h > 32 {
-                r[16] = fmt.round(60.0);
-                r[17] = fmt.round(-60.0);
-            }
-            residual.push(encode(case.dtype, &r));
+        if residual && h > 32 {
+            v[16] = 60.0;
+            v[17] = -60.0;
         }
-    }
+        encode(dtype, &v)
+    };
+    let ranks = u64::from(case.world);
+    let x: Vec<Vec<u8>> = (0..ranks)
+        .into_par_iter()
+        .map(|r| tensor(r, false))
+        .collect();
+    let residual: Vec<Vec<u8>> = if case.epilogue.residual {
+        (0..ranks)
+            .into_par_iter()
+            .map(|r| tensor(r, true))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut rng = stream(u64::from(u32::MAX), 0);
     let gamma = if case.gamma_f32 {
         // Any f32 (not only values of the activation dtype): w.float() of a trained
         // offset weight, or an f32 parameter.
         let g: Vec<f32> = (0..h).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
         encode(Dtype::F32, &g)
     } else {
+        let fmt = float_format(dtype);
         let g: Vec<f32> = (0..h)
             .map(|_| fmt.round(rng.gen_range(-1024i32..1024) as f32 / 512.0))
             .collect();
-        encode(case.dtype, &g)
+        encode(dtype, &g)
     };
     let scale_in = match case.epilogue.quant {
         Quant::Fp8Static => STATIC_FP8_SCALE,
@@ -510,18 +533,16 @@ pub fn expected(case: &Case, inputs: &Inputs) -> Result<Vec<RankOutputs>> {
             case.world
         )));
     }
-    let xs: Vec<Vec<f32>> = inputs.x.iter().map(|b| decode(case.dtype, b)).collect();
+    let xs: Vec<Vec<f32>> = inputs.x.par_iter().map(|b| decode(case.dtype, b)).collect();
     let refs: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
     let a = contract::all_reduce(&refs, fmt).map_err(reference)?;
     let gamma = decode(gamma_dtype(case), &inputs.gamma);
-    let mut out = Vec::with_capacity(case.world as usize);
-    for r in 0..case.world as usize {
+    let rank = |r: usize| -> Result<RankOutputs> {
         if !case.epilogue.norm {
-            out.push(RankOutputs {
+            return Ok(RankOutputs {
                 out: encode(case.dtype, &a),
                 ..RankOutputs::default()
             });
-            continue;
         }
         let h = if case.epilogue.residual {
             let res = inputs
@@ -536,14 +557,14 @@ pub fn expected(case: &Case, inputs: &Inputs) -> Result<Vec<RankOutputs>> {
         let y = contract::rms_norm(&h, &gamma, EPS, f64::from(case.weight_bias), fmt)
             .map_err(reference)?;
         let (quant, scale) = quant_bytes(case, &y, inputs.scale_in)?;
-        out.push(RankOutputs {
+        Ok(RankOutputs {
             out: encode(case.dtype, &y),
             residual_out: encode(case.dtype, &h),
             quant,
             scale,
-        });
-    }
-    Ok(out)
+        })
+    };
+    (0..case.world as usize).into_par_iter().map(rank).collect()
 }
 
 /// The result of comparing a kernel's outputs with the contract.
@@ -631,8 +652,7 @@ pub fn compare(
     }
     let fmt = float_format(case.dtype);
     let tol = norm_tolerance_ulp(case.dtype);
-    let hidden = case.hidden as usize;
-    for (want, have) in expected.iter().zip(got) {
+    let rank = |(want, have): (&RankOutputs, &RankOutputs)| -> Result<Verdict> {
         let mut r = Verdict::default();
         for (w, h) in [
             (&want.out, &have.out),
@@ -643,14 +663,12 @@ pub fn compare(
             r.size_mismatches += u64::from(w.len() != h.len());
         }
         if r.size_mismatches > 0 {
-            v.add(r);
-            continue;
+            return Ok(r);
         }
         r.exact_mismatches += elem_mismatches(case.dtype, &want.residual_out, &have.residual_out);
         if !case.epilogue.norm {
             r.exact_mismatches += elem_mismatches(case.dtype, &want.out, &have.out);
-            v.add(r);
-            continue;
+            return Ok(r);
         }
         let (wy, hy) = (decode(case.dtype, &want.out), decode(case.dtype, &have.out));
         for (a, b) in wy.iter().zip(&hy) {
@@ -671,8 +689,15 @@ pub fn compare(
                     .filter(|(a, b)| a != b)
                     .count() as u64;
             }
-            debug_assert!(hidden > 0);
         }
+        Ok(r)
+    };
+    let per_rank: Vec<Verdict> = expected
+        .par_iter()
+        .zip(got.par_iter())
+        .map(rank)
+        .collect::<Result<_>>()?;
+    for r in per_rank {
         v.add(r);
     }
     Ok(v)
