@@ -141,6 +141,12 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
 #if ARF_STRATEGY == 2
 // ---------------------------------------------------------------- two-shot
 // Token ownership: the first T % W ranks own ceil(T/W) tokens, the rest floor(T/W).
+// Inbox reuse between calls is safe on virtual ranks (one launch holds every rank and
+// launches are stream-ordered). With real ranks launching separately, a peer may start
+// call k+1 while this rank's other CTAs still read call k's inboxes; when T (and so the
+// row placement and the grid) differs between the two calls, CTA b' of the peer can
+// overwrite rows CTA b != b' still reads. Real peers need a call-entry barrier (or
+// double-buffered inboxes) before this kernel serves them.
 __device__ __forceinline__ int arf_owner_start(int o, int T) {
   const int base = T / ARF_W, rem = T % ARF_W;
   return o * base + (o < rem ? o : rem);

@@ -338,13 +338,14 @@ __device__ __forceinline__ u32 arf_e4m3x2(float lo, float hi) {
   return r;
 }
 // One vector of ARF_VEC activations -> ARF_VEC e4m3 bytes at `dst`:
-// e4m3(clamp(y / scale, -448, 448)), as contract v1 clause 4 (a true division).
+// e4m3(clamp(y / scale, -448, 448)), as contract v1 clause 4 (a true division). The
+// clamp is the cvt's satfinite: it saturates every finite value and infinity to
+// +-448 exactly as a clamp would, and keeps NaN a NaN (0x7F), which an fminf/fmaxf
+// clamp would turn into -448.
 __device__ __forceinline__ void arf_store_e4m3_vec(u64 dst, const float* yf, float scale) {
   u32 b[ARF_VEC / 2];
 #pragma unroll
-  for (int i = 0; i < ARF_VEC; i += 2)
-    b[i / 2] = arf_e4m3x2(fminf(fmaxf(yf[i] / scale, -448.0f), 448.0f),
-                          fminf(fmaxf(yf[i + 1] / scale, -448.0f), 448.0f));
+  for (int i = 0; i < ARF_VEC; i += 2) b[i / 2] = arf_e4m3x2(yf[i] / scale, yf[i + 1] / scale);
 #if ARF_VEC == 8
   *reinterpret_cast<uint2*>(dst) = make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
 #else
@@ -522,8 +523,10 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
       // next power of two, the f32 layout keeps it exact (contract v1 clause 4).
       const float raw = fmaxf(amax / 448.0f, 1e-10f);
 #if ARF_QUANT == ARF_Q_FP8_GROUP_PACKED
+      // The largest code is 254 (2^127): 255 is UE8M0's NaN (an infinite amax).
       u32 ex = __float_as_uint(raw) >> 23;
       if (__float_as_uint(raw) & 0x7fffffu) ex += 1u;
+      ex = ex > 254u ? 254u : ex;
       const float gscale = __uint_as_float(ex << 23);
 #else
       const float gscale = raw;

@@ -379,7 +379,9 @@ fn random_value(dtype: Dtype, rng: &mut SmallRng) -> f32 {
 /// [2^-9, 2), about 1/32 each of -0.0 and the dtype's smallest negative subnormal);
 /// in token 0 the first 16 elements are -0.0 on every rank (all-reduce result +0.0,
 /// an all-zero NVFP4 block with `SF == 0`); the residual of token 0 holds +-60 (static
-/// FP8 saturates).
+/// FP8 saturates); with T >= 2, element 5 of the last token of rank 0's `x` is +inf,
+/// so that token's all-reduce is +inf there, its RMSNorm is NaN / signed zeros and
+/// every quant meets a NaN (encoded 0x7F in e4m3, +6 in e2m1 by the contract).
 ///
 /// # Errors
 /// As [`Case::validate`]; [`Error::Overflow`] on absurd sizes.
@@ -398,6 +400,9 @@ pub fn make_inputs(case: &Case, seed: u64) -> Result<Inputs> {
         if residual && h > 32 {
             v[16] = 60.0;
             v[17] = -60.0;
+        }
+        if !residual && rank == 0 && case.tokens >= 2 {
+            v[(case.tokens as usize - 1) * h + 5] = f32::INFINITY;
         }
         encode(dtype, &v)
     };
@@ -918,6 +923,23 @@ mod tests {
         let sub = negative_subnormal(Dtype::Bf16);
         assert!(all.iter().filter(|v| v.to_bits() == sub.to_bits()).count() > 10);
         assert!(all.iter().all(|v| FloatFormat::Bf16.is_exact(*v)));
+        // One +inf, in rank 0's last token; its norm output is NaN there, and the
+        // per-token FP8 of that token encodes the NaN as 0x7F.
+        assert_eq!(all.iter().filter(|v| v.is_infinite()).count(), 1);
+        assert_eq!(x0[15 * 256 + 5], f32::INFINITY);
+        let q = Case {
+            epilogue: Epilogue {
+                residual: true,
+                norm: true,
+                quant: Quant::Fp8PerToken,
+            },
+            ..c
+        };
+        let e = expected(&q, &make_inputs(&q, 7).unwrap()).unwrap();
+        let y = decode(Dtype::Bf16, &e[3].out);
+        assert!(y[15 * 256 + 5].is_nan());
+        assert_eq!(e[3].quant[15 * 256 + 5], 0x7F);
+        assert!(y[..15 * 256].iter().all(|v| v.is_finite()));
     }
 
     #[test]

@@ -166,6 +166,18 @@ impl NodeKernels {
             norm: true,
             quant,
         };
+        // The kernels' shape limits, checked when the node is loaded rather than at
+        // its first launch (which may be inside a capture).
+        crate::cuda::block_size(hidden, dt)
+            .map_err(|e| Error::Unsupported(format!("node {node}: hidden size {hidden}: {e}")))?;
+        let group = matches!(quant, Quant::Fp8GroupPacked | Quant::Fp8GroupF32);
+        if (group && hidden % 128 != 0) || (quant.needs_sm100() && hidden % 16 != 0) {
+            return Err(Error::Unsupported(format!(
+                "node {node}: {} needs the hidden size ({hidden}) to be a multiple of {}",
+                quant.name(),
+                if group { 128 } else { 16 }
+            )));
+        }
         let plan = attrs.plan.as_ref().ok_or_else(|| {
             Error::Invalid(format!(
                 "node {node}: the fused node carries no plan; lower the graph with a target first"
@@ -444,9 +456,22 @@ mod tests {
         let mut gap = s.clone();
         gap.plan.as_mut().unwrap().dispatch.remove(1);
         assert!(err(&gap, DType::Bf16, DType::Bf16, 8).contains("does not continue from T = 11"));
-        let mut wb = s;
+        let mut wb = s.clone();
         wb.weight_bias = 0.5;
         assert!(err(&wb, DType::Bf16, DType::Bf16, 8).contains("weight_bias"));
+        // Shape limits of the kernels, at load time.
+        let wide = NodeKernels::new("w", &s, DType::Bf16, 65536, DType::Bf16, 8).unwrap_err();
+        assert!(
+            wide.to_string().contains("node w: hidden size 65536"),
+            "{wide}"
+        );
+        let mut grp = s;
+        grp.quant = FusedQuant::Fp8PerTokenGroup {
+            group_size: 128,
+            scale_layout: GroupScaleLayout::F32RowMajor,
+        };
+        let e = NodeKernels::new("q", &grp, DType::Bf16, 2880, DType::Bf16, 8).unwrap_err();
+        assert!(e.to_string().contains("multiple of 128"), "{e}");
     }
 
     #[test]

@@ -31,7 +31,11 @@ pub struct NodeTensors {
     pub out: RankTensor,
     /// Quant data per rank.
     pub quant_out: RankTensor,
-    /// Quant scales per rank.
+    /// Quant scales per rank, in their physical layout, padding included (larger than
+    /// the IR's logical scale shape): packed UE8M0 `round_up(T, 4) * ceil(H / 512) * 4`
+    /// bytes, swizzled NVFP4 `round_up(T, 128) * round_up(H / 16, 4)` bytes
+    /// (`arfuse_reference::numerics::quant::{packed_group_scale_bytes,
+    /// nvfp4_scale_bytes}`; `check::Case::output_bytes` gives every output's size).
     pub scale_out: RankTensor,
     /// RMSNorm weight address.
     pub gamma: u64,
@@ -231,21 +235,39 @@ fn launch_fused_node(
     )
 }
 
+/// Byte range `[start, end)` the W ranks' `[T, H]` slices of `t` cover.
+fn extent(t: RankTensor, k: &NodeKernels, tokens: u32) -> Option<(u64, u64)> {
+    if t.ptr == 0 {
+        return None;
+    }
+    let row = u64::from(tokens) * u64::from(k.hidden) * k.dtype.bytes() as u64;
+    let last = t.rank_stride.saturating_mul(u64::from(k.world) - 1);
+    Some((t.ptr, t.ptr.saturating_add(last).saturating_add(row)))
+}
+
+fn overlaps(a: Option<(u64, u64)>, b: Option<(u64, u64)>) -> bool {
+    matches!((a, b), (Some(a), Some(b)) if a.0 < b.1 && b.0 < a.1)
+}
+
 /// Unfused: the virtual-rank all-reduce writes the reduced tensor into the norm output
-/// (or the residual output when the norm output is dead), then the local kernel reads
-/// it from there and overwrites it in place (each thread loads its vectors of a token
-/// before any of them is written).
+/// (or the residual output), then the local kernel reads it from there and overwrites
+/// it in place (each thread loads its vectors of a token before any of them is
+/// written). The staging output must not overlap `x` (other ranks still read it while
+/// the all-reduce writes) nor `residual_in` (the local kernel reads it after).
 fn launch_unfused_node(gpu: &mut Gpu, k: &NodeKernels, tokens: u32, t: &NodeTensors) -> Result<()> {
-    let stage = if t.out.ptr != 0 {
-        t.out
-    } else if t.residual_out.ptr != 0 {
-        t.residual_out
-    } else {
-        return Err(Error::Invalid(format!(
-            "node {}: the unfused path stages the all-reduce in the norm or residual output; both are dead",
-            k.node
-        )));
-    };
+    let inputs = [extent(t.x, k, tokens), extent(t.residual_in, k, tokens)];
+    let stage = [t.out, t.residual_out]
+        .into_iter()
+        .find(|c| {
+            let e = extent(*c, k, tokens);
+            e.is_some() && !inputs.iter().any(|i| overlaps(e, *i))
+        })
+        .ok_or_else(|| {
+            Error::Invalid(format!(
+                "node {}: the unfused path stages the all-reduce in the norm or residual output, and neither is live without overlapping x or residual_in; pass a separate output buffer",
+                k.node
+            ))
+        })?;
     let mut ar = base_params(k, t);
     ar.out = stage;
     cuda::launch_virtual_allreduce(gpu, k.world, k.dtype, k.hidden, tokens, &ar)?;
@@ -265,4 +287,57 @@ fn launch_unfused_node(gpu: &mut Gpu, k: &NodeKernels, tokens: u32, t: &NodeTens
         },
         k.hidden,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arfuse_ir::{
+        Backend as IrBackend, DType, DispatchRange, FusedAllReduceNorm, FusedOutput, FusedPlan,
+        FusedQuant, Strategy as IrStrategy,
+    };
+
+    fn kernels() -> NodeKernels {
+        let attrs = FusedAllReduceNorm {
+            group: "tp".into(),
+            eps: 1e-6,
+            weight_bias: 0.0,
+            residual: true,
+            quant: FusedQuant::None,
+            outputs: vec![FusedOutput::Norm, FusedOutput::Residual],
+            plan: Some(FusedPlan {
+                backend: IrBackend::Trtllm,
+                pattern_code: 1,
+                max_token_num: 16,
+                workspace_bytes: 1 << 20,
+                lamport_buffer_bytes: 1 << 18,
+                dispatch: vec![DispatchRange {
+                    min_tokens: 1,
+                    max_tokens: 64,
+                    strategy: IrStrategy::Unfused,
+                    required_bytes: 0,
+                }],
+            }),
+        };
+        NodeKernels::new("n", &attrs, DType::Bf16, 256, DType::Bf16, 4).unwrap()
+    }
+
+    #[test]
+    fn staging_never_overlaps_an_input() {
+        let k = kernels();
+        // 4 ranks x 2 tokens x 256 bf16 = 1 KiB per rank.
+        let t = |ptr| RankTensor {
+            ptr,
+            rank_stride: 1024,
+        };
+        assert_eq!(
+            extent(t(0x1000), &k, 2),
+            Some((0x1000, 0x1000 + 3 * 1024 + 1024))
+        );
+        assert_eq!(extent(RankTensor::default(), &k, 2), None);
+        let x = extent(t(0x1000), &k, 2);
+        assert!(overlaps(x, extent(t(0x1000 + 4095), &k, 2)));
+        assert!(!overlaps(x, extent(t(0x1000 + 4096), &k, 2)));
+        assert!(!overlaps(x, None));
+    }
 }
