@@ -52,7 +52,7 @@ struct Args {
     /// Only patterns whose name contains this text (e.g. `fp8tok`, `res_norm`).
     #[arg(long)]
     pattern: Option<String>,
-    /// Only these token counts (repeatable).
+    /// Token counts to check instead of 1, 7, 16, 40, 42, 128, 1024 (repeatable).
     #[arg(long = "tokens")]
     tokens: Vec<u32>,
     /// Skip the correctness matrix.
@@ -320,18 +320,41 @@ fn dtype_of(name: &str) -> anyhow::Result<Dtype> {
         .ok_or_else(|| anyhow!("unknown dtype {name:?} (bf16, f16, f32)"))
 }
 
-fn correctness(gpu: &mut Gpu, args: &Args) -> anyhow::Result<usize> {
-    let nvfp4 = gpu.info().sm >= 100;
+/// The cases the arguments select. Checked before the GPU is opened, so bad
+/// arguments are reported the same way on every machine.
+fn select_cases(args: &Args, nvfp4: bool) -> anyhow::Result<Vec<Case>> {
     let dtypes: Vec<Dtype> = args
         .dtypes
         .iter()
         .map(|d| dtype_of(d))
         .collect::<anyhow::Result<_>>()?;
-    let cases: Vec<Case> = check::all_cases(args.hidden, nvfp4)
+    if let Some(w) = args.worlds.iter().find(|w| !check::WORLDS.contains(w)) {
+        return Err(anyhow!(
+            "--world {w}: the check runs W in {:?}",
+            check::WORLDS
+        ));
+    }
+    if let Some(t) = args.tokens.iter().find(|t| !(1..=65_535).contains(*t)) {
+        return Err(anyhow!("--tokens {t}: T must be in 1..=65535"));
+    }
+    for d in Dtype::ALL {
+        cuda::block_size(args.hidden, d).map_err(|e| anyhow!("--hidden {}: {e}", args.hidden))?;
+    }
+    if !arfuse_runtime::variants::WORLD_SIZES.contains(&args.timing_world) {
+        return Err(anyhow!(
+            "--timing-world {}: W must be 2, 4, 8 or 16",
+            args.timing_world
+        ));
+    }
+    let tokens = if args.tokens.is_empty() {
+        check::TOKENS.to_vec()
+    } else {
+        args.tokens.clone()
+    };
+    let cases: Vec<Case> = check::cases_for_tokens(args.hidden, nvfp4, &tokens)
         .into_iter()
         .filter(|c| args.worlds.is_empty() || args.worlds.contains(&c.world))
         .filter(|c| dtypes.is_empty() || dtypes.contains(&c.dtype))
-        .filter(|c| args.tokens.is_empty() || args.tokens.contains(&c.tokens))
         .filter(|c| {
             args.pattern
                 .as_ref()
@@ -339,8 +362,16 @@ fn correctness(gpu: &mut Gpu, args: &Args) -> anyhow::Result<usize> {
         })
         .collect();
     if cases.is_empty() {
-        return Err(anyhow!("no case matches the filters"));
+        return Err(anyhow!(
+            "no case matches the filters (patterns are e.g. ar, res_norm, norm_fp8tok, res_norm_nvfp4_swz)"
+        ));
     }
+    Ok(cases)
+}
+
+fn correctness(gpu: &mut Gpu, args: &Args) -> anyhow::Result<usize> {
+    let nvfp4 = gpu.info().sm >= 100;
+    let cases = select_cases(args, nvfp4)?;
     let mut variants: Vec<Variant> = cases.iter().map(Case::variant).collect();
     variants.sort();
     variants.dedup();
@@ -670,6 +701,9 @@ fn torch_baseline(args: &Args) {
 }
 
 fn run(args: &Args) -> anyhow::Result<usize> {
+    if !args.no_correctness {
+        select_cases(args, true)?;
+    }
     let mut gpu = Gpu::open(0)?;
     let info = gpu.info().clone();
     let nv = arfuse_runtime::nvrtc::nvrtc()?;

@@ -252,6 +252,11 @@ pub fn pattern_name(e: Epilogue) -> String {
 /// `hidden`. Cases whose H does not suit a quant (group quant needs H % 128 == 0) are
 /// left out.
 pub fn all_cases(hidden: u32, nvfp4: bool) -> Vec<Case> {
+    cases_for_tokens(hidden, nvfp4, &TOKENS)
+}
+
+/// [`all_cases`] with another list of token counts.
+pub fn cases_for_tokens(hidden: u32, nvfp4: bool, token_counts: &[u32]) -> Vec<Case> {
     let mut out = Vec::new();
     for world in WORLDS {
         for dtype in Dtype::ALL {
@@ -261,7 +266,7 @@ pub fn all_cases(hidden: u32, nvfp4: bool) -> Vec<Case> {
                 }
                 // Strategies alternate call by call on one workspace (a counter
                 // shared between them deadlocked public code).
-                for tokens in TOKENS {
+                for &tokens in token_counts {
                     for strategy in [Strategy::OneShot, Strategy::TwoShot] {
                         let c = Case {
                             strategy,
