@@ -85,6 +85,12 @@ fn every_fused_node_of_the_corpus_has_a_kernel_for_every_planned_token_count() {
                     }
                 }
                 assert!(k.route(last + 1).is_err());
+                // A world size other than the one the graph was built for is refused.
+                if graph.recorded_world_size().is_some() {
+                    let other = if target.world_size == 8 { 4 } else { 8 };
+                    let e = NodeKernels::from_graph(&lowered.graph, &n.id, other).unwrap_err();
+                    assert!(e.to_string().contains("built for world size"), "{e}");
+                }
             }
         }
     }

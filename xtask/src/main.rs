@@ -208,16 +208,6 @@ fn check_shared_hidden(sizes: &[u64]) -> Result<()> {
     Ok(())
 }
 
-/// The graph's own tensor-parallel size from its metadata (`world_size` or `tp`, the
-/// keys `arfuse-rewrite`'s world-size check reads; `arfuse-models` writes `tp`).
-fn recorded_world_size(graph: &Graph) -> Option<u64> {
-    graph.metadata().and_then(|m| {
-        ["world_size", "tp"]
-            .iter()
-            .find_map(|k| m.get(*k).and_then(|v| v.as_u64()))
-    })
-}
-
 /// The note printed (stderr) when a graph with all-reduces records no tensor-parallel
 /// size: nothing checks that the target's world size is the one it was exported for.
 fn assumed_world_size_note(graph: &Graph, target: &Target, target_name: &str) -> Option<String> {
@@ -227,7 +217,7 @@ fn assumed_world_size_note(graph: &Graph, target: &Target, target_name: &str) ->
             arfuse::ir::Op::AllReduce { .. } | arfuse::ir::Op::FusedAllreduceNorm(_)
         )
     });
-    if !has_all_reduce || recorded_world_size(graph).is_some() {
+    if !has_all_reduce || graph.recorded_world_size().is_some() {
         return None;
     }
     Some(format!(
@@ -699,7 +689,7 @@ mod tests {
         let note = assumed_world_size_note(&exported, &target, "b300-x4").unwrap();
         assert!(note.contains("b300-x4's world_size 4"), "{note}");
         let corpus = read_graph(&root.join("ir-fixtures/models/gemma3_1b_tp4.json")).unwrap();
-        assert_eq!(recorded_world_size(&corpus), Some(4));
+        assert_eq!(corpus.recorded_world_size(), Some(4));
         assert_eq!(assumed_world_size_note(&corpus, &target, "b300-x4"), None);
     }
 }

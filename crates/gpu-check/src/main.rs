@@ -701,9 +701,12 @@ fn torch_baseline(args: &Args) {
 }
 
 fn run(args: &Args) -> anyhow::Result<usize> {
-    if !args.no_correctness {
-        select_cases(args, true)?;
+    if args.replays == 0 || args.calls_per_graph == 0 {
+        return Err(anyhow!(
+            "--replays and --calls-per-graph must be at least 1"
+        ));
     }
+    select_cases(args, true)?;
     let mut gpu = Gpu::open(0)?;
     let info = gpu.info().clone();
     let nv = arfuse_runtime::nvrtc::nvrtc()?;
@@ -732,7 +735,16 @@ fn run(args: &Args) -> anyhow::Result<usize> {
 }
 
 fn main() -> std::process::ExitCode {
-    let args = Args::parse();
+    // Usage errors exit 1 (as any run that checked nothing because of an error); exit 2
+    // is kept for "no CUDA driver".
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            let usage = e.use_stderr();
+            let _ = e.print();
+            return std::process::ExitCode::from(if usage { 1 } else { 0 });
+        }
+    };
     match run(&args) {
         Ok(0) => {
             println!("\ngpu_check: all checks passed");

@@ -126,6 +126,16 @@ impl Graph {
         self.metadata.as_ref()
     }
 
+    /// The tensor-parallel size the graph was built or exported for, when its metadata
+    /// records one (key `world_size`, else `tp`, a non-negative integer; `arfuse-models`
+    /// writes `tp`). Lowering and the runtime refuse another world size.
+    pub fn recorded_world_size(&self) -> Option<u64> {
+        let m = self.metadata.as_ref()?;
+        ["world_size", "tp"]
+            .iter()
+            .find_map(|k| m.get(*k).and_then(|v| v.as_u64()))
+    }
+
     /// Sets the free-form metadata.
     pub fn set_metadata(&mut self, metadata: Option<serde_json::Value>) {
         self.metadata = metadata;

@@ -502,12 +502,7 @@ pub fn lower_with(
 /// The graph's own tensor-parallel size, when its metadata records one (`tp` or
 /// `world_size`, as `arfuse-models` writes), must be the target's group size.
 fn check_world_size(graph: &Graph, target: &Target) -> Result<(), LowerError> {
-    let recorded = graph.metadata().and_then(|m| {
-        ["world_size", "tp"]
-            .iter()
-            .find_map(|k| m.get(*k).and_then(|v| v.as_u64()))
-    });
-    match recorded {
+    match graph.recorded_world_size() {
         Some(w) if w != u64::from(target.world_size) => Err(LowerError::WorldSizeMismatch {
             graph: w,
             target: target.world_size,

@@ -158,6 +158,14 @@ impl Case {
                 self.dtype.name()
             )));
         }
+        if q.needs_sm100() && self.hidden % 16 != 0 {
+            return Err(Error::Invalid(format!(
+                "NVFP4 needs H % 16 == 0, H = {}",
+                self.hidden
+            )));
+        }
+        // The kernels' block-size limit (H * e <= 64 KiB).
+        crate::cuda::block_size(self.hidden, self.dtype)?;
         if self.weight_bias > 1 {
             return Err(Error::Invalid("weight_bias must be 0 or 1".into()));
         }
@@ -406,7 +414,7 @@ pub fn make_inputs(case: &Case, seed: u64) -> Result<Inputs> {
             v[16] = 60.0;
             v[17] = -60.0;
         }
-        if !residual && rank == 0 && case.tokens >= 2 {
+        if !residual && rank == 0 && case.tokens >= 2 && h > 5 {
             v[(case.tokens as usize - 1) * h + 5] = f32::INFINITY;
         }
         encode(dtype, &v)
@@ -880,6 +888,15 @@ mod tests {
         assert!(all_cases(2880, true)
             .iter()
             .all(|c| !matches!(c.epilogue.quant, Quant::Fp8GroupPacked | Quant::Fp8GroupF32)));
+        // Shapes no kernel takes give no cases; tiny ones give no panic.
+        assert!(all_cases(65536, true).is_empty());
+        assert!(all_cases(8, true)
+            .iter()
+            .all(|c| !c.epilogue.quant.needs_sm100()));
+        for c in cases_for_tokens(4, true, &[1, 2, 3]) {
+            let inputs = make_inputs(&c, 1).unwrap();
+            expected(&c, &inputs).unwrap();
+        }
     }
 
     #[test]

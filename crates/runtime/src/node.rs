@@ -140,6 +140,13 @@ impl NodeKernels {
                 "node {node}: world size {world}; the kernels are built for 2, 4, 8 and 16"
             )));
         }
+        let eps = attrs.eps as f32;
+        if !(eps.is_finite() && eps > 0.0) {
+            return Err(Error::Unsupported(format!(
+                "node {node}: eps {:?} is not a positive finite f32 (the kernels take f32)",
+                attrs.eps
+            )));
+        }
         let weight_bias = attrs.weight_bias;
         if weight_bias != 0.0 && weight_bias != 1.0 {
             return Err(Error::Unsupported(format!(
@@ -200,6 +207,11 @@ impl NodeKernels {
             next = r.max_tokens.saturating_add(1);
             let lo = to_u32(r.min_tokens, node, "dispatch range start")?;
             let hi = to_u32(r.max_tokens, node, "dispatch range end")?;
+            if hi > i32::MAX as u32 {
+                return Err(Error::Unsupported(format!(
+                    "node {node}: plan range ends at T = {hi}; the kernels take T < 2^31"
+                )));
+            }
             let strategy = match r.strategy {
                 arfuse_ir::Strategy::OneShot => Some(Strategy::OneShot),
                 arfuse_ir::Strategy::TwoShot => Some(Strategy::TwoShot),
@@ -209,6 +221,20 @@ impl NodeKernels {
                 max_fused = max_fused.max(hi);
                 if s == Strategy::OneShot {
                     max_oneshot = max_oneshot.max(hi);
+                    // The planner's proof: one-shot at T needs T*W*H*e bytes of ONE
+                    // Lamport buffer (domain.md section 5). Re-checked here, so a plan
+                    // edited by hand cannot make the runtime quietly size more.
+                    let need = u64::from(hi)
+                        .checked_mul(u64::from(world))
+                        .and_then(|v| v.checked_mul(u64::from(hidden)))
+                        .and_then(|v| v.checked_mul(dt.bytes() as u64))
+                        .ok_or(Error::Overflow("one-shot bytes"))?;
+                    if need > plan.lamport_buffer_bytes {
+                        return Err(Error::Invalid(format!(
+                            "node {node}: plan runs one-shot up to T = {hi}, which needs {need} bytes of one Lamport buffer; the plan's buffer is {} bytes",
+                            plan.lamport_buffer_bytes
+                        )));
+                    }
                 }
                 let v = Variant {
                     kind: KernelKind::Fused { strategy: s, world },
@@ -249,7 +275,7 @@ impl NodeKernels {
             dtype: dt,
             hidden,
             epilogue,
-            eps: attrs.eps as f32,
+            eps,
             weight_bias: weight_bias as f32,
             gamma_f32: weight_dtype == DType::F32,
             outputs: attrs.outputs.clone(),
@@ -283,6 +309,13 @@ impl NodeKernels {
                 .and_then(|v| graph.value_type(*v))
                 .ok_or_else(|| Error::Invalid(format!("node {id}: missing {what} input")))
         };
+        if let Some(w) = graph.recorded_world_size() {
+            if w != u64::from(world) {
+                return Err(Error::Invalid(format!(
+                    "node {id}: the graph was built for world size {w}, not {world}"
+                )));
+            }
+        }
         let x = ty(0, "x")?;
         let weight = ty(if attrs.residual { 2 } else { 1 }, "weight")?;
         let hidden = x.shape.last().and_then(|d| d.as_const()).ok_or_else(|| {
@@ -290,7 +323,24 @@ impl NodeKernels {
                 "node {id}: the hidden (last) dimension of x is not a constant"
             ))
         })?;
-        NodeKernels::new(id, attrs, x.dtype, hidden, weight.dtype, world)
+        let k = NodeKernels::new(id, attrs, x.dtype, hidden, weight.dtype, world)?;
+        // Every token count the graph can run with is in the plan: the largest value
+        // of x's leading dims under the symbol ranges.
+        let rows = x.shape.0[..x.shape.0.len().saturating_sub(1)]
+            .iter()
+            .try_fold(1u64, |acc, d| {
+                d.max_value(graph.symbols())
+                    .and_then(|v| acc.checked_mul(v))
+            });
+        let last = k.dispatch.last().map_or(0, |r| u64::from(r.1));
+        if let Some(rows) = rows {
+            if rows > last {
+                return Err(Error::Invalid(format!(
+                    "node {id}: the graph runs up to T = {rows} tokens but the plan ends at T = {last}"
+                )));
+            }
+        }
+        Ok(k)
     }
 
     /// How a call of `tokens` tokens runs.
@@ -459,6 +509,16 @@ mod tests {
         let mut wb = s.clone();
         wb.weight_bias = 0.5;
         assert!(err(&wb, DType::Bf16, DType::Bf16, 8).contains("weight_bias"));
+        let mut tiny = s.clone();
+        tiny.eps = 1e-50;
+        assert!(err(&tiny, DType::Bf16, DType::Bf16, 8).contains("eps 1e-50"));
+        // A one-shot range the plan's Lamport buffer cannot hold (edited by hand).
+        let mut over = s.clone();
+        // (T = 12 fills the 1,179,648-byte buffer exactly; T = 13 needs 1,277,952.)
+        over.plan.as_mut().unwrap().dispatch[0].max_tokens = 13;
+        over.plan.as_mut().unwrap().dispatch[1].min_tokens = 14;
+        let e = err(&over, DType::Bf16, DType::Bf16, 8);
+        assert!(e.contains("T = 13") && e.contains("1277952 bytes"), "{e}");
         // Shape limits of the kernels, at load time.
         let wide = NodeKernels::new("w", &s, DType::Bf16, 65536, DType::Bf16, 8).unwrap_err();
         assert!(
