@@ -8,6 +8,9 @@
 //!    direct launch with every output live, once with only some outputs live (dead
 //!    outputs must stay untouched), and once more after `--replays` (default 1,000)
 //!    replays of a CUDA graph. One-shot and two-shot alternate on one workspace.
+//!    Then one fused node through the public API (`NodeKernels`, `NodeRunner`) with a
+//!    plan of one-shot, two-shot and unfused ranges, at both ends of every range,
+//!    directly and from per-size CUDA graphs (`node_check`).
 //! 2. Timings (W = 8 unless `--timing-world`): median microseconds per call replayed
 //!    from a CUDA graph of fused vs unfused (arfuse's all-reduce-only kernel + local
 //!    kernel), achieved GB/s over the bytes every virtual rank reads and writes
@@ -18,6 +21,8 @@
 //!
 //! Exit status: 0 every check passed; 1 a check failed or the GPU run errored; 2
 //! nothing was checked (no CUDA driver on this machine).
+
+mod node_check;
 
 use anyhow::{anyhow, Context};
 use arfuse_runtime::check::{self, Case, Inputs, Liveness, RankOutputs, FILL_BYTE};
@@ -724,6 +729,7 @@ fn run(args: &Args) -> anyhow::Result<usize> {
     let mut failures = 0;
     if !args.no_correctness {
         failures += correctness(&mut gpu, args)?;
+        failures += node_check::run(args.hidden, args.replays)?;
     }
     if !args.no_timings {
         timings(&mut gpu, args)?;
