@@ -61,7 +61,7 @@ fn check(rc: sys::CUresult, call: &str) -> Result<()> {
     }
 }
 
-/// What [`Gpu::probe`] found.
+/// What [`Gpu::open`] found about the device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceInfo {
     /// Device name.

@@ -74,4 +74,31 @@ pub enum Error {
     /// The host protocol model timed out (a rank waited too long: a protocol bug).
     #[error("protocol model: {0}")]
     Model(String),
+    /// An error while running one fused node of a graph.
+    #[error("node {node}: {source}")]
+    Node {
+        /// The IR node id.
+        node: String,
+        /// What went wrong.
+        #[source]
+        source: Box<Error>,
+    },
+}
+
+impl Error {
+    /// This error attributed to IR node `node` (unchanged when it already names it).
+    pub fn in_node(self, node: &str) -> Error {
+        match self {
+            Error::Node { .. } => self,
+            Error::Invalid(ref m) | Error::Unsupported(ref m)
+                if m.starts_with(&format!("node {node}:")) =>
+            {
+                self
+            }
+            other => Error::Node {
+                node: node.to_string(),
+                source: Box::new(other),
+            },
+        }
+    }
 }

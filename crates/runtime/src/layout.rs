@@ -49,11 +49,11 @@ pub struct WorkspaceRequest {
 pub struct WorkspaceLayout {
     /// The request it was computed from.
     pub request: WorkspaceRequest,
-    /// One-shot state (u32[16]).
+    /// One-shot state (`u32[16]`).
     pub off_os_state: u64,
-    /// Two-shot epochs (u32[256]).
+    /// Two-shot epochs (`u32[256]`).
     pub off_ts_state: u64,
-    /// Two-shot flags (u32[256][W]).
+    /// Two-shot flags (`u32[256][W]`).
     pub off_ts_flags: u64,
     /// First Lamport buffer.
     pub off_lamport: u64,

@@ -5,12 +5,30 @@
 //! loading) and NVRTC (loaded at run time by [`nvrtc`]). Nothing here needs CUDA to
 //! build; every GPU entry point returns [`Error`] when the driver or NVRTC is absent.
 //!
+//! Running a lowered graph's fused node (W virtual ranks on one GPU):
+//!
+//! 1. [`node::NodeKernels::from_graph`] (graph, node id, world size): the kernel
+//!    variant for every token count of the node's plan, the workspace request, the
+//!    scalar arguments; everything the kernels cannot do is an error here, at load time.
+//! 2. [`cuda::Gpu::open`], then [`runner::NodeRunner::new`] and
+//!    [`runner::NodeRunner::prepare`] outside any capture: creates the workspace (plan's
+//!    backend first, then trtllm, then unfused; failures cached) and loads every kernel.
+//! 3. Allocate the tensors ([`runner::NodeTensors`] says what each holds; W slices at a
+//!    fixed per-rank stride), then [`runner::NodeRunner::launch`] per call or
+//!    [`runner::NodeRunner::capture`] once per capture size and replay the graphs.
+//!
 //! Module map:
+//! - [`node`]: IR fused node + plan -> variants per token count, workspace request.
+//! - [`runner`]: one node end to end (prepare, launch, capture, unfused path).
+//! - [`cuda`]: device probe, allocations, virtual-rank workspaces, launches, graphs.
+//! - [`workspace`]: the backend fallback chain with cached failures (device-independent).
 //! - [`variants`]: the kernel variants in `kernels/` and their NVRTC compilation.
 //! - [`nvrtc`]: finding and calling NVRTC (PyPI wheel, CUDA toolkit, or system).
 //! - [`protocol`]: host model of the one-shot / two-shot synchronisation protocols
 //!   (Rust threads as ranks, same layouts, sentinels and counters as the kernels).
 //! - [`layout`]: workspace and output byte sizes, with checked arithmetic.
+//! - [`check`]: the device-independent half of the GPU check (cases, inputs, expected
+//!   outputs from arfuse-reference's contract, comparison).
 //!
 //! Rounding contract of every kernel: see `kernels/arfuse_common.cuh` and
 //! [`protocol::allreduce_reference`].

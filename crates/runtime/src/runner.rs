@@ -17,8 +17,14 @@ use crate::variants::{self, Variant};
 use crate::workspace::{Acquired, Backend, WorkspaceManager};
 
 /// The tensors of one call, each with one slice per virtual rank (`ptr + r *
-/// rank_stride`); a zero `ptr` marks a dead output. `gamma` is `[H]` in the activation
-/// dtype; `scale_in` the fp32 static-FP8 or NVFP4 global scale (0 when unused).
+/// rank_stride`, the stride in bytes, at least the largest T's slice); a zero `ptr`
+/// marks a dead output (pass null for the outputs the node does not list). `gamma` is
+/// `[H]` in the activation dtype, or f32 when [`NodeKernels::gamma_f32`]; `scale_in`
+/// is the device address of the fp32 static-FP8 or NVFP4 global scale (required for
+/// those quants, 0 otherwise). In-place use: the fused kernels allow an output to alias
+/// its own input (`out == x`, `residual_out == residual_in`); the unfused path needs
+/// the norm or the residual output to overlap neither `x` nor `residual_in`, and
+/// returns an error otherwise.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NodeTensors {
     /// All-reduce input `[T, H]` per rank.
@@ -96,6 +102,11 @@ impl NodeRunner {
     /// [`Error::Capturing`] when called while the stream captures; NVRTC and driver
     /// errors while loading kernels.
     pub fn prepare(&mut self) -> Result<Prepared> {
+        let node = self.kernels.node.clone();
+        self.prepare_inner().map_err(|e| e.in_node(&node))
+    }
+
+    fn prepare_inner(&mut self) -> Result<Prepared> {
         if let Some(p) = &self.prepared {
             return Ok(p.clone());
         }
@@ -134,6 +145,11 @@ impl NodeRunner {
     /// an unfused call whose norm and residual outputs are both dead (the all-reduce
     /// result is staged in one of them); launch errors.
     pub fn launch(&mut self, tokens: u32, t: &NodeTensors) -> Result<Route> {
+        let node = self.kernels.node.clone();
+        self.launch_inner(tokens, t).map_err(|e| e.in_node(&node))
+    }
+
+    fn launch_inner(&mut self, tokens: u32, t: &NodeTensors) -> Result<Route> {
         let prepared = self.prepared.clone().ok_or_else(|| {
             Error::Invalid(format!(
                 "node {}: prepare() must run before the first launch (outside capture)",
@@ -141,6 +157,7 @@ impl NodeRunner {
             ))
         })?;
         let route = self.kernels.route(tokens)?;
+        check_tensors(&self.kernels, t)?;
         let k = self.kernels.clone();
         let (gpu, ws) = self.manager.parts(&k.request);
         let ws = match prepared {
@@ -171,6 +188,11 @@ impl NodeRunner {
     /// # Errors
     /// As [`NodeRunner::launch`]; capture errors.
     pub fn capture(&mut self, sizes: &[u32], t: &NodeTensors) -> Result<CaptureSet> {
+        let node = self.kernels.node.clone();
+        self.capture_inner(sizes, t).map_err(|e| e.in_node(&node))
+    }
+
+    fn capture_inner(&mut self, sizes: &[u32], t: &NodeTensors) -> Result<CaptureSet> {
         let prepared = self.prepared.clone().ok_or_else(|| {
             Error::Invalid(format!(
                 "node {}: prepare() must run before capture",
@@ -181,6 +203,7 @@ impl NodeRunner {
         for &s in sizes {
             k.route(s)?;
         }
+        check_tensors(&k, t)?;
         let (gpu, ws) = self.manager.parts(&k.request);
         let ws = match prepared {
             Prepared::Fused(_) => ws.map(|(_, w)| w),
@@ -191,6 +214,27 @@ impl NodeRunner {
             _ => launch_unfused_node(g, &k, tokens, t),
         })
     }
+}
+
+/// The inputs every call reads must be present (a null pointer would fault the kernel
+/// and lose the CUDA context).
+fn check_tensors(k: &NodeKernels, t: &NodeTensors) -> Result<()> {
+    use crate::variants::Quant;
+    let needs_scale = matches!(
+        k.epilogue.quant,
+        Quant::Fp8Static | Quant::Nvfp4Swizzled | Quant::Nvfp4Linear
+    );
+    for (missing, what) in [
+        (t.x.ptr == 0, "x"),
+        (k.epilogue.residual && t.residual_in.ptr == 0, "residual_in"),
+        (t.gamma == 0, "gamma"),
+        (needs_scale && t.scale_in == 0, "scale_in"),
+    ] {
+        if missing {
+            return Err(Error::Invalid(format!("tensor {what} is null")));
+        }
+    }
+    Ok(())
 }
 
 fn base_params(k: &NodeKernels, t: &NodeTensors) -> KernelParams {
@@ -339,5 +383,36 @@ mod tests {
         assert!(overlaps(x, extent(t(0x1000 + 4095), &k, 2)));
         assert!(!overlaps(x, extent(t(0x1000 + 4096), &k, 2)));
         assert!(!overlaps(x, None));
+    }
+
+    #[test]
+    fn null_inputs_are_errors_naming_the_tensor_and_the_node() {
+        let k = kernels();
+        let mut t = NodeTensors {
+            x: RankTensor {
+                ptr: 0x1000,
+                rank_stride: 1024,
+            },
+            residual_in: RankTensor {
+                ptr: 0x9000,
+                rank_stride: 1024,
+            },
+            gamma: 0x20000,
+            ..NodeTensors::default()
+        };
+        check_tensors(&k, &t).unwrap();
+        t.residual_in = RankTensor::default();
+        let e = check_tensors(&k, &t).unwrap_err().in_node("n");
+        assert_eq!(
+            e.to_string(),
+            "node n: invalid argument: tensor residual_in is null"
+        );
+        // A message that already names the node is not wrapped twice.
+        let routed = k.route(65).unwrap_err().in_node("n");
+        let text = routed.to_string();
+        assert!(
+            text.contains("node n: T = 65") && text.matches("node n").count() == 1,
+            "{text}"
+        );
     }
 }

@@ -255,7 +255,9 @@ impl Arch {
             Arch::Sm100a => "sm_100a",
         }
     }
-    /// Architecture for a compute capability `major * 10 + minor` (90, 100, 103, ...).
+    /// Architecture for a compute capability `major * 10 + minor`: 90 and 100 only.
+    /// SM 103 (B300), SM 120 and later get `None` (an `sm_100a` cubin does not load on
+    /// 10.3; no build for them yet), so the runtime refuses them with a clear error.
     pub fn for_sm(sm: u32) -> Option<Arch> {
         match sm {
             90 => Some(Arch::Sm90a),
