@@ -8,7 +8,7 @@
 //!    direct launch with every output live, once with only some outputs live (dead
 //!    outputs must stay untouched), and once more after `--replays` (default 1,000)
 //!    replays of a CUDA graph. One-shot and two-shot alternate on one workspace.
-//!    Then one fused node through the public API (`NodeKernels`, `NodeRunner`) with a
+//!    Then one fused node through the public API (`NodeKernels`, `runner::Runner`) with a
 //!    plan of one-shot, two-shot and unfused ranges, at both ends of every range,
 //!    directly and from per-size CUDA graphs (`node_check`).
 //! 2. Timings (W = 8 unless `--timing-world`): median microseconds per call replayed

@@ -10,12 +10,14 @@
 //! 1. [`node::NodeKernels::from_graph`] (graph, node id, world size): the kernel
 //!    variant for every token count of the node's plan, the workspace request, the
 //!    scalar arguments; everything the kernels cannot do is an error here, at load time.
-//! 2. [`cuda::Gpu::open`], then [`runner::NodeRunner::new`] and
-//!    [`runner::NodeRunner::prepare`] outside any capture: creates the workspace (plan's
-//!    backend first, then trtllm, then unfused; failures cached) and loads every kernel.
+//!    [`runner::Runner::for_graph`] does this for every fused node of a graph.
+//! 2. [`cuda::Gpu::open`], then [`runner::Runner::new`] + [`runner::Runner::add`] (or
+//!    `for_graph`) and [`runner::Runner::prepare`] outside any capture: creates the
+//!    workspaces (plan's backend first, then trtllm, then unfused; failures cached; nodes
+//!    with the same request share one) and loads every kernel.
 //! 3. Allocate the tensors ([`runner::NodeTensors`] says what each holds; W slices at a
-//!    fixed per-rank stride), then [`runner::NodeRunner::launch`] per call or
-//!    [`runner::NodeRunner::capture`] once per capture size and replay the graphs.
+//!    fixed per-rank stride), then [`runner::Runner::launch`] per call or
+//!    [`runner::Runner::capture`] once per capture size and replay the graphs.
 //!
 //! Module map:
 //! - [`node`]: IR fused node + plan -> variants per token count, workspace request.

@@ -2,10 +2,10 @@
 //! plan with the fallback chain, the route of every token count, the unfused path,
 //! and one CUDA graph per capture size.
 //!
-//! Order of use: [`NodeRunner::new`] (nothing on the device yet), [`NodeRunner::prepare`]
-//! outside any capture (creates the workspace, or records why none could be made, and
+//! Order of use: [`Runner::for_graph`] or [`Runner::new`] + [`Runner::add`] (nothing on
+//! the device yet), [`Runner::prepare`] outside any capture (creates the workspace, or records why none could be made, and
 //! compiles and loads every kernel any token count of the plan can route to), then
-//! [`NodeRunner::launch`] or [`NodeRunner::capture`] as often as needed: they never
+//! [`Runner::launch`] or [`Runner::capture`] (per node) as often as needed: they never
 //! allocate, compile or retry a failed backend, so they are safe inside a capture.
 //!
 //! NOT YET RUN ON A GPU (see `cuda`'s module note).
@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::node::{NodeKernels, Route};
 use crate::variants::{self, Variant};
 use crate::workspace::{Acquired, Backend, WorkspaceManager};
+use std::collections::BTreeMap;
 
 /// The tensors of one call, each with one slice per virtual rank (`ptr + r *
 /// rank_stride`, the stride in bytes, at least the largest T's slice); a zero `ptr`
@@ -49,7 +50,7 @@ pub struct NodeTensors {
     pub scale_in: u64,
 }
 
-/// What [`NodeRunner::prepare`] settled on.
+/// What [`Runner::prepare`] settled on for a node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Prepared {
     /// Fused ranges run fused with this backend's workspace.
@@ -59,106 +60,176 @@ pub enum Prepared {
     Unfused(Vec<String>),
 }
 
-/// Runs one fused node on the W virtual ranks of one GPU.
-pub struct NodeRunner {
+/// One node's state in a [`Runner`].
+struct NodeState {
     kernels: NodeKernels,
-    manager: WorkspaceManager<Gpu>,
     chain: Vec<Backend>,
     prepared: Option<Prepared>,
 }
 
-impl NodeRunner {
-    /// A runner for `kernels` on `gpu`. The fallback chain starts at the plan's
-    /// backend: mnnvl -> trtllm -> unfused, or trtllm -> unfused.
-    pub fn new(gpu: Gpu, kernels: NodeKernels) -> NodeRunner {
+/// Runs the fused nodes of a graph on the W virtual ranks of one GPU. Nodes with the
+/// same workspace request (world size, hidden size, dtype, token limits: every decoder
+/// layer of a model, typically) share ONE workspace, as the plan intends; all launches
+/// go to one stream, in call order.
+pub struct Runner {
+    manager: WorkspaceManager<Gpu>,
+    nodes: BTreeMap<String, NodeState>,
+}
+
+impl Runner {
+    /// A runner on `gpu` with no nodes yet.
+    pub fn new(gpu: Gpu) -> Runner {
+        Runner {
+            manager: WorkspaceManager::new(gpu),
+            nodes: BTreeMap::new(),
+        }
+    }
+
+    /// A runner for every fused node of `graph`, planned for world size `world`.
+    ///
+    /// # Errors
+    /// As [`NodeKernels::from_graph`], for the first node that fails.
+    pub fn for_graph(gpu: Gpu, graph: &arfuse_ir::Graph, world: u32) -> Result<Runner> {
+        let mut r = Runner::new(gpu);
+        for (_, n) in graph.nodes() {
+            if matches!(n.op, arfuse_ir::Op::FusedAllreduceNorm(_)) {
+                r.add(NodeKernels::from_graph(graph, &n.id, world)?)?;
+            }
+        }
+        Ok(r)
+    }
+
+    /// Adds a node. The fallback chain starts at its plan's backend: mnnvl -> trtllm
+    /// -> unfused, or trtllm -> unfused.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when a node with that id was added before.
+    pub fn add(&mut self, kernels: NodeKernels) -> Result<()> {
+        if self.nodes.contains_key(&kernels.node) {
+            return Err(Error::Invalid(format!("node {} added twice", kernels.node)));
+        }
         let chain = match kernels.backend {
             Backend::Mnnvl => vec![Backend::Mnnvl, Backend::Trtllm, Backend::Unfused],
             Backend::Trtllm => vec![Backend::Trtllm, Backend::Unfused],
             Backend::Unfused => vec![Backend::Unfused],
         };
-        NodeRunner {
-            kernels,
-            manager: WorkspaceManager::new(gpu),
-            chain,
-            prepared: None,
-        }
+        self.nodes.insert(
+            kernels.node.clone(),
+            NodeState {
+                kernels,
+                chain,
+                prepared: None,
+            },
+        );
+        Ok(())
     }
 
-    /// The node's launch description.
-    pub fn kernels(&self) -> &NodeKernels {
-        &self.kernels
+    /// The ids of the nodes, sorted.
+    pub fn node_ids(&self) -> impl Iterator<Item = &str> + '_ {
+        self.nodes.keys().map(String::as_str)
+    }
+
+    /// A node's launch description.
+    pub fn kernels(&self, node: &str) -> Option<&NodeKernels> {
+        self.nodes.get(node).map(|n| &n.kernels)
     }
 
     /// The GPU (for buffers and uploads).
     pub fn gpu(&mut self) -> &mut Gpu {
-        self.manager.parts(&self.kernels.request).0
+        self.manager.factory_mut()
     }
 
-    /// Creates the workspace (first backend of the chain that works; failures are
-    /// cached and never retried) and loads every kernel a token count of the plan can
-    /// route to. Idempotent.
+    /// How many distinct workspaces the prepared nodes use.
+    pub fn workspaces(&self) -> usize {
+        self.manager.live_count()
+    }
+
+    /// For every node: creates its workspace unless a node with the same request has
+    /// one (first backend of the chain that works; failures are cached and never
+    /// retried) and loads every kernel a token count of its plan can route to.
+    /// Idempotent. Returns what each node settled on.
     ///
     /// # Errors
     /// [`Error::Capturing`] when called while the stream captures; NVRTC and driver
-    /// errors while loading kernels.
-    pub fn prepare(&mut self) -> Result<Prepared> {
-        let node = self.kernels.node.clone();
-        self.prepare_inner().map_err(|e| e.in_node(&node))
+    /// errors while loading kernels (naming the node).
+    pub fn prepare(&mut self) -> Result<Vec<(String, Prepared)>> {
+        let ids: Vec<String> = self.nodes.keys().cloned().collect();
+        let mut out = Vec::with_capacity(ids.len());
+        let mut needed: Vec<Variant> = Vec::new();
+        for id in ids {
+            let p = self
+                .prepare_node(&id, &mut needed)
+                .map_err(|e| e.in_node(&id))?;
+            out.push((id, p));
+        }
+        self.gpu().preload(&needed, 4)?;
+        Ok(out)
     }
 
-    fn prepare_inner(&mut self) -> Result<Prepared> {
-        if let Some(p) = &self.prepared {
+    fn prepare_node(&mut self, id: &str, needed: &mut Vec<Variant>) -> Result<Prepared> {
+        let state = self
+            .nodes
+            .get(id)
+            .ok_or_else(|| Error::Invalid(format!("no node {id}")))?;
+        if let Some(p) = &state.prepared {
             return Ok(p.clone());
         }
-        let prepared = match self.manager.acquire(self.kernels.request, &self.chain)? {
+        let k = state.kernels.clone();
+        let chain = state.chain.clone();
+        let prepared = match self.manager.acquire(k.request, &chain)? {
             Acquired::Fused { backend, .. } => Prepared::Fused(backend),
             Acquired::Unfused { reasons } => Prepared::Unfused(reasons),
         };
-        let mut needed: Vec<Variant> = Vec::new();
-        for &(lo, _, _) in self.kernels.dispatch() {
-            match self.kernels.route(lo)? {
+        for &(lo, _, _) in k.dispatch() {
+            match k.route(lo)? {
                 Route::Fused(v) => needed.push(v),
                 Route::Unfused { local } => needed.push(local),
             }
         }
         // The unfused path serves every T when no workspace exists, and the T above
         // the fused range otherwise.
-        needed.push(variants::virtual_allreduce(
-            self.kernels.world,
-            self.kernels.dtype,
-        ));
+        needed.push(variants::virtual_allreduce(k.world, k.dtype));
         needed.push(Variant {
             kind: variants::KernelKind::Local,
-            dtype: self.kernels.dtype,
-            epilogue: self.kernels.epilogue,
+            dtype: k.dtype,
+            epilogue: k.epilogue,
         });
-        self.gpu().preload(&needed, 4)?;
-        self.prepared = Some(prepared.clone());
+        if let Some(s) = self.nodes.get_mut(id) {
+            s.prepared = Some(prepared.clone());
+        }
         Ok(prepared)
     }
 
-    /// Enqueues one call of `tokens` tokens (on the stream; inside a capture it is
-    /// recorded). Returns the route taken.
-    ///
-    /// # Errors
-    /// [`Error::Invalid`] before [`NodeRunner::prepare`], for a T outside the plan, or
-    /// an unfused call whose norm and residual outputs are both dead (the all-reduce
-    /// result is staged in one of them); launch errors.
-    pub fn launch(&mut self, tokens: u32, t: &NodeTensors) -> Result<Route> {
-        let node = self.kernels.node.clone();
-        self.launch_inner(tokens, t).map_err(|e| e.in_node(&node))
+    /// The node's description and settled workspace, or an error before `prepare`.
+    fn prepared(&self, node: &str) -> Result<(NodeKernels, Prepared)> {
+        let s = self
+            .nodes
+            .get(node)
+            .ok_or_else(|| Error::Invalid(format!("no node {node} in this runner")))?;
+        let p = s.prepared.clone().ok_or_else(|| {
+            Error::Invalid(
+                "prepare() must run before the first launch or capture (outside capture)".into(),
+            )
+        })?;
+        Ok((s.kernels.clone(), p))
     }
 
-    fn launch_inner(&mut self, tokens: u32, t: &NodeTensors) -> Result<Route> {
-        let prepared = self.prepared.clone().ok_or_else(|| {
-            Error::Invalid(format!(
-                "node {}: prepare() must run before the first launch (outside capture)",
-                self.kernels.node
-            ))
-        })?;
-        let route = self.kernels.route(tokens)?;
-        check_tensors(&self.kernels, t)?;
-        let k = self.kernels.clone();
+    /// Enqueues one call of node `node` with `tokens` tokens (on the stream; inside a
+    /// capture it is recorded). Returns the route taken.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for an unknown node, before [`Runner::prepare`], for a T
+    /// outside the plan, for null inputs, or an unfused call whose norm and residual
+    /// outputs both overlap an input or are dead; launch errors. All name the node.
+    pub fn launch(&mut self, node: &str, tokens: u32, t: &NodeTensors) -> Result<Route> {
+        self.launch_inner(node, tokens, t)
+            .map_err(|e| e.in_node(node))
+    }
+
+    fn launch_inner(&mut self, node: &str, tokens: u32, t: &NodeTensors) -> Result<Route> {
+        let (k, prepared) = self.prepared(node)?;
+        let route = k.route(tokens)?;
+        check_tensors(&k, t)?;
         let (gpu, ws) = self.manager.parts(&k.request);
         let ws = match prepared {
             Prepared::Fused(_) => ws.map(|(_, w)| w),
@@ -182,24 +253,18 @@ impl NodeRunner {
         }
     }
 
-    /// Captures one CUDA graph per size in `sizes`, each holding one call with tensors
-    /// `t` (the tensors must be large enough for the largest size).
+    /// Captures one CUDA graph per size in `sizes`, each holding one call of node
+    /// `node` with tensors `t` (large enough for the largest size).
     ///
     /// # Errors
-    /// As [`NodeRunner::launch`]; capture errors.
-    pub fn capture(&mut self, sizes: &[u32], t: &NodeTensors) -> Result<CaptureSet> {
-        let node = self.kernels.node.clone();
-        self.capture_inner(sizes, t).map_err(|e| e.in_node(&node))
+    /// As [`Runner::launch`]; capture errors.
+    pub fn capture(&mut self, node: &str, sizes: &[u32], t: &NodeTensors) -> Result<CaptureSet> {
+        self.capture_inner(node, sizes, t)
+            .map_err(|e| e.in_node(node))
     }
 
-    fn capture_inner(&mut self, sizes: &[u32], t: &NodeTensors) -> Result<CaptureSet> {
-        let prepared = self.prepared.clone().ok_or_else(|| {
-            Error::Invalid(format!(
-                "node {}: prepare() must run before capture",
-                self.kernels.node
-            ))
-        })?;
-        let k = self.kernels.clone();
+    fn capture_inner(&mut self, node: &str, sizes: &[u32], t: &NodeTensors) -> Result<CaptureSet> {
+        let (k, prepared) = self.prepared(node)?;
         for &s in sizes {
             k.route(s)?;
         }

@@ -87,6 +87,16 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
         &self.factory
     }
 
+    /// The factory, mutably (e.g. to allocate on the device it wraps).
+    pub fn factory_mut(&mut self) -> &mut F {
+        &mut self.factory
+    }
+
+    /// How many workspaces exist.
+    pub fn live_count(&self) -> usize {
+        self.live.len()
+    }
+
     /// How many times the factory's `create` was called (for tests and reports).
     pub fn attempts(&self) -> usize {
         self.attempts
