@@ -119,7 +119,7 @@ impl Case {
 
     /// Short pattern name: `ar`, `res_norm`, `norm_fp8tok`, ...
     pub fn pattern(&self) -> String {
-        pattern_name(self.epilogue)
+        self.epilogue.name()
     }
 
     /// Checks the case is one the kernels support.
@@ -232,25 +232,6 @@ impl Case {
             self.pattern(),
             self.tokens
         )
-    }
-}
-
-/// Pattern name of an epilogue, as in variant names (`ar`, `res_norm_fp8s`, ...).
-pub fn pattern_name(e: Epilogue) -> String {
-    let mut parts = Vec::new();
-    if e.residual {
-        parts.push("res");
-    }
-    if e.norm {
-        parts.push("norm");
-    }
-    if e.quant != Quant::None {
-        parts.push(e.quant.name());
-    }
-    if parts.is_empty() {
-        "ar".to_string()
-    } else {
-        parts.join("_")
     }
 }
 

@@ -413,12 +413,7 @@ impl Gpu {
         if self.capturing()? {
             return Err(Error::Capturing(format!("loading kernel {v}")));
         }
-        let arch = self.arch.ok_or_else(|| {
-            Error::Unsupported(format!(
-                "SM {} has no kernel build (SM 90 and 100 only)",
-                self.info.sm
-            ))
-        })?;
+        let arch = self.arch()?;
         let compiled = variants::compile(v, arch, false)?;
         self.load(v, &compiled)
     }
@@ -503,6 +498,16 @@ impl Gpu {
         )
     }
 
+    /// The NVRTC target of this device.
+    fn arch(&self) -> Result<Arch> {
+        self.arch.ok_or_else(|| {
+            Error::Unsupported(format!(
+                "SM {} has no kernel build (SM 90 and 100 only)",
+                self.info.sm
+            ))
+        })
+    }
+
     /// Compiles every variant of `variants` not loaded yet with NVRTC on up to
     /// `threads` threads (NVRTC is thread safe), then loads them, so nothing is
     /// compiled later (and never during capture).
@@ -513,12 +518,7 @@ impl Gpu {
         if self.capturing()? {
             return Err(Error::Capturing("preloading kernels".into()));
         }
-        let arch = self.arch.ok_or_else(|| {
-            Error::Unsupported(format!(
-                "SM {} has no kernel build (SM 90 and 100 only)",
-                self.info.sm
-            ))
-        })?;
+        let arch = self.arch()?;
         let mut todo: Vec<Variant> = variants
             .iter()
             .filter(|v| !self.kernels.contains_key(v))

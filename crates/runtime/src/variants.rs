@@ -167,7 +167,9 @@ impl Epilogue {
         norm: true,
         quant: Quant::None,
     };
-    fn name(&self) -> String {
+    /// Short pattern name used in variant names: `ar`, `res_norm`, `norm_fp8tok`,
+    /// `res_norm_nvfp4_swz`, ...
+    pub fn name(&self) -> String {
         let mut parts = Vec::new();
         if self.residual {
             parts.push("res");
