@@ -4,47 +4,9 @@
 
 use arfuse::policy::{resolve_backend, BackendDecision};
 use arfuse::{Graph, LowerOptions, Target};
-use std::path::{Path, PathBuf};
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-struct Fixture {
-    name: String,
-    graph: Graph,
-    options: serde_json::Value,
-}
-
-fn load(options_path: &Path) -> Fixture {
-    let name = options_path
-        .file_name()
-        .unwrap()
-        .to_string_lossy()
-        .trim_end_matches(".options.json")
-        .to_string();
-    let options: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(options_path).unwrap()).unwrap();
-    let graph_path = options_path.with_file_name(format!("{name}.json"));
-    let graph = Graph::from_json_slice(&std::fs::read(&graph_path).unwrap())
-        .unwrap_or_else(|e| panic!("{}: {e}", graph_path.display()));
-    Fixture {
-        name,
-        graph,
-        options,
-    }
-}
-
-fn fixtures() -> Vec<Fixture> {
-    let dir = root().join("ir-fixtures/models");
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.to_string_lossy().ends_with(".options.json"))
-        .collect();
-    paths.sort();
-    paths.iter().map(|p| load(p)).collect()
-}
+mod common;
+use common::{fixtures, load, root, Fixture};
 
 /// Hidden sizes of the graphs named in `shares_workspace_with` (a speculative-decoding
 /// draft and its target share one workspace).
@@ -87,12 +49,7 @@ fn every_model_lowers_for_every_target_with_the_expected_sites() {
     );
     for f in &all {
         let expected = f.options["expected_sites"].as_u64().unwrap() as usize;
-        let targets: Vec<String> = f.options["targets"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_str().unwrap().to_string())
-            .collect();
+        let targets = f.targets();
         assert!(!targets.is_empty(), "{}: no targets", f.name);
         for t in &targets {
             let target = Target::preset(t).unwrap();

@@ -3,39 +3,22 @@
 //! fused range, workspace within the Lamport limit) and routes every token count of
 //! its plan. No GPU needed: this is the launch description, not the launch.
 
-use arfuse::{Graph, Target};
+use arfuse::Target;
 use arfuse_runtime::node::{NodeKernels, Route};
 use arfuse_runtime::variants::{self, KernelKind};
-use std::path::PathBuf;
+
+mod common;
 
 #[test]
 fn every_fused_node_of_the_corpus_has_a_kernel_for_every_planned_token_count() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("ir-fixtures/models");
-    let mut options: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.to_string_lossy().ends_with(".options.json"))
-        .collect();
-    options.sort();
     let built = variants::all();
     let (mut nodes, mut graphs, mut gemma_f32_weights) = (0usize, 0usize, 0usize);
     let mut failures = Vec::new();
-    for path in &options {
-        let name = path
-            .file_name()
-            .unwrap()
-            .to_string_lossy()
-            .trim_end_matches(".options.json")
-            .to_string();
-        let opts: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
-        let graph =
-            Graph::from_json_slice(&std::fs::read(dir.join(format!("{name}.json"))).unwrap())
-                .unwrap();
-        for t in opts["targets"].as_array().unwrap() {
-            let t = t.as_str().unwrap();
-            let target = Target::preset(t).unwrap();
-            let lowered = arfuse::lower(&graph, &target).unwrap();
+    for f in common::fixtures() {
+        let (name, graph) = (&f.name, &f.graph);
+        for t in f.targets() {
+            let target = Target::preset(&t).unwrap();
+            let lowered = arfuse::lower(graph, &target).unwrap();
             graphs += 1;
             for (_, n) in lowered.graph.nodes() {
                 let arfuse::ir::Op::FusedAllreduceNorm(a) = &n.op else {

@@ -370,13 +370,19 @@ impl NodeKernels {
                 epilogue: self.epilogue,
             }),
             None => Route::Unfused {
-                local: Variant {
-                    kind: KernelKind::Local,
-                    dtype: self.dtype,
-                    epilogue: self.epilogue,
-                },
+                local: self.local_variant(),
             },
         })
+    }
+
+    /// The local kernel of the unfused path (residual add, RMSNorm, quant on the
+    /// all-reduced tensor).
+    pub fn local_variant(&self) -> Variant {
+        Variant {
+            kind: KernelKind::Local,
+            dtype: self.dtype,
+            epilogue: self.epilogue,
+        }
     }
 
     /// The runtime's workspace layout for this node (per rank).
@@ -471,7 +477,11 @@ mod tests {
         l.check_call(Strategy::OneShot, 10).unwrap();
         assert!(l.check_call(Strategy::OneShot, 11).is_err());
         l.check_call(Strategy::TwoShot, 42).unwrap();
-        assert_eq!(k.plan_workspace_bytes, 3_540_992);
+        // The runtime's own layout for this plan (three Lamport buffers for one-shot
+        // T <= 10, two-shot inboxes for M = 42, state and flags) against the plan's
+        // figure for FlashInfer's mnnvl allocation (3 x 1,179,648 + 2,048).
+        assert_eq!(l.per_rank_bytes, 4_064_512);
+        assert_eq!(k.plan_workspace_bytes, 3 * 1_179_648 + 2048);
         assert_eq!(k.eps, 1e-5f32);
         assert!(k.writes(FusedOutput::Residual) && !k.writes(FusedOutput::Quant));
     }

@@ -189,11 +189,7 @@ impl Runner {
         // The unfused path serves every T when no workspace exists, and the T above
         // the fused range otherwise.
         needed.push(variants::virtual_allreduce(k.world, k.dtype));
-        needed.push(Variant {
-            kind: variants::KernelKind::Local,
-            dtype: k.dtype,
-            epilogue: k.epilogue,
-        });
+        needed.push(k.local_variant());
         if let Some(s) = self.nodes.get_mut(id) {
             s.prepared = Some(prepared.clone());
         }
@@ -228,29 +224,24 @@ impl Runner {
 
     fn launch_inner(&mut self, node: &str, tokens: u32, t: &NodeTensors) -> Result<Route> {
         let (k, prepared) = self.prepared(node)?;
-        let route = k.route(tokens)?;
+        k.route(tokens)?;
         check_tensors(&k, t)?;
+        let (gpu, ws) = self.device(&k, &prepared);
+        launch_call(gpu, ws, &k, tokens, t)
+    }
+
+    /// The GPU and, when the node runs fused, its workspace.
+    fn device(
+        &mut self,
+        k: &NodeKernels,
+        prepared: &Prepared,
+    ) -> (&mut Gpu, Option<&VirtualWorkspace>) {
         let (gpu, ws) = self.manager.parts(&k.request);
         let ws = match prepared {
             Prepared::Fused(_) => ws.map(|(_, w)| w),
             Prepared::Unfused(_) => None,
         };
-        match (route, ws) {
-            (Route::Fused(v), Some(ws)) => {
-                launch_fused_node(gpu, ws, &k, v, tokens, t)?;
-                Ok(route)
-            }
-            _ => {
-                launch_unfused_node(gpu, &k, tokens, t)?;
-                Ok(Route::Unfused {
-                    local: Variant {
-                        kind: variants::KernelKind::Local,
-                        dtype: k.dtype,
-                        epilogue: k.epilogue,
-                    },
-                })
-            }
-        }
+        (gpu, ws)
     }
 
     /// Captures one CUDA graph per size in `sizes`, each holding one call of node
@@ -269,15 +260,33 @@ impl Runner {
             k.route(s)?;
         }
         check_tensors(&k, t)?;
-        let (gpu, ws) = self.manager.parts(&k.request);
-        let ws = match prepared {
-            Prepared::Fused(_) => ws.map(|(_, w)| w),
-            Prepared::Unfused(_) => None,
-        };
-        CaptureSet::capture(gpu, sizes, |g, tokens| match (k.route(tokens)?, ws) {
-            (Route::Fused(v), Some(ws)) => launch_fused_node(g, ws, &k, v, tokens, t),
-            _ => launch_unfused_node(g, &k, tokens, t),
+        let (gpu, ws) = self.device(&k, &prepared);
+        CaptureSet::capture(gpu, sizes, |g, tokens| {
+            launch_call(g, ws, &k, tokens, t).map(|_| ())
         })
+    }
+}
+
+/// One call of node `k`: fused when its route is fused and a workspace exists, else
+/// the unfused path. Returns the route taken.
+fn launch_call(
+    gpu: &mut Gpu,
+    ws: Option<&VirtualWorkspace>,
+    k: &NodeKernels,
+    tokens: u32,
+    t: &NodeTensors,
+) -> Result<Route> {
+    match (k.route(tokens)?, ws) {
+        (Route::Fused(v), Some(ws)) => {
+            launch_fused_node(gpu, ws, k, v, tokens, t)?;
+            Ok(Route::Fused(v))
+        }
+        _ => {
+            launch_unfused_node(gpu, k, tokens, t)?;
+            Ok(Route::Unfused {
+                local: k.local_variant(),
+            })
+        }
     }
 }
 
@@ -385,11 +394,7 @@ fn launch_unfused_node(gpu: &mut Gpu, k: &NodeKernels, tokens: u32, t: &NodeTens
     cuda::launch_local(
         gpu,
         &FusedCall {
-            variant: Variant {
-                kind: variants::KernelKind::Local,
-                dtype: k.dtype,
-                epilogue: k.epilogue,
-            },
+            variant: k.local_variant(),
             tokens,
             ranks: k.world,
             params: local,
