@@ -410,12 +410,47 @@ fn lower_cmd(
         }
     }
     let resolved_inputs: Vec<PathBuf> = inputs.iter().map(|i| resolved(i)).collect();
+    // Every other file the run reads: target files and the graphs' options files.
+    let mut read_files: Vec<PathBuf> = jobs
+        .iter()
+        .map(|(_, t)| Path::new(t))
+        .filter(|p| p.is_file())
+        .map(resolved)
+        .collect();
+    for input in &inputs {
+        let name = input
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let options =
+            input.with_file_name(format!("{}.options.json", name.trim_end_matches(".json")));
+        if options.is_file() {
+            read_files.push(resolved(&options));
+        }
+    }
     for o in out.iter().chain(dot.iter()) {
-        if resolved_inputs.contains(&resolved(o)) {
+        let r = resolved(o);
+        if resolved_inputs.contains(&r) {
             bail!(
                 "{} is an input graph; refusing to overwrite it",
                 o.display()
             );
+        }
+        if read_files.contains(&r) {
+            bail!(
+                "{} is a file this run reads (a target or options file); refusing to overwrite it",
+                o.display()
+            );
+        }
+        // A missing directory is reported now, not after the lowering.
+        if let Some(dir) = o.parent().filter(|d| !d.as_os_str().is_empty()) {
+            if !dir.is_dir() {
+                bail!(
+                    "{}: directory {} does not exist",
+                    o.display(),
+                    dir.display()
+                );
+            }
         }
     }
     // Every output path, decided (and checked) before anything is lowered or written.

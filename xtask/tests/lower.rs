@@ -243,3 +243,38 @@ fn two_inputs_with_one_default_output_are_refused_before_lowering() {
     assert!(e.contains("would both be written to"), "{e}");
     assert!(!e.contains("wrote "), "{e}");
 }
+
+#[test]
+fn out_never_overwrites_a_file_the_run_reads_and_a_missing_directory_fails_first() {
+    let tmp = TempDir::new("out-guard");
+    let target = tmp.path("t.toml");
+    std::fs::copy(root().join(EXAMPLE_TARGET), &target).unwrap();
+    let before = std::fs::read(&target).unwrap();
+    let o = lower(&[LLAMA, "--target", &target, "--out", &target]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("a file this run reads"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        std::fs::read(&target).unwrap(),
+        before,
+        "the target file was changed"
+    );
+    let options = "ir-fixtures/models/llama31_8b_tp8.options.json";
+    let before = std::fs::read(root().join(options)).unwrap();
+    let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", options]);
+    assert!(!o.status.success());
+    assert_eq!(std::fs::read(root().join(options)).unwrap(), before);
+    // A missing output directory: refused before lowering, so no report on stdout.
+    let missing = tmp.path("nodir/x.json");
+    let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", &missing]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("does not exist"), "{}", stderr(&o));
+    assert!(
+        o.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+}

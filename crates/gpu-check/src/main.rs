@@ -20,7 +20,7 @@
 //!    crate, run with the machine's `python3`), when PyTorch is there.
 //!
 //! Exit status: 0 every check passed; 1 a check failed or the GPU run errored; 2
-//! nothing was checked (no CUDA driver on this machine).
+//! nothing was checked (no CUDA driver on this machine); 64 bad arguments.
 
 mod node_check;
 
@@ -705,13 +705,17 @@ fn torch_baseline(args: &Args) {
     }
 }
 
-fn run(args: &Args) -> anyhow::Result<usize> {
+/// Checks every argument (before the GPU is opened).
+fn validate(args: &Args) -> anyhow::Result<()> {
     if args.replays == 0 || args.calls_per_graph == 0 {
         return Err(anyhow!(
             "--replays and --calls-per-graph must be at least 1"
         ));
     }
-    select_cases(args, true)?;
+    select_cases(args, true).map(|_| ())
+}
+
+fn run(args: &Args) -> anyhow::Result<usize> {
     let mut gpu = Gpu::open(0)?;
     let info = gpu.info().clone();
     let nv = arfuse_runtime::nvrtc::nvrtc()?;
@@ -740,17 +744,24 @@ fn run(args: &Args) -> anyhow::Result<usize> {
     Ok(failures)
 }
 
+/// Exit status for bad arguments (sysexits.h EX_USAGE), distinct from a failed check.
+const USAGE: u8 = 64;
+
 fn main() -> std::process::ExitCode {
-    // Usage errors exit 1 (as any run that checked nothing because of an error); exit 2
-    // is kept for "no CUDA driver".
+    // Exit status: 0 passed, 1 a check failed or the run errored, 2 no CUDA driver,
+    // 64 (EX_USAGE) bad arguments; --help and --version exit 0.
     let args = match Args::try_parse() {
         Ok(a) => a,
         Err(e) => {
             let usage = e.use_stderr();
             let _ = e.print();
-            return std::process::ExitCode::from(if usage { 1 } else { 0 });
+            return std::process::ExitCode::from(if usage { USAGE } else { 0 });
         }
     };
+    if let Err(e) = validate(&args) {
+        eprintln!("gpu_check: error: {e:#}");
+        return std::process::ExitCode::from(USAGE);
+    }
     match run(&args) {
         Ok(0) => {
             println!("\ngpu_check: all checks passed");
