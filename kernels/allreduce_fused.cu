@@ -11,16 +11,14 @@
 // every rank uses the same grid, so CTA b of one rank only ever exchanges data with
 // CTA b of the others.
 //
-// Workspace of each rank (offsets in ArfParams, computed by crates/runtime/src/layout.rs):
-//   os_state  u32[16]: [0] one-shot call counter n, [1] CTA arrival count,
-//             [2..5) bytes written into Lamport buffer i by the call that used it
-//   ts_state  u32[256]: two-shot barrier epoch per CTA
-//   ts_flags  u32[256][W]: two-shot barrier flags, [cta][source rank]
+// Workspace of each rank: arfuse's one layout, defined in the policy crate
+// (arfuse_policy::ArfuseLayout; offsets in ArfParams):
+//   state     u32 words: [0] call counter n, [1] CTA arrival count, [2..5) bytes the last
+//             call that used Lamport buffer i wrote into it (ARFUSE_STATE_BYTES)
 //   lamport   3 buffers of lamport_stride bytes, filled with -0.0 at creation
-//   scatter   W slots x ceil(T/W) tokens x H x e (two-shot reduce-scatter inbox)
-//   gather    T x H x e (two-shot all-gather inbox)
-// One-shot and two-shot keep separate state (os_* vs ts_*): switching strategy
-// between calls never desynchronises a shared counter.
+// Both strategies run in the current buffer n % 3 and share the one call counter, so a
+// graph may switch strategy (and T) between any two calls: there is no second counter
+// to desynchronise and no inbox a late peer could still be reading.
 #include "arfuse_common.cuh"
 
 #ifndef ARF_W
@@ -33,120 +31,150 @@
 #error "ARF_W must be 2, 4, 8 or 16"
 #endif
 
+// ---------------------------------------------------------------- the call protocol
+// Call n uses Lamport buffer n % 3 of every rank and re-fills with the sentinel the
+// buffer of call n - 1 ((n + 2) % 3), whose every written element this rank saw during
+// call n - 1. Why n - 1 and not n - 2 ((n + 1) % 3): a peer that has finished call n
+// may already be writing call n + 1 into buffer (n + 1) % 3 of this rank while this
+// rank is still inside call n; a peer reaches call n + 2 only after this rank wrote its
+// call n + 1 data (every call of either strategy sends data from every rank to every
+// rank; two-shot needs T >= W for that), i.e. after this kernel ended.
+struct ArfCall {
+  u64 ws;   // this rank's workspace
+  u64 cur;  // byte offset of this call's Lamport buffer in every rank's workspace
+};
+
+// Reads the call number and the previous buffer's used bytes (thread 0, into shared
+// memory), then re-fills this rank's share of the previous call's buffer.
+__device__ __forceinline__ ArfCall arf_call_begin(const ArfParams& p, int rank, u32& s_call) {
+  __shared__ u32 s_prev_used;
+  const u64 ws = p.peer[rank];
+  u32* st = reinterpret_cast<u32*>(ws + p.off_state);
+  if (threadIdx.x == 0) {
+    const u32 n = arf_ld_volatile_u32(reinterpret_cast<u64>(st));
+    s_call = n;
+    s_prev_used = arf_ld_volatile_u32(reinterpret_cast<u64>(st + 2 + (n + 2u) % 3u));
+  }
+  __syncthreads();
+  const u64 base = ws + p.off_lamport + (u64)((s_call + 2u) % 3u) * p.lamport_stride;
+  const u64 nv = (u64)s_prev_used / 16u;
+  const uint4 sent = make_uint4(ARF_SENTINEL_WORD, ARF_SENTINEL_WORD, ARF_SENTINEL_WORD, ARF_SENTINEL_WORD);
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += (u64)gridDim.x * blockDim.x)
+    arf_st(base + i * 16u, sent);
+  ArfCall c;
+  c.ws = ws;
+  c.cur = p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride;
+  return c;
+}
+
+// The last CTA of this rank to arrive advances the call counter and records the bytes
+// this call wrote into its buffer (what call n + 1 clears).
+__device__ __forceinline__ void arf_call_end(const ArfParams& p, int rank, u32 call, u64 used) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32* st = reinterpret_cast<u32*>(p.peer[rank] + p.off_state);
+    __threadfence();
+    const u32 arrived = atomicAdd(st + 1, 1u);
+    if (arrived == gridDim.x - 1u) {
+      st[1] = 0u;
+      st[2 + (call + 2u) % 3u] = 0u;
+      st[2 + call % 3u] = (u32)used;
+      __threadfence();
+      st[0] = call + 1u;
+    }
+  }
+}
+
+// Polls one 16-byte vector until no element holds the sentinel; on timeout (or when
+// another rank already gave up) sets *bail and returns what it last read.
+__device__ __forceinline__ uint4 arf_poll_vec(const ArfParams& p, u64 addr, ArfPoll& poll, volatile int* bail,
+                                              u32 code) {
+  uint4 d = arf_ld_sys(addr);
+  while (!arf_vec_ready(d) && !*bail) {
+    if (arf_poll_expired(poll, p, code)) {
+      *bail = 1;
+      break;
+    }
+    d = arf_ld_sys(addr);
+  }
+  return d;
+}
+
+// Sum of the W slots of one vector, polled, in rank order from +0.0 (contract v1
+// clause 1), rounded to T. Slot s of the vector is at base + s * slot_bytes.
+__device__ __forceinline__ uint4 arf_reduce_slots(const ArfParams& p, u64 base, u64 slot_bytes, ArfPoll& poll,
+                                                  volatile int* bail, u32 code) {
+  float acc[ARF_VEC];
+#pragma unroll
+  for (int i = 0; i < ARF_VEC; ++i) acc[i] = 0.0f;
+#pragma unroll 1
+  for (int s = 0; s < ARF_W; ++s) {
+    float f[ARF_VEC];
+    arf_unpack(arf_poll_vec(p, base + (u64)s * slot_bytes, poll, bail, code), f);
+#pragma unroll
+    for (int i = 0; i < ARF_VEC; ++i) acc[i] += f[i];
+  }
+  return arf_pack(acc);
+}
+
 #if ARF_STRATEGY == 1
 // ---------------------------------------------------------------- one-shot Lamport
-// Call n writes buffer n % 3 of every peer (slot = source rank), polls its own buffer
-// n % 3 until no element holds the sentinel, reduces in rank order, and re-fills with
-// the sentinel the buffer of call n - 1 ((n + 2) % 3), whose every element it saw
-// written during call n - 1. Why n - 1 and not n - 2 ((n + 1) % 3): a peer that has
-// finished call n may already be writing call n + 1 into buffer (n + 1) % 3 of this
-// rank while this rank is still inside call n; a peer reaches call n + 2 only after
-// this rank wrote its call n + 1 data, i.e. after this kernel ended.
+// Every rank writes its T tokens into slot `rank` of the current buffer of every peer
+// (slot s: bytes [s * T * H * e, (s + 1) * T * H * e)), polls its own buffer until no
+// element holds the sentinel, reduces in rank order and runs the epilogue.
+// Bytes used per buffer: W * T * H * e.
 __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vpt, int nvec, float* red) {
   const u64 row_bytes = (u64)p.H * ARF_EB;
   const u64 slot_bytes = (u64)p.T * row_bytes;
-  const u64 ws = p.peer[rank];
-  u32* os = reinterpret_cast<u32*>(ws + p.off_os_state);
-  __shared__ u32 s_call, s_prev_used;
+  __shared__ u32 s_call;
   __shared__ volatile int s_bail;
-  if (threadIdx.x == 0) {
-    const u32 n = arf_ld_volatile_u32(reinterpret_cast<u64>(os));
-    s_call = n;
-    s_prev_used = arf_ld_volatile_u32(reinterpret_cast<u64>(os + 2 + (n + 2u) % 3u));
-    s_bail = 0;
-  }
-  __syncthreads();
-  const u32 cur = s_call % 3u, prev = (s_call + 2u) % 3u;
-  const u64 cur_off = p.off_lamport + (u64)cur * p.lamport_stride;
+  if (threadIdx.x == 0) s_bail = 0;
+  const ArfCall c = arf_call_begin(p, rank, s_call);
 
-  // 1. Push this rank's tokens into slot `rank` of every peer's current buffer.
+  // 1. Push this rank's tokens (-0.0 written as +0.0: -0.0 is the sentinel).
   const u64 x = arf_rank_ptr(p.x, rank);
-  arf_fence_sys();  // order earlier writes (clears of previous calls) before the pushes
+  arf_fence_sys();  // order this kernel's clears (and earlier writes) before the pushes
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
       if (v < vpt && idx < nvec) {
         const uint4 d = arf_vec_scrub(arf_ld(x + (u64)t * row_bytes + (u64)idx * 16u));
-        const u64 off = cur_off + (u64)rank * slot_bytes + (u64)t * row_bytes + (u64)idx * 16u;
+        const u64 off = c.cur + (u64)rank * slot_bytes + (u64)t * row_bytes + (u64)idx * 16u;
 #pragma unroll
         for (int q = 0; q < ARF_W; ++q) arf_st_sys(p.peer[q] + off, d);
       }
     }
   }
 
-  // 2. Re-fill the previous call's buffer with the sentinel (this rank's share).
-  {
-    const u64 base = ws + p.off_lamport + (u64)prev * p.lamport_stride;
-    const u64 nv = (u64)s_prev_used / 16u;
-    const uint4 sent = make_uint4(ARF_SENTINEL_WORD, ARF_SENTINEL_WORD, ARF_SENTINEL_WORD, ARF_SENTINEL_WORD);
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += (u64)gridDim.x * blockDim.x)
-      arf_st(base + i * 16u, sent);
-  }
-
-  // 3. Poll, reduce in fixed rank order, epilogue. The buffer offset is re-derived
-  // from s_call per token (and again in step 4) rather than held in registers across
-  // the epilogue (see arf_tid).
+  // 2. Poll, reduce in fixed rank order, epilogue. The buffer offset is re-derived from
+  // s_call per token rather than held in registers across the epilogue (see arf_tid).
   ArfPoll poll = {0, 0};
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
-    const u64 tok_off = p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride + (u64)t * row_bytes;
+    const u64 tok = c.ws + p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride + (u64)t * row_bytes;
     uint4 a[ARF_MAX_VPT];
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
-      a[v] = make_uint4(0, 0, 0, 0);
-      if (v < vpt && idx < nvec) {
-        float acc[ARF_VEC];
-#pragma unroll
-        for (int i = 0; i < ARF_VEC; ++i) acc[i] = 0.0f;
-        const u64 base = ws + tok_off + (u64)idx * 16u;
-#pragma unroll 1
-        for (int s = 0; s < ARF_W; ++s) {
-          uint4 d = arf_ld_sys(base + (u64)s * slot_bytes);
-          while (!arf_vec_ready(d) && !s_bail) {
-            if (arf_poll_expired(poll, p, ARF_ERR_ONESHOT_TIMEOUT)) {
-              s_bail = 1;
-              break;
-            }
-            d = arf_ld_sys(base + (u64)s * slot_bytes);
-          }
-          float f[ARF_VEC];
-          arf_unpack(d, f);
-#pragma unroll
-          for (int i = 0; i < ARF_VEC; ++i) acc[i] += f[i];
-        }
-        a[v] = arf_pack(acc);
-      }
+      a[v] = (v < vpt && idx < nvec)
+                 ? arf_reduce_slots(p, tok + (u64)idx * 16u, slot_bytes, poll, &s_bail, ARF_ERR_ONESHOT_TIMEOUT)
+                 : make_uint4(0, 0, 0, 0);
     }
     arf_epilogue(p, rank, t, a, vpt, nvec, red);
   }
-
-  // 4. The last CTA of this rank advances the call counter and the bookkeeping.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const u32 arrived = atomicAdd(os + 1, 1u);
-    if (arrived == gridDim.x - 1u) {
-      const u32 n = s_call;  // this call; its buffer n % 3, previous (n + 2) % 3
-      os[1] = 0u;
-      os[2 + (n + 2u) % 3u] = 0u;
-      os[2 + n % 3u] = (u32)((u64)ARF_W * slot_bytes);
-      __threadfence();
-      os[0] = n + 1u;
-    }
-  }
+  arf_call_end(p, rank, s_call, (u64)ARF_W * slot_bytes);
 }
 #endif
 
 #if ARF_STRATEGY == 2
-// ---------------------------------------------------------------- two-shot
-// Token ownership: the first T % W ranks own ceil(T/W) tokens, the rest floor(T/W).
-// Inbox reuse between calls is safe on virtual ranks (one launch holds every rank and
-// launches are stream-ordered). With real ranks launching separately, a peer may start
-// call k+1 while this rank's other CTAs still read call k's inboxes; when T (and so the
-// row placement and the grid) differs between the two calls, CTA b' of the peer can
-// overwrite rows CTA b != b' still reads. Real peers need a call-entry barrier (or
-// double-buffered inboxes) before this kernel serves them.
+// ---------------------------------------------------------------- two-shot Lamport
+// Reduce-scatter then all-gather, both through the current Lamport buffer (no barrier):
+//   scatter rows  [0, W * R) * row: slot s (rows s * R ..) holds rank s's rows of the
+//                 tokens this rank owns, R = ceil(T / W)
+//   gather rows   [W * R, W * R + T) * row: token t's all-reduced row, from its owner
+// Bytes used per buffer: (W * R + T) * H * e <= 2 * ceil(T/W) * W * H * e, the policy's
+// two-shot formula. Token ownership: the first T % W ranks own ceil(T/W) tokens, the
+// rest floor(T/W); the planner runs two-shot only for T >= W, so every rank owns one.
 __device__ __forceinline__ int arf_owner_start(int o, int T) {
   const int base = T / ARF_W, rem = T % ARF_W;
   return o * base + (o < rem ? o : rem);
@@ -157,98 +185,69 @@ __device__ __forceinline__ int arf_owner_of(int t, int T) {
   return t < big ? t / (base + 1) : rem + (t - big) / base;
 }
 
-// Cross-rank barrier of CTA blockIdx.x: signal epoch `e` to every peer (release,
-// system scope), wait for every peer's signal (acquire). A peer can be at most one
-// barrier ahead, hence the wrap-safe ">=" test.
-__device__ __forceinline__ void arf_barrier(const ArfParams& p, int rank, u32 e, ArfPoll& poll, volatile int* bail) {
-  __syncthreads();
-  if (threadIdx.x < ARF_W) {
-    const int q = threadIdx.x;
-    arf_fence_sys();
-    arf_st_release_sys(p.peer[q] + p.off_ts_flags + ((u64)blockIdx.x * ARF_W + rank) * 4u, e);
-    const u64 mine = p.peer[rank] + p.off_ts_flags + ((u64)blockIdx.x * ARF_W + q) * 4u;
-    while ((int)(arf_ld_acquire_sys(mine) - e) < 0) {
-      if (arf_poll_expired(poll, p, ARF_ERR_TWOSHOT_TIMEOUT)) {
-        *bail = 1;
-        break;
-      }
-    }
-    arf_fence_sys();
-  }
-  __syncthreads();
-}
-
+// The all-gather carries the sums rounded to T as they are: none is ever -0.0, the
+// sentinel. The sum starts from +0.0, and IEEE addition gives -0.0 only for
+// -0.0 + -0.0, so a zero sum is +0.0; every partial sum of T values is a multiple of
+// T's smallest subnormal (2^-133 for bf16, 2^-24 for f16; f32 rounding of such a sum
+// stays on that grid), so a nonzero sum rounds to a nonzero T value; and a NaN is not
+// -0.0.
 __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vpt, int nvec, float* red) {
   const u64 row_bytes = (u64)p.H * ARF_EB;
-  const int rows_per_slot = (p.T + ARF_W - 1) / ARF_W;
-  const u64 ws = p.peer[rank];
-  u32* epoch_p = reinterpret_cast<u32*>(ws + p.off_ts_state) + blockIdx.x;
-  __shared__ u32 s_epoch;
+  const u64 rows = (u64)((p.T + ARF_W - 1) / ARF_W);
+  __shared__ u32 s_call;
   __shared__ volatile int s_bail;
-  if (threadIdx.x == 0) {
-    s_epoch = *epoch_p;
-    s_bail = 0;
-  }
-  __syncthreads();
-  // Barrier epochs are s_epoch + 1 and s_epoch + 2, read from shared memory where
-  // used instead of a register live across all three phases (see arf_tid).
-  ArfPoll poll = {0, 0};
+  if (threadIdx.x == 0) s_bail = 0;
+  const ArfCall c = arf_call_begin(p, rank, s_call);
   const u64 x = arf_rank_ptr(p.x, rank);
 
-  // 1. Reduce-scatter, push: token t goes to slot `rank` of its owner's inbox.
+  // 1. Reduce-scatter, push: token t goes to slot `rank` of its owner's buffer.
+  arf_fence_sys();  // order this kernel's clears (and earlier writes) before the pushes
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     const int o = arf_owner_of(t, p.T);
-    const u64 dst = p.peer[o] + p.off_scatter +
-                    ((u64)rank * rows_per_slot + (u64)(t - arf_owner_start(o, p.T))) * row_bytes;
+    const u64 dst = p.peer[o] + c.cur + ((u64)rank * rows + (u64)(t - arf_owner_start(o, p.T))) * row_bytes;
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
-      if (v < vpt && idx < nvec) arf_st_sys(dst + (u64)idx * 16u, arf_ld(x + (u64)t * row_bytes + (u64)idx * 16u));
+      if (v < vpt && idx < nvec)
+        arf_st_sys(dst + (u64)idx * 16u, arf_vec_scrub(arf_ld(x + (u64)t * row_bytes + (u64)idx * 16u)));
     }
   }
-  arf_barrier(p, rank, s_epoch + 1u, poll, &s_bail);
 
-  // 2. Reduce the owned tokens in rank order, round, all-gather to every rank.
+  // 2. Reduce the owned tokens (polled) in rank order, round, all-gather to every rank.
+  ArfPoll poll = {0, 0};
   const int my_start = arf_owner_start(rank, p.T);
   const int my_end = arf_owner_start(rank + 1, p.T);
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     if (t < my_start || t >= my_end) continue;
-    const u64 src = ws + p.off_scatter + (u64)(t - my_start) * row_bytes;
+    const u64 src = c.ws + p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride + (u64)(t - my_start) * row_bytes;
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
       if (v < vpt && idx < nvec) {
-        float acc[ARF_VEC];
-#pragma unroll
-        for (int i = 0; i < ARF_VEC; ++i) acc[i] = 0.0f;
-#pragma unroll 4
-        for (int s = 0; s < ARF_W; ++s) {
-          float f[ARF_VEC];
-          arf_unpack(arf_ld_sys(src + (u64)s * rows_per_slot * row_bytes + (u64)idx * 16u), f);
-#pragma unroll
-          for (int i = 0; i < ARF_VEC; ++i) acc[i] += f[i];
-        }
-        const uint4 r = arf_pack(acc);
-        const u64 off = p.off_gather + (u64)t * row_bytes + (u64)idx * 16u;
+        const uint4 r =
+            arf_reduce_slots(p, src + (u64)idx * 16u, rows * row_bytes, poll, &s_bail, ARF_ERR_TWOSHOT_TIMEOUT);
+        const u64 off = c.cur + ((u64)ARF_W * rows + (u64)t) * row_bytes + (u64)idx * 16u;
 #pragma unroll
         for (int q = 0; q < ARF_W; ++q) arf_st_sys(p.peer[q] + off, r);
       }
     }
   }
-  arf_barrier(p, rank, s_epoch + 2u, poll, &s_bail);
 
-  // 3. Every rank runs the epilogue on every token of this CTA.
+  // 3. Every rank polls the gathered rows of this CTA's tokens and runs the epilogue.
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
+    const u64 row = c.ws + p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride +
+                    ((u64)ARF_W * rows + (u64)t) * row_bytes;
     uint4 a[ARF_MAX_VPT];
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
-      a[v] = (v < vpt && idx < nvec) ? arf_ld_sys(ws + p.off_gather + (u64)t * row_bytes + (u64)idx * 16u)
-                                     : make_uint4(0, 0, 0, 0);
+      a[v] = (v < vpt && idx < nvec)
+                 ? arf_poll_vec(p, row + (u64)idx * 16u, poll, &s_bail, ARF_ERR_TWOSHOT_TIMEOUT)
+                 : make_uint4(0, 0, 0, 0);
     }
     arf_epilogue(p, rank, t, a, vpt, nvec, red);
   }
-  if (threadIdx.x == 0) *epoch_p = s_epoch + 2u;
+  arf_call_end(p, rank, s_call, ((u64)ARF_W * rows + (u64)p.T) * row_bytes);
 }
 #endif
 

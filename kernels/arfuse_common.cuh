@@ -52,8 +52,6 @@
 #endif
 
 #define ARF_MAX_RANKS 16
-// Two-shot barrier flags exist for this many CTAs per rank (workspace: W*256*4 bytes).
-#define ARF_MAX_CTAS 256
 
 #define ARF_Q_NONE 0
 #define ARF_Q_FP8_STATIC 1
@@ -105,25 +103,19 @@ struct ArfParams {
   ArfTensor scale_out;     // per-token / per-group / nvfp4 block scales
   u64 gamma;               // [H] T (or f32 when gamma_f32), shared by all ranks
   u64 scale_in;            // fp32[1]: static fp8 dequant scale or nvfp4 global scale
-  u64 off_os_state;        // workspace offsets (bytes), identical on every rank
-  u64 off_ts_state;
-  u64 off_ts_flags;
-  u64 off_lamport;
+  u64 off_state;           // workspace offsets (bytes), identical on every rank:
+  u64 off_lamport;         //   arfuse_policy::ArfuseLayout
   u64 lamport_stride;      // bytes of ONE Lamport buffer (3 rotate)
-  u64 off_scatter;
-  u64 off_gather;
   u64 err;                 // device address of a u32 error word
   u64 timeout_ns;          // polling gives up after this long (globaltimer ns)
   int T;                   // tokens of this call
   int H;                   // hidden size (elements)
   int rank_base;           // rank of blockIdx.y == 0
-  int max_tokens;          // tokens the workspace is sized for
   float eps;
   float weight_bias;       // 0 or 1 (Gemma-style norm weight stored as an offset)
   int gamma_f32;           // 1: gamma is f32 (Gemma's 1 + w.float()); 0: gamma is T
-  int pad1;
 };
-static_assert(sizeof(ArfParams) == 344, "ArfParams layout changed: update KernelParams in crates/runtime/src/cuda.rs");
+static_assert(sizeof(ArfParams) == 304, "ArfParams layout changed: update KernelParams in crates/runtime/src/cuda.rs");
 
 // ---------------------------------------------------------------- conversions
 __device__ __forceinline__ float arf_bits_to_f32(u32 b) {

@@ -18,7 +18,9 @@ use af::ir::{
     DType, Dim, Graph, InputKind, Node, NodeId, Op, Strategy as IrStrategy, SymbolRange,
     TensorType, Value,
 };
-use af::policy::{ActDtype, Backend, Interconnect, RequestedBackend, Strategy, Target};
+use af::policy::{
+    ActDtype, Backend, Interconnect, KernelLibrary, RequestedBackend, Strategy, Target,
+};
 use af::LowerError;
 
 /// Presets every graph of `fuzz_bytes` is lowered for: an SM 90 trtllm machine and an
@@ -118,15 +120,6 @@ fn count_ops(g: &Graph) -> (usize, usize) {
     (ar, fused)
 }
 
-fn act_dtype(d: DType) -> Option<ActDtype> {
-    match d {
-        DType::Bf16 => Some(ActDtype::Bf16),
-        DType::F16 => Some(ActDtype::F16),
-        DType::F32 => Some(ActDtype::F32),
-        _ => None,
-    }
-}
-
 /// Checks what [`af::lower`] returned for `input` and `target`:
 ///
 /// - the output validates, and writes + reloads to itself;
@@ -210,16 +203,20 @@ pub fn check_lowered(input: &Graph, target: &Target, lowered: &af::Lowered) {
             panic!("fused node {} has no input type", n.id)
         };
         let h = x.shape.last().and_then(Dim::as_const).unwrap_or(0);
-        let dtype = act_dtype(x.dtype);
-        let backend = match plan.backend {
-            af::ir::Backend::Trtllm => Backend::Trtllm,
-            af::ir::Backend::Mnnvl => Backend::Mnnvl,
-        };
+        let dtype = x.dtype.activation();
+        let ws = &plan.workspace;
+        let (kernels, backend) = (ws.kernels, ws.backend);
+        assert_eq!(
+            kernels, target.kernels,
+            "{}: the plan is for other kernels",
+            n.id
+        );
         assert!(!plan.dispatch.is_empty(), "{}: empty dispatch", n.id);
         assert!(
-            plan.lamport_buffer_bytes <= plan.workspace_bytes,
-            "{}: one Lamport buffer is larger than the workspace",
-            n.id
+            ws.problems().is_empty(),
+            "{}: the workspace has problems: {:?}",
+            n.id,
+            ws.problems()
         );
         let mut next = 1u64;
         for d in &plan.dispatch {
@@ -247,6 +244,7 @@ pub fn check_lowered(input: &Graph, target: &Target, lowered: &af::Lowered) {
             }
             let dtype = dtype.unwrap_or_else(|| panic!("{}: fused a {} activation", n.id, x.dtype));
             let need = af::policy::required_bytes(
+                kernels,
                 backend,
                 strategy,
                 d.max_tokens,
@@ -255,35 +253,45 @@ pub fn check_lowered(input: &Graph, target: &Target, lowered: &af::Lowered) {
                 dtype,
             )
             .unwrap_or_else(|e| panic!("{}: a planned range has no byte count: {e}", n.id));
-            let expect =
-                recompute_bytes(backend, strategy, d.max_tokens, h, target.world_size, dtype)
-                    .unwrap_or_else(|| panic!("{}: bytes of a planned range overflow u64", n.id));
-            assert_eq!(need, expect, "{}: required_bytes disagrees", n.id);
-            // A range clipped to the graph's token counts may carry the bytes of the
-            // policy's unclipped range (larger: conservative), never fewer.
-            assert!(
-                d.required_bytes >= need,
-                "{}: T={} needs {need} bytes, the plan says {}",
-                n.id,
+            let expect = recompute_bytes(
+                kernels,
+                backend,
+                strategy,
                 d.max_tokens,
-                d.required_bytes
+                h,
+                target.world_size,
+                dtype,
+            )
+            .unwrap_or_else(|| panic!("{}: bytes of a planned range overflow u64", n.id));
+            assert_eq!(need, expect, "{}: required_bytes disagrees", n.id);
+            // Every range (also one clipped to the graph's token counts) states the
+            // bytes of its own last T.
+            assert_eq!(
+                d.required_bytes, need,
+                "{}: T={} needs {need} bytes, the plan says {}",
+                n.id, d.max_tokens, d.required_bytes
             );
-            if strategy == Strategy::OneShot || backend == Backend::Mnnvl {
+            let in_lamport = strategy == Strategy::OneShot
+                || backend == Backend::Mnnvl
+                || kernels == KernelLibrary::Arfuse;
+            if in_lamport {
                 assert!(
-                    d.required_bytes <= plan.lamport_buffer_bytes,
+                    d.required_bytes <= ws.lamport_buffer_bytes,
                     "{}: T={} needs {need} bytes, one Lamport buffer has {}",
                     n.id,
                     d.max_tokens,
-                    plan.lamport_buffer_bytes
+                    ws.lamport_buffer_bytes
                 );
             }
         }
     }
 }
 
-/// domain.md §5 byte counts, recomputed independently: one-shot and trtllm two-shot
-/// `T*H*W*e`, mnnvl two-shot `2*ceil(T/W)*W*H*e`; `None` on overflow.
+/// domain.md §5 byte counts, recomputed independently: one-shot and FlashInfer trtllm
+/// two-shot `T*H*W*e`, every other two-shot (arfuse's kernels, FlashInfer mnnvl)
+/// `2*ceil(T/W)*W*H*e`; `None` on overflow.
 pub fn recompute_bytes(
+    kernels: KernelLibrary,
     backend: Backend,
     strategy: Strategy,
     t: u64,
@@ -293,10 +301,11 @@ pub fn recompute_bytes(
 ) -> Option<u64> {
     let w = u64::from(w);
     let row = h.checked_mul(w)?.checked_mul(dtype.element_bytes())?;
-    match (backend, strategy) {
-        (_, Strategy::Unfused) => Some(0),
-        (_, Strategy::OneShot) | (Backend::Trtllm, Strategy::TwoShot) => t.checked_mul(row),
-        (Backend::Mnnvl, Strategy::TwoShot) => 2u64.checked_mul(t.div_ceil(w))?.checked_mul(row),
+    match (kernels, backend, strategy) {
+        (_, _, Strategy::Unfused) => Some(0),
+        (_, _, Strategy::OneShot)
+        | (KernelLibrary::Flashinfer, Backend::Trtllm, Strategy::TwoShot) => t.checked_mul(row),
+        (_, _, Strategy::TwoShot) => 2u64.checked_mul(t.div_ceil(w))?.checked_mul(row),
     }
 }
 
@@ -382,7 +391,7 @@ pub fn gen_target(s: &mut Src) -> Target {
     let all = s.chance(64);
     let changes = if all { 16 } else { s.below(4) };
     for _ in 0..changes {
-        match s.below(12) {
+        match s.below(13) {
             0 => t.sm = s.pick(&[0, 80, 89, 90, 100, 103, 110, 120, u32::MAX]),
             1 => t.world_size = s.pick(&[0, 1, 2, 3, 4, 6, 8, 16, 36, 72, 73, u32::MAX]),
             2 => t.group_nodes = s.pick(&[0, 1, 2, 4, 9, u32::MAX]),
@@ -406,6 +415,7 @@ pub fn gen_target(s: &mut Src) -> Target {
                 t.compile_range_boundaries = (0..n).map(|_| token_count(s)).collect();
             }
             9 => t.num_speculative_tokens = s.pick(&[0, 1, 3, 7, u64::MAX]),
+            11 => t.kernels = s.pick(&[KernelLibrary::Arfuse, KernelLibrary::Flashinfer]),
             10 => {
                 t.deterministic = s.chance(128);
                 t.requested_backend = s.pick(&[

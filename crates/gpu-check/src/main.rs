@@ -29,7 +29,6 @@ use arfuse_runtime::check::{self, Case, Inputs, Liveness, RankOutputs, FILL_BYTE
 use arfuse_runtime::cuda::{
     self, DeviceBuffer, FusedCall, Gpu, KernelParams, RankTensor, VirtualWorkspace,
 };
-use arfuse_runtime::layout::WorkspaceRequest;
 use arfuse_runtime::variants::{Dtype, Epilogue, KernelKind, Quant, Strategy, Variant};
 use arfuse_runtime::Error;
 use clap::Parser;
@@ -226,10 +225,32 @@ fn download_outputs(gpu: &Gpu, io: &Io, case: &Case) -> anyhow::Result<Vec<RankO
         .collect())
 }
 
+/// An arfuse workspace (trtllm mapping: virtual ranks on one GPU) whose one Lamport
+/// buffer holds either strategy up to `max_t` tokens: one-shot's `T*W*H*e` is the
+/// larger of the two needs.
+fn check_workspace(
+    world: u32,
+    hidden: u32,
+    dtype: Dtype,
+    max_t: u32,
+) -> anyhow::Result<arfuse_policy::Workspace> {
+    let need = u64::from(max_t) * u64::from(world) * u64::from(hidden) * dtype.bytes() as u64;
+    let ws = arfuse_policy::Workspace::arfuse(
+        arfuse_policy::Backend::Trtllm,
+        world,
+        u64::from(hidden),
+        dtype.policy(),
+        Some(u64::from(max_t)),
+        arfuse_policy::Workspace::arfuse_buffer_for(need)?,
+    )?;
+    Ok(ws)
+}
+
 fn fused_call(case: &Case, p: KernelParams) -> FusedCall {
     FusedCall {
         variant: case.variant(),
         tokens: case.tokens,
+        hidden: case.hidden,
         ranks: case.world,
         params: p,
     }
@@ -400,17 +421,8 @@ fn correctness(gpu: &mut Gpu, args: &Args) -> anyhow::Result<usize> {
     groups.sort();
     groups.dedup();
     for (world, dtype) in groups {
-        let ws = VirtualWorkspace::create(
-            gpu,
-            WorkspaceRequest {
-                world,
-                hidden: args.hidden,
-                dtype,
-                max_tokens: max_t,
-                oneshot_max_tokens: max_t,
-            },
-        )
-        .with_context(|| format!("workspace W={world} {}", dtype.name()))?;
+        let ws = VirtualWorkspace::create(gpu, &check_workspace(world, args.hidden, dtype, max_t)?)
+            .with_context(|| format!("workspace W={world} {}", dtype.name()))?;
         let io = Io::new(gpu, world, dtype, args.hidden, max_t)?;
         for case in cases
             .iter()
@@ -531,16 +543,7 @@ fn timings(gpu: &mut Gpu, args: &Args) -> anyhow::Result<()> {
     let copy_gbs = 2.0 * big as f64 / (median(copy) * 1e-3) / 1e9;
     println!("\ndevice-to-device copy: {copy_gbs:.0} GB/s (1 GiB, read + write)");
     let max_t = *check::TOKENS.iter().max().unwrap_or(&1);
-    let ws = VirtualWorkspace::create(
-        gpu,
-        WorkspaceRequest {
-            world,
-            hidden,
-            dtype,
-            max_tokens: max_t,
-            oneshot_max_tokens: max_t,
-        },
-    )?;
+    let ws = VirtualWorkspace::create(gpu, &check_workspace(world, hidden, dtype, max_t)?)?;
     let io = Io::new(gpu, world, dtype, hidden, max_t)?;
     let mut quants = vec![Quant::None, Quant::Fp8PerToken];
     if gpu.info().sm >= 100 {
@@ -614,6 +617,7 @@ fn timings(gpu: &mut Gpu, args: &Args) -> anyhow::Result<()> {
                         epilogue: Epilogue::AR_ONLY,
                     },
                     tokens,
+                    hidden,
                     ranks: world,
                     params: ar_p,
                 };
@@ -626,6 +630,7 @@ fn timings(gpu: &mut Gpu, args: &Args) -> anyhow::Result<()> {
                         epilogue: e,
                     },
                     tokens,
+                    hidden,
                     ranks: world,
                     params: local_p,
                 };
@@ -673,7 +678,7 @@ fn timings(gpu: &mut Gpu, args: &Args) -> anyhow::Result<()> {
             }
         }
     }
-    let per_rank = ws.layout.per_rank_bytes;
+    let per_rank = ws.layout.bytes_per_rank;
     println!(
         "workspace: {} bytes allocated for {world} virtual ranks = {world} x {per_rank} (layout per rank), nothing more",
         ws.memory.bytes()

@@ -6,8 +6,8 @@
 
 use anyhow::anyhow;
 use arfuse_ir::{
-    Backend as IrBackend, DType, DispatchRange, FusedAllReduceNorm, FusedOutput, FusedPlan,
-    FusedQuant, Strategy as IrStrategy,
+    DType, DispatchRange, FusedAllReduceNorm, FusedOutput, FusedPlan, FusedQuant,
+    Strategy as IrStrategy,
 };
 use arfuse_runtime::check::{self, Case, RankOutputs, FILL_BYTE};
 use arfuse_runtime::cuda::{DeviceBuffer, Gpu, RankTensor};
@@ -23,19 +23,23 @@ const MAX_T: u32 = 1024;
 /// Token counts checked: both ends of every range.
 const TOKENS: [u32; 6] = [1, 16, 17, 128, 129, 1024];
 
-fn attrs(quant: FusedQuant, hidden: u32) -> FusedAllReduceNorm {
+fn attrs(quant: FusedQuant, hidden: u32) -> anyhow::Result<FusedAllReduceNorm> {
     let range = |lo, hi, strategy| DispatchRange {
         min_tokens: lo,
         max_tokens: hi,
         strategy,
         required_bytes: 0,
     };
-    let lamport = ONE_SHOT_MAX * u64::from(WORLD) * u64::from(hidden) * 2;
+    // One buffer for one-shot to 16 tokens and two-shot to 128 (bf16):
+    // max(16 * W * H * 2, 2 * ceil(128 / W) * W * H * 2).
+    let row = u64::from(hidden) * 2;
+    let w = u64::from(WORLD);
+    let need = (ONE_SHOT_MAX * w * row).max(2 * TWO_SHOT_MAX.div_ceil(w) * w * row);
     let mut outputs = vec![FusedOutput::Norm, FusedOutput::Residual];
     if quant != FusedQuant::None {
         outputs.extend([FusedOutput::Quant, FusedOutput::Scale]);
     }
-    FusedAllReduceNorm {
+    Ok(FusedAllReduceNorm {
         group: "tp".into(),
         eps: check::EPS,
         weight_bias: 0.0,
@@ -43,18 +47,23 @@ fn attrs(quant: FusedQuant, hidden: u32) -> FusedAllReduceNorm {
         quant,
         outputs,
         plan: Some(FusedPlan {
-            backend: IrBackend::Trtllm,
             pattern_code: 0,
             max_token_num: TWO_SHOT_MAX,
-            workspace_bytes: 3 * lamport,
-            lamport_buffer_bytes: lamport,
+            workspace: arfuse_policy::Workspace::arfuse(
+                arfuse_policy::Backend::Trtllm,
+                WORLD,
+                u64::from(hidden),
+                arfuse_policy::ActDtype::Bf16,
+                Some(TWO_SHOT_MAX),
+                arfuse_policy::Workspace::arfuse_buffer_for(need)?,
+            )?,
             dispatch: vec![
                 range(1, ONE_SHOT_MAX, IrStrategy::OneShot),
                 range(ONE_SHOT_MAX + 1, TWO_SHOT_MAX, IrStrategy::TwoShot),
                 range(TWO_SHOT_MAX + 1, u64::from(MAX_T), IrStrategy::Unfused),
             ],
         }),
-    }
+    })
 }
 
 /// W ranks' tensors at a fixed per-rank stride (the largest T), as an engine holds them.
@@ -107,7 +116,7 @@ pub fn run(hidden: u32, replays: u32) -> anyhow::Result<usize> {
     );
     let mut failures = 0;
     for quant in [FusedQuant::None, FusedQuant::Fp8PerToken] {
-        let a = attrs(quant, hidden);
+        let a = attrs(quant, hidden)?;
         let kernels = NodeKernels::new(
             "gpu_check.node",
             &a,

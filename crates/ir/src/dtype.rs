@@ -73,6 +73,17 @@ impl DType {
         matches!(self, DType::I32 | DType::I64)
     }
 
+    /// The activation dtype a fused kernel runs on (bf16, f16, f32), in the policy's
+    /// terms; `None` for every other type.
+    pub const fn activation(self) -> Option<arfuse_policy::ActDtype> {
+        match self {
+            DType::Bf16 => Some(arfuse_policy::ActDtype::Bf16),
+            DType::F16 => Some(arfuse_policy::ActDtype::F16),
+            DType::F32 => Some(arfuse_policy::ActDtype::F32),
+            _ => None,
+        }
+    }
+
     /// The name used in JSON and text.
     pub const fn name(self) -> &'static str {
         match self {

@@ -118,15 +118,8 @@ pub enum FusedOutput {
     Scale,
 }
 
-/// Device algorithm of a fused node (domain.md section 3).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Backend {
-    /// CUDA IPC peer buffers inside one node.
-    Trtllm,
-    /// NVLink multicast buffers.
-    Mnnvl,
-}
+/// Device algorithm of a fused node (domain.md section 3): the policy's one definition.
+pub use arfuse_policy::Backend;
 
 /// How a given token count runs (domain.md section 4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -140,6 +133,26 @@ pub enum Strategy {
     Unfused,
 }
 
+impl From<Strategy> for arfuse_policy::Strategy {
+    fn from(s: Strategy) -> arfuse_policy::Strategy {
+        match s {
+            Strategy::OneShot => arfuse_policy::Strategy::OneShot,
+            Strategy::TwoShot => arfuse_policy::Strategy::TwoShot,
+            Strategy::Unfused => arfuse_policy::Strategy::Unfused,
+        }
+    }
+}
+
+impl From<arfuse_policy::Strategy> for Strategy {
+    fn from(s: arfuse_policy::Strategy) -> Strategy {
+        match s {
+            arfuse_policy::Strategy::OneShot => Strategy::OneShot,
+            arfuse_policy::Strategy::TwoShot => Strategy::TwoShot,
+            arfuse_policy::Strategy::Unfused => Strategy::Unfused,
+        }
+    }
+}
+
 /// Tokens `min_tokens..=max_tokens` run with `strategy`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -150,7 +163,9 @@ pub struct DispatchRange {
     pub max_tokens: u64,
     /// The strategy.
     pub strategy: Strategy,
-    /// Bytes of ONE Lamport buffer the largest T of the range needs (0 when unfused).
+    /// Bytes of the buffer its strategy uses that the largest T of the range needs
+    /// (one Lamport buffer; FlashInfer trtllm's two-shot: its comm buffer); 0 when
+    /// unfused. Checked on load against the workspace's rule.
     #[serde(default)]
     pub required_bytes: u64,
 }
@@ -159,18 +174,29 @@ pub struct DispatchRange {
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FusedPlan {
-    /// Device algorithm.
-    pub backend: Backend,
     /// FlashInfer's pattern code for the fused kernel (domain.md section 1).
     pub pattern_code: u32,
-    /// Largest token count the workspace is sized for (M).
+    /// Largest token count that may be fused (M, tokens).
     pub max_token_num: u64,
-    /// Workspace bytes per rank (the whole allocation).
-    pub workspace_bytes: u64,
-    /// Bytes of one Lamport buffer.
-    pub lamport_buffer_bytes: u64,
+    /// The workspace the dispatch was proven against, exactly as the kernels the plan
+    /// names allocate it (kernels, backend, W, dtype, hidden size, buffer bytes per
+    /// rank): the policy's [`arfuse_policy::Workspace`]. Shared by every fused node of
+    /// the same group and dtype.
+    pub workspace: arfuse_policy::Workspace,
     /// Strategy by token range, covering 1..=max batched tokens.
     pub dispatch: Vec<DispatchRange>,
+}
+
+impl FusedPlan {
+    /// The device algorithm (the workspace's backend).
+    pub fn backend(&self) -> Backend {
+        self.workspace.backend
+    }
+
+    /// The kernels the plan is for.
+    pub fn kernels(&self) -> arfuse_policy::KernelLibrary {
+        self.workspace.kernels
+    }
 }
 
 /// Attributes of the fused all-reduce + (residual add) + RMSNorm (+ quant) node.

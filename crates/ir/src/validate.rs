@@ -675,29 +675,20 @@ impl Checker<'_> {
 }
 
 impl Checker<'_> {
-    /// A plan carried by a fused node is never trusted as written: its dispatch must
-    /// cover 1..=N without gaps or overlaps, fused ranges must stay within
-    /// `max_token_num` and ONE Lamport buffer (trtllm two-shot: the workspace), that
-    /// buffer within the workspace, and
-    /// each fused range must state at least the bytes its largest T must move (every
-    /// token's row once: `T * H * e`; the exact figure depends on W and the backend and
-    /// is re-checked by `arfuse_policy::verify`).
+    /// A plan carried by a fused node is never trusted as written: its workspace must
+    /// be sound and belong to the node (dtype, a hidden size at least the node's, the
+    /// graph's recorded world size), its dispatch must cover 1..=N without gaps or
+    /// overlaps, and every fused range must stay within `max_token_num`, run where the
+    /// workspace's capacity rule ([`arfuse_policy::Workspace::misfit`], the one the
+    /// planner and the runtime use) admits it at both ends, and state exactly the bytes
+    /// its largest T needs.
     fn plan(&mut self, plan: &crate::op::FusedPlan, h: u64, dtype: DType) {
-        use crate::op::Strategy;
+        let ws = &plan.workspace;
+        self.plan_workspace(ws, h, dtype);
         let mut next = 1u64;
         if plan.dispatch.is_empty() {
             self.err(ProblemKind::Attribute, "plan: the dispatch is empty");
         }
-        if plan.lamport_buffer_bytes > plan.workspace_bytes {
-            self.err(
-                ProblemKind::Attribute,
-                format!(
-                    "plan: one Lamport buffer of {} bytes is larger than the whole workspace of {} bytes",
-                    plan.lamport_buffer_bytes, plan.workspace_bytes
-                ),
-            );
-        }
-        let row = h.checked_mul(dtype.size_bytes());
         for (k, r) in plan.dispatch.iter().enumerate() {
             let at = format!(
                 "plan: dispatch[{k}] (T={}..={})",
@@ -714,47 +705,96 @@ impl Checker<'_> {
                 Some(n) => n,
                 None => return,
             };
-            if r.strategy == Strategy::Unfused {
-                continue;
+            if r.strategy != crate::op::Strategy::Unfused {
+                self.plan_fused_range(plan, r, &at, h);
             }
-            if r.max_tokens > plan.max_token_num {
-                self.err(
-                    ProblemKind::Attribute,
-                    format!("{at}: fused above max_token_num {}", plan.max_token_num),
-                );
-            }
-            // One-shot always runs in one Lamport buffer. Two-shot does too on mnnvl, but
-            // trtllm's two-shot uses its comm buffer, which the plan does not carry: it is
-            // bounded by the whole workspace here and checked exactly by the policy.
-            let (cap, what) = match (r.strategy, plan.backend) {
-                (Strategy::TwoShot, crate::op::Backend::Trtllm) => {
-                    (plan.workspace_bytes, "the whole workspace holds")
-                }
-                _ => (plan.lamport_buffer_bytes, "one Lamport buffer holds"),
-            };
-            if r.required_bytes > cap {
+        }
+    }
+
+    fn plan_workspace(&mut self, ws: &arfuse_policy::Workspace, h: u64, dtype: DType) {
+        for problem in ws.problems() {
+            self.err(
+                ProblemKind::Attribute,
+                format!("plan: workspace: {problem}"),
+            );
+        }
+        if dtype.activation() != Some(ws.dtype) {
+            self.err(
+                ProblemKind::Attribute,
+                format!(
+                    "plan: the workspace is for {} activations, the node's are {dtype}",
+                    ws.dtype
+                ),
+            );
+        }
+        if ws.hidden < h {
+            self.err(
+                ProblemKind::Attribute,
+                format!(
+                    "plan: the workspace is sized for H={}, the node has H={h}",
+                    ws.hidden
+                ),
+            );
+        }
+        if let Some(w) = self.g.recorded_world_size() {
+            if w != u64::from(ws.world_size) {
                 self.err(
                     ProblemKind::Attribute,
                     format!(
-                        "{at}: {:?} needs {} bytes, {what} {cap}",
-                        r.strategy, r.required_bytes
+                        "plan: the workspace is for W={} but the graph records world size {w}",
+                        ws.world_size
                     ),
                 );
             }
-            match row.and_then(|row| row.checked_mul(r.max_tokens)) {
-                Some(floor) if r.required_bytes >= floor => {}
-                Some(floor) => self.err(
+        }
+    }
+
+    fn plan_fused_range(
+        &mut self,
+        plan: &crate::op::FusedPlan,
+        r: &crate::op::DispatchRange,
+        at: &str,
+        h: u64,
+    ) {
+        let ws = &plan.workspace;
+        let s = arfuse_policy::Strategy::from(r.strategy);
+        if r.max_tokens > plan.max_token_num {
+            self.err(
+                ProblemKind::Attribute,
+                format!("{at}: fused above max_token_num {}", plan.max_token_num),
+            );
+        }
+        // The rule is monotone in T: T >= W is decided at the first T of the range,
+        // the bytes at its last.
+        for t in [r.min_tokens, r.max_tokens] {
+            match ws.misfit(s, t, h) {
+                Ok(None) => {}
+                Ok(Some(arfuse_policy::Misfit::BelowWorldSize { world_size })) => self.err(
+                    ProblemKind::Attribute,
+                    format!("{at}: {s} needs T >= W = {world_size}, T={t}"),
+                ),
+                Ok(Some(arfuse_policy::Misfit::TooLarge {
+                    required_bytes,
+                    available_bytes,
+                })) => self.err(
                     ProblemKind::Attribute,
                     format!(
-                        "{at}: states {} bytes, below the {floor} bytes T={} rows of {h} {dtype} elements occupy",
-                        r.required_bytes, r.max_tokens
+                        "{at}: {s} at T={t} needs {required_bytes} bytes, its buffer holds {available_bytes}"
                     ),
                 ),
-                None => self.err(
-                    ProblemKind::Overflow,
-                    format!("{at}: the byte count of T={} rows overflows u64", r.max_tokens),
-                ),
+                Err(e) => self.err(ProblemKind::Overflow, format!("{at}: {e}")),
             }
+        }
+        match ws.required_bytes(s, r.max_tokens, h) {
+            Ok(need) if need == r.required_bytes => {}
+            Ok(need) => self.err(
+                ProblemKind::Attribute,
+                format!(
+                    "{at}: states {} bytes, but {s} at T={} needs {need}",
+                    r.required_bytes, r.max_tokens
+                ),
+            ),
+            Err(e) => self.err(ProblemKind::Overflow, format!("{at}: {e}")),
         }
     }
 }

@@ -10,20 +10,26 @@
 //! ## The model
 //!
 //! 1. A [`Target`] describes the all-reduce group (SM, W, nodes, multicast,
-//!    interconnect) and the engine (dtype, max batched tokens, capture sizes,
+//!    interconnect), the engine (dtype, max batched tokens, capture sizes,
 //!    compile-range boundaries, speculative tokens, deterministic mode, requested
-//!    backend, size cap). Load it from TOML or a named preset.
+//!    backend, size cap) and the kernels planned for ([`KernelLibrary`]: arfuse's own,
+//!    the default, or FlashInfer's). Load it from TOML or a named preset.
 //! 2. [`resolve_backend`] picks `mnnvl`, `trtllm` or no fusion (§3). An explicit
 //!    backend the machine cannot run is an error naming the fix.
 //! 3. The size table gives the largest eligible per-rank input; with the widest hidden
 //!    size H sharing the workspace it gives `max_token_num` M (§4). A missing table
 //!    entry is a visible "no fusion" reason.
-//! 4. One [`Workspace`] per (group, backend, dtype) is sized for M at the widest H
-//!    (§5), or given from outside. Capacity is always one Lamport buffer.
-//! 5. For each T in `1..=max planned`, the preferred strategy (vLLM's selector, which
-//!    defers to FlashInfer's AUTO rule for mnnvl; §4) is used only when the call fits;
-//!    otherwise the other fused strategy (two-shot only for T >= W), otherwise unfused.
-//!    In deterministic mode the plan is one-shot for every T or no fusion at all.
+//! 4. One [`Workspace`] per (group, backend, dtype) at the widest H, or given from
+//!    outside. FlashInfer's kernels: FlashInfer's sizing for M (§5). arfuse's kernels:
+//!    exactly what the dispatch uses, in arfuse's one layout ([`ArfuseLayout`]: a state
+//!    block and three Lamport buffers that both strategies share), which the runtime
+//!    allocates from this same definition. Capacity is always one buffer, decided by
+//!    one rule ([`Workspace::misfit`]).
+//! 5. For each T in `1..=max planned`, the preferred strategy (arfuse's kernels: one-shot
+//!    iff `T*H*W*e <= 1 MiB`; FlashInfer's: vLLM's selector, which defers to
+//!    FlashInfer's AUTO rule for mnnvl; §4) is used only when the call fits; otherwise
+//!    the other fused strategy (two-shot only for T >= W), otherwise unfused. In
+//!    deterministic mode the plan is one-shot for every T or no fusion at all.
 //! 6. The result is a [`Plan`] of token ranges, each with its bytes and reason, and
 //!    [`verify`] re-checks any plan against any workspace.
 //!
@@ -36,23 +42,32 @@
 //!   [`Plan::dispatch_for_hidden`], [`Plan::strategy_for_hidden`],
 //!   [`Plan::with_strategy`], [`Plan::trigger_completion_at_end`], [`Plan::summary`]
 //! - [`verify`] -> `Vec<`[`Violation`]`>`
-//! - [`Workspace::sized`], [`Workspace::mnnvl`], [`Workspace::trtllm`],
-//!   [`Workspace::mnnvl_from_buffer`], [`Workspace::mnnvl_from_allocation`],
-//!   [`required_bytes`]
+//! - [`Workspace::arfuse`], [`Workspace::arfuse_layout`], [`Workspace::flashinfer`],
+//!   [`Workspace::flashinfer_mnnvl`], [`Workspace::flashinfer_trtllm`],
+//!   [`Workspace::flashinfer_mnnvl_from_buffer`],
+//!   [`Workspace::flashinfer_mnnvl_from_allocation`], [`required_bytes`],
+//!   [`Workspace::misfit`], [`Workspace::capacity_tokens`]
 //! - Rules and tables: [`vllm_one_shot_selector`], [`mnnvl_auto_one_shot`],
 //!   [`flashinfer_trtllm_auto_one_shot`], [`preferred_strategy`],
 //!   [`trigger_completion_at_end`], [`max_bytes_entry`], [`trtllm_one_shot_bound`],
 //!   [`max_token_num`], [`trtllm_lamport_max_tokens`]
 //!
 //! ```
-//! use arfuse_policy::{plan, Strategy, Target};
+//! use arfuse_policy::{plan, KernelLibrary, Strategy, Target};
 //!
 //! // The seed failure's machine: 8x H200, GLM-5 style H = 6144, bf16.
 //! let target = Target::preset("h200-sxm-x8")?;
 //! let p = plan(&target, &[6144])?;
 //! assert_eq!(p.max_token_num, 42);
-//! assert_eq!(p.workspace.as_ref().unwrap().lamport_buffer_bytes, 1_179_648);
 //! assert_eq!(p.strategy_for(40)?, Strategy::TwoShot); // one-shot would need 3,932,160
+//! // arfuse's kernels: one buffer for one-shot to T=10 and two-shot to 42.
+//! let ws = p.workspace.as_ref().unwrap();
+//! assert_eq!(ws.lamport_buffer_bytes, 1_179_648);
+//! assert_eq!(ws.total_bytes_per_rank, 256 + 3 * 1_179_648);
+//! // FlashInfer's kernels, sized by FlashInfer's formulas (domain.md §5).
+//! let fi = Target { kernels: KernelLibrary::Flashinfer, ..target };
+//! let p = plan(&fi, &[6144])?;
+//! assert_eq!(p.workspace.as_ref().unwrap().total_bytes_per_rank, 3 * 1_179_648 + 2048);
 //! # Ok::<(), arfuse_policy::PolicyError>(())
 //! ```
 
@@ -77,9 +92,12 @@ pub use backend::{
 pub use bytes::MIB;
 pub use error::{PolicyError, Result};
 pub use limits::{
-    check_hidden, max_bytes_entry, max_token_num, row_bytes, row_unsupported_reason,
-    trtllm_lamport_max_tokens, trtllm_one_shot_bound, LAMPORT_MAX_COMM_BYTES, MAX_BYTES_TABLE,
-    MAX_ROW_BYTES, MIN_ROW_BYTES, TRTLLM_ONE_SHOT_TABLE, VECTOR_BYTES,
+    arfuse_block_threads, check_hidden, group_quant_unsupported_reason, max_bytes_entry,
+    max_token_num, row_bytes, row_unsupported_reason, trtllm_lamport_max_tokens,
+    trtllm_one_shot_bound, ARFUSE_MAX_BLOCK_THREADS, ARFUSE_MAX_ROW_BYTES,
+    ARFUSE_MAX_VECTORS_PER_THREAD, ARFUSE_MIN_BLOCK_THREADS, FP8_GROUP_SIZE,
+    LAMPORT_MAX_COMM_BYTES, MAX_BYTES_TABLE, MAX_ROW_BYTES, MIN_ROW_BYTES, TRTLLM_ONE_SHOT_TABLE,
+    VECTOR_BYTES,
 };
 pub use plan::{
     plan, plan_with_workspace, DispatchRange, Plan, PointSource, SiteDispatch, TokenPoint,
@@ -89,9 +107,10 @@ pub use strategy::{
     trigger_completion_at_end, vllm_one_shot_selector, Strategy, VllmSelection,
     FLASHINFER_TRTLLM_AUTO_MIB, MNNVL_AUTO_ONE_SHOT_BYTES, PDL_ADVANCE_LAUNCH_TOKENS,
 };
-pub use target::{ActDtype, Interconnect, RequestedBackend, Target};
+pub use target::{ActDtype, Interconnect, KernelLibrary, RequestedBackend, Target};
 pub use verify::{verify, Violation};
 pub use workspace::{
-    required_bytes, Workspace, LAMPORT_ALIGN_BYTES, LAMPORT_BUFFER_COUNT, MNNVL_SIGNAL_PAD_BYTES,
-    TRTLLM_BARRIER_FLAG_COUNT, TRTLLM_FLAG_BYTES, TWO_SHOT_STAGES,
+    required_bytes, ArfuseLayout, Misfit, Workspace, ARFUSE_BUFFER_ALIGN_BYTES, ARFUSE_STATE_BYTES,
+    LAMPORT_ALIGN_BYTES, LAMPORT_BUFFER_COUNT, MNNVL_SIGNAL_PAD_BYTES, TRTLLM_BARRIER_FLAG_COUNT,
+    TRTLLM_FLAG_BYTES, TWO_SHOT_STAGES,
 };

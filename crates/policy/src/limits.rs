@@ -4,7 +4,7 @@
 
 use crate::bytes::{self, MIB};
 use crate::error::{PolicyError, Result};
-use crate::target::ActDtype;
+use crate::target::{ActDtype, KernelLibrary};
 
 /// Max all-reduce input bytes per rank eligible for fusion, by (SM, W): vLLM's tuned
 /// table (domain.md §4). A missing (SM, W) pair means "no fusion", with a reason.
@@ -56,6 +56,57 @@ pub const MAX_ROW_BYTES: u64 = 65_536 * 2;
 
 /// Vector width of the kernels' loads and stores: a row must be a multiple of it (§6).
 pub const VECTOR_BYTES: u64 = 16;
+
+/// Most threads per block of arfuse's kernels (`__launch_bounds__(1024)` in
+/// `kernels/`).
+pub const ARFUSE_MAX_BLOCK_THREADS: u64 = 1024;
+
+/// Fewest threads per block of arfuse's kernels: four full warps, so no block
+/// reduction runs on a partial warp (sub-warp blocks hung public kernels; §6).
+pub const ARFUSE_MIN_BLOCK_THREADS: u64 = 128;
+
+/// 16-byte vectors one thread of arfuse's kernels keeps in registers between the two
+/// RMSNorm passes (`ARF_MAX_VPT` in `kernels/arfuse_common.cuh`).
+pub const ARFUSE_MAX_VECTORS_PER_THREAD: u64 = 4;
+
+/// Most bytes per token row arfuse's kernels run: 1024 threads x 4 vectors x 16 bytes
+/// = 65,536 (H = 32,768 at bf16, 16,384 at f32).
+pub const ARFUSE_MAX_ROW_BYTES: u64 =
+    ARFUSE_MAX_BLOCK_THREADS * ARFUSE_MAX_VECTORS_PER_THREAD * VECTOR_BYTES;
+
+/// Elements per group of the fused per-token-group FP8 epilogue: DeepSeek-style block
+/// quant, group 128 (domain.md §1), the one group size arfuse's kernels are built for.
+pub const FP8_GROUP_SIZE: u64 = 128;
+
+/// Why the fused kernels cannot quantise per-token groups of `group_size` elements, or
+/// `None` when they can (only [`FP8_GROUP_SIZE`]).
+pub fn group_quant_unsupported_reason(group_size: u64) -> Option<String> {
+    (group_size != FP8_GROUP_SIZE).then(|| {
+        format!(
+            "the fused kernels quantise groups of {FP8_GROUP_SIZE} elements, not \
+             {group_size}"
+        )
+    })
+}
+
+/// Threads per block arfuse's kernels launch for a token of `hidden` elements: the
+/// fewest vectors per thread (at most [`ARFUSE_MAX_VECTORS_PER_THREAD`]) within
+/// [`ARFUSE_MAX_BLOCK_THREADS`], rounded up to whole warps, at least
+/// [`ARFUSE_MIN_BLOCK_THREADS`]. H = 4096 bf16 -> 512; H = 32,768 bf16 -> 1024.
+///
+/// Errors: [`PolicyError::InvalidHidden`] with [`row_unsupported_reason`]'s sentence
+/// when arfuse's kernels cannot run the row.
+pub fn arfuse_block_threads(hidden: u64, dtype: ActDtype) -> Result<u32> {
+    check_hidden(hidden, dtype)?;
+    if let Some(reason) = row_unsupported_reason(KernelLibrary::Arfuse, hidden, dtype)? {
+        return Err(PolicyError::InvalidHidden { hidden, reason });
+    }
+    let vectors = row_bytes(hidden, dtype)? / VECTOR_BYTES;
+    let per_thread = vectors.div_ceil(ARFUSE_MAX_BLOCK_THREADS);
+    let threads = vectors.div_ceil(per_thread).div_ceil(32) * 32;
+    // At most 1024 by construction (per_thread >= vectors / 1024).
+    Ok(threads.max(ARFUSE_MIN_BLOCK_THREADS) as u32)
+}
 
 fn lookup(table: &[(u32, u32, u64)], sm: u32, w: u32) -> Option<u64> {
     table
@@ -111,12 +162,24 @@ pub fn check_hidden(hidden: u64, dtype: ActDtype) -> Result<()> {
     Ok(())
 }
 
-/// Why a (valid) hidden size cannot be fused, or `None` when it can: rows under
-/// [`MIN_ROW_BYTES`] or not a multiple of [`VECTOR_BYTES`] (domain.md §6).
+/// Why `kernels` cannot fuse a (valid) hidden size, or `None` when they can: rows under
+/// [`MIN_ROW_BYTES`] or not a multiple of [`VECTOR_BYTES`] (domain.md §6), and for
+/// arfuse's kernels rows above [`ARFUSE_MAX_ROW_BYTES`].
 ///
 /// Errors: [`PolicyError::Overflow`].
-pub fn row_unsupported_reason(hidden: u64, dtype: ActDtype) -> Result<Option<String>> {
+pub fn row_unsupported_reason(
+    kernels: KernelLibrary,
+    hidden: u64,
+    dtype: ActDtype,
+) -> Result<Option<String>> {
     let row = row_bytes(hidden, dtype)?;
+    if kernels == KernelLibrary::Arfuse && row > ARFUSE_MAX_ROW_BYTES {
+        return Ok(Some(format!(
+            "H = {hidden} at {dtype} is a row of {row} bytes; arfuse's kernels hold at most \
+             {ARFUSE_MAX_VECTORS_PER_THREAD} vectors of {VECTOR_BYTES} bytes per thread in \
+             blocks of {ARFUSE_MAX_BLOCK_THREADS} threads ({ARFUSE_MAX_ROW_BYTES} bytes)"
+        )));
+    }
     if row % VECTOR_BYTES != 0 {
         return Ok(Some(format!(
             "H = {hidden} at {dtype} is a row of {row} bytes, not a multiple of the \
@@ -220,13 +283,48 @@ mod tests {
         assert!(check_hidden(u64::MAX, ActDtype::F32).is_err());
         assert_eq!(check_hidden(65_536, ActDtype::Bf16), Ok(()));
         assert!(check_hidden(65_536, ActDtype::F32).is_err());
-        assert_eq!(row_unsupported_reason(256, ActDtype::Bf16), Ok(None));
-        assert!(row_unsupported_reason(128, ActDtype::Bf16)
+        for k in [KernelLibrary::Arfuse, KernelLibrary::Flashinfer] {
+            assert_eq!(row_unsupported_reason(k, 256, ActDtype::Bf16), Ok(None));
+            assert!(row_unsupported_reason(k, 128, ActDtype::Bf16)
+                .unwrap()
+                .is_some());
+            assert!(row_unsupported_reason(k, 260, ActDtype::Bf16)
+                .unwrap()
+                .is_some());
+            assert_eq!(row_unsupported_reason(k, 128, ActDtype::F32), Ok(None));
+        }
+        // arfuse's kernels stop at 64 KiB rows, FlashInfer's at 128 KiB.
+        let ar = |h, d| row_unsupported_reason(KernelLibrary::Arfuse, h, d).unwrap();
+        let fi = |h, d| row_unsupported_reason(KernelLibrary::Flashinfer, h, d).unwrap();
+        assert_eq!(ar(32_768, ActDtype::Bf16), None);
+        assert!(ar(32_776, ActDtype::Bf16).unwrap().contains("65536 bytes"));
+        assert_eq!(fi(65_536, ActDtype::Bf16), None);
+        assert_eq!(ar(16_384, ActDtype::F32), None);
+        assert!(ar(16_388, ActDtype::F32).is_some());
+    }
+
+    #[test]
+    fn only_group_128_is_fused() {
+        assert_eq!(group_quant_unsupported_reason(128), None);
+        assert!(group_quant_unsupported_reason(64)
             .unwrap()
-            .is_some());
-        assert!(row_unsupported_reason(260, ActDtype::Bf16)
-            .unwrap()
-            .is_some());
-        assert_eq!(row_unsupported_reason(128, ActDtype::F32), Ok(None));
+            .contains("groups of 128 elements, not 64"));
+    }
+
+    #[test]
+    fn arfuse_block_threads_worked_examples() {
+        // 16-byte vectors: H=4096 bf16 is 512 vectors -> 512 threads, one each.
+        assert_eq!(arfuse_block_threads(4096, ActDtype::Bf16), Ok(512));
+        // H=7168 bf16: 896 vectors -> 896 threads.
+        assert_eq!(arfuse_block_threads(7168, ActDtype::Bf16), Ok(896));
+        // H=16384 bf16: 2048 vectors -> 2 per thread, 1024 threads.
+        assert_eq!(arfuse_block_threads(16_384, ActDtype::Bf16), Ok(1024));
+        // H=2880 bf16 (gpt-oss): 360 vectors -> 360 rounded up to 384 threads.
+        assert_eq!(arfuse_block_threads(2880, ActDtype::Bf16), Ok(384));
+        // Small rows still get 128 threads; 32,768 bf16 is the last that fits.
+        assert_eq!(arfuse_block_threads(256, ActDtype::Bf16), Ok(128));
+        assert_eq!(arfuse_block_threads(32_768, ActDtype::Bf16), Ok(1024));
+        assert!(arfuse_block_threads(32_776, ActDtype::Bf16).is_err());
+        assert!(arfuse_block_threads(250, ActDtype::Bf16).is_err());
     }
 }

@@ -12,9 +12,9 @@ use crate::bytes;
 use crate::error::{PolicyError, Result};
 use crate::limits;
 use crate::strategy::{self, Strategy, PDL_ADVANCE_LAUNCH_TOKENS};
-use crate::target::{ActDtype, Target};
+use crate::target::{ActDtype, KernelLibrary, Target};
 use crate::verify::{verify_inner, Violation};
-use crate::workspace::Workspace;
+use crate::workspace::{Misfit, Workspace};
 
 /// Consecutive token counts that share one strategy and one reason.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -121,6 +121,8 @@ pub struct TokenPoint {
 pub struct Plan {
     /// Fuse with a backend, or not; with the reason.
     pub decision: BackendDecision,
+    /// The kernels the plan is for (their layout, capacity and strategy rule).
+    pub kernels: KernelLibrary,
     /// Compute capability the plan was made for.
     pub sm: u32,
     /// W, ranks in the group.
@@ -140,6 +142,10 @@ pub struct Plan {
     pub max_token_num: u64,
     /// The workspace the dispatch was checked against; `None` when not fusing.
     pub workspace: Option<Workspace>,
+    /// For a plan of arfuse's kernels: what FlashInfer's default sizing would allocate
+    /// for the same target, backend, hidden size and M ([`Workspace::flashinfer`]), for
+    /// comparison; `None` otherwise.
+    pub flashinfer_workspace: Option<Workspace>,
     /// One dispatch per distinct hidden size, widest first (the workspace's H).
     pub sites: Vec<SiteDispatch>,
     /// Capture sizes, compile-range boundaries and speculative multiples, each checked.
@@ -170,8 +176,18 @@ enum Fail {
     DoesNotFit,
 }
 
+impl From<Misfit> for Fail {
+    fn from(m: Misfit) -> Fail {
+        match m {
+            Misfit::BelowWorldSize { .. } => Fail::BelowWorldSize,
+            Misfit::TooLarge { .. } => Fail::DoesNotFit,
+        }
+    }
+}
+
 /// Everything the per-T rule needs, borrowed from a plan.
 struct Ctx<'a> {
+    kernels: KernelLibrary,
     backend: Backend,
     sm: u32,
     w: u32,
@@ -191,11 +207,7 @@ fn other(s: Strategy) -> Strategy {
 
 impl Ctx<'_> {
     fn fail(&self, s: Strategy, t: u64, h: u64) -> Result<Option<Fail>> {
-        if s == Strategy::TwoShot && t < u64::from(self.w) {
-            return Ok(Some(Fail::BelowWorldSize));
-        }
-        let need = self.ws.required_bytes(s, t, h)?;
-        Ok((need > self.ws.available_bytes(s)).then_some(Fail::DoesNotFit))
+        Ok(self.ws.misfit(s, t, h)?.map(Fail::from))
     }
 
     /// The rule for one T: the preferred strategy if it fits, else the other fused one
@@ -204,8 +216,15 @@ impl Ctx<'_> {
         if t > self.m {
             return Ok((Strategy::Unfused, Why::AboveMaxTokenNum));
         }
-        let preferred =
-            strategy::preferred_strategy(self.backend, self.sm, self.w, h, self.dtype, t)?;
+        let preferred = strategy::preferred_strategy(
+            self.kernels,
+            self.backend,
+            self.sm,
+            self.w,
+            h,
+            self.dtype,
+            t,
+        )?;
         let Some(fail) = self.fail(preferred, t, h)? else {
             return Ok((preferred, Why::Preferred(preferred)));
         };
@@ -224,27 +243,34 @@ impl Ctx<'_> {
     }
 
     fn rule_name(&self, h: u64) -> String {
-        match self.backend {
-            Backend::Mnnvl => {
+        match (self.kernels, self.backend) {
+            (KernelLibrary::Arfuse, _) => "arfuse's Lamport rule (one-shot iff T*H*W*e <= 1 MiB, \
+                                           FlashInfer's mnnvl AUTO threshold)"
+                .to_string(),
+            (KernelLibrary::Flashinfer, Backend::Mnnvl) => {
                 "FlashInfer's mnnvl AUTO rule (one-shot iff T*H*W*e <= 1 MiB)".to_string()
             }
-            Backend::Trtllm => match limits::trtllm_one_shot_bound(self.sm, self.w) {
-                Some(b) => format!(
-                    "vLLM's trtllm one-shot table (one-shot iff T*H*e <= {b} bytes, \
+            (KernelLibrary::Flashinfer, Backend::Trtllm) => {
+                match limits::trtllm_one_shot_bound(self.sm, self.w) {
+                    Some(b) => format!(
+                        "vLLM's trtllm one-shot table (one-shot iff T*H*e <= {b} bytes, \
                      SM {} W={}; H={h})",
-                    self.sm, self.w
-                ),
-                None => format!(
-                    "vLLM's trtllm selector (no table entry for SM {} W={}: one-shot)",
-                    self.sm, self.w
-                ),
-            },
+                        self.sm, self.w
+                    ),
+                    None => format!(
+                        "vLLM's trtllm selector (no table entry for SM {} W={}: one-shot)",
+                        self.sm, self.w
+                    ),
+                }
+            }
         }
     }
 
     fn buffer_name(&self, s: Strategy) -> String {
-        let what = match (self.backend, s) {
-            (Backend::Trtllm, Strategy::TwoShot) => "the trtllm comm buffer",
+        let what = match (self.kernels, self.backend, s) {
+            (KernelLibrary::Flashinfer, Backend::Trtllm, Strategy::TwoShot) => {
+                "the trtllm comm buffer"
+            }
             _ => "one Lamport buffer",
         };
         format!("{what} of {} bytes", self.ws.available_bytes(s))
@@ -254,9 +280,9 @@ impl Ctx<'_> {
         match fail {
             Fail::BelowWorldSize => format!("two-shot needs T >= W = {}", self.w),
             Fail::DoesNotFit => {
-                let formula = match (self.backend, s) {
-                    (Backend::Mnnvl, Strategy::TwoShot) => "2*ceil(T/W)*W*H*e",
-                    (Backend::Trtllm, Strategy::TwoShot) => "W*T*H*e",
+                let formula = match (self.kernels, self.backend, s) {
+                    (KernelLibrary::Flashinfer, Backend::Trtllm, Strategy::TwoShot) => "W*T*H*e",
+                    (_, _, Strategy::TwoShot) => "2*ceil(T/W)*W*H*e",
                     _ => "T*H*W*e",
                 };
                 format!(
@@ -316,7 +342,14 @@ impl Ctx<'_> {
     /// rule's breakpoints (every comparison the rule makes is monotone in T), with both
     /// ends of every segment evaluated as a check.
     fn site_ranges(&self, h: u64) -> Result<Vec<DispatchRange>> {
-        let a0 = strategy::preferred_one_shot_max(self.backend, self.sm, self.w, h, self.dtype)?;
+        let a0 = strategy::preferred_one_shot_max(
+            self.kernels,
+            self.backend,
+            self.sm,
+            self.w,
+            h,
+            self.dtype,
+        )?;
         let f1 = self.ws.capacity_tokens(Strategy::OneShot, h)?;
         let f2 = self.ws.capacity_tokens(Strategy::TwoShot, h)?;
         let mut starts: Vec<u64> = [
@@ -459,6 +492,7 @@ fn build(target: &Target, hidden_sizes: &[u64], given: Option<&Workspace>) -> Re
 
     let mut plan = Plan {
         decision: resolve_backend(target)?,
+        kernels: target.kernels,
         sm: target.sm,
         world_size: target.world_size,
         dtype: target.dtype,
@@ -468,6 +502,7 @@ fn build(target: &Target, hidden_sizes: &[u64], given: Option<&Workspace>) -> Re
         max_bytes: None,
         max_token_num: 0,
         workspace: None,
+        flashinfer_workspace: None,
         sites: Vec::new(),
         points: Vec::new(),
         notes: Vec::new(),
@@ -518,10 +553,13 @@ fn refuse(plan: &mut Plan, reason: String) {
     plan.notes.push(format!("no fusion: {reason}"));
     plan.decision = BackendDecision::NoFusion { reason };
     plan.workspace = None;
+    plan.flashinfer_workspace = None;
     plan.max_token_num = 0;
     plan.sites.clear();
 }
 
+/// The fused part of planning, as its steps: the hidden sizes the kernels run, the
+/// size cap and max_token_num M, the workspace, the dispatch of every site.
 fn plan_fused(
     plan: &mut Plan,
     target: &Target,
@@ -529,48 +567,21 @@ fn plan_fused(
     hiddens: &[u64],
     given: Option<&Workspace>,
 ) -> Result<()> {
-    let (sm, w, dtype) = (target.sm, target.world_size, target.dtype);
-    let t_max = plan.max_planned_tokens;
-
-    // Hidden sizes the kernels can run; the others stay unfused with their reason.
-    let mut unsupported: BTreeMap<u64, String> = BTreeMap::new();
-    for &h in hiddens {
-        if let Some(why) = limits::row_unsupported_reason(h, dtype)? {
-            unsupported.insert(h, why);
-        }
-    }
+    let unsupported = unsupported_hiddens(target, hiddens)?;
     let Some(&h_ws) = hiddens.iter().find(|h| !unsupported.contains_key(h)) else {
         let why = unsupported.values().next().cloned().unwrap_or_default();
         refuse(plan, why);
         return Ok(());
     };
-
-    let (max_bytes, source) = match target.max_bytes_override {
-        Some(b) => (b, "max_bytes_override".to_string()),
-        None => match limits::max_bytes_entry(sm, w) {
-            Some(b) => (
-                b,
-                format!("the size table entry for SM {sm} W={w} (domain.md §4)"),
-            ),
-            None => {
-                refuse(
-                    plan,
-                    format!(
-                        "the size table (domain.md §4) has no entry for SM {sm} W={w}, so no \
-                         size is known to be safe and fast; set max_bytes_override to fuse \
-                         anyway"
-                    ),
-                );
-                return Ok(());
-            }
-        },
+    let Some((max_bytes, source)) = size_cap(plan, target) else {
+        return Ok(());
     };
-    plan.max_bytes = Some(max_bytes);
+    let dtype = target.dtype;
     let m = limits::max_token_num(max_bytes, h_ws, dtype, target.max_batched_tokens)?;
     plan.notes.push(format!(
-        "size cap {max_bytes} bytes per rank from {source}; max_token_num = \
-         min(floor({max_bytes} / ({h_ws}*{})), {}) = {m} at the widest hidden size \
-         H={h_ws}",
+        "size cap {max_bytes} bytes of all-reduce input per rank from {source}; \
+         max_token_num = min(floor({max_bytes} / ({h_ws}*{})), {}) = {m} at the widest \
+         hidden size H={h_ws}",
         dtype.element_bytes(),
         target.max_batched_tokens
     ));
@@ -584,19 +595,40 @@ fn plan_fused(
         );
         return Ok(());
     }
-
+    let shape = Shape {
+        target,
+        backend,
+        hiddens,
+        unsupported: &unsupported,
+        h_ws,
+        m,
+        max_bytes,
+        t_max: plan.max_planned_tokens,
+    };
     let ws = match given {
         Some(ws) => {
-            check_given(ws, backend, w, dtype, h_ws)?;
+            check_given(ws, target.kernels, backend, target.world_size, dtype, h_ws)?;
             ws.clone()
         }
-        None if target.deterministic && backend == Backend::Mnnvl => {
-            Workspace::mnnvl_one_shot_everywhere(w, h_ws, dtype, m)?
-        }
-        None => Workspace::sized(backend, w, h_ws, dtype, m)?,
+        None => match shape.size_workspace()? {
+            Some(ws) => ws,
+            None => {
+                refuse(
+                    plan,
+                    format!(
+                        "no T in 1..={m} fits any fused strategy of {}",
+                        target.kernels
+                    ),
+                );
+                return Ok(());
+            }
+        },
     };
     plan.notes.push(ws.to_string());
-    if backend == Backend::Trtllm && ws.comm_buffer_bytes > ws.lamport_buffer_bytes {
+    if ws.kernels == KernelLibrary::Flashinfer
+        && backend == Backend::Trtllm
+        && ws.comm_buffer_bytes > ws.lamport_buffer_bytes
+    {
         plan.notes.push(format!(
             "the trtllm Lamport comm size W*M*H*e ({} bytes) exceeds {} bytes; one Lamport \
              buffer is clamped there and one-shot is refused above it (domain.md §5)",
@@ -604,83 +636,34 @@ fn plan_fused(
             limits::LAMPORT_MAX_COMM_BYTES
         ));
     }
-    let ctx = Ctx {
-        backend,
-        sm,
-        w,
-        dtype,
-        m,
-        t_max,
-        max_bytes,
-        ws: &ws,
+    let sites = match shape.sites(&ws) {
+        Ok(sites) => sites,
+        Err(PlanStep::Refused(Refusal(why))) => {
+            refuse(plan, why);
+            return Ok(());
+        }
+        Err(PlanStep::Error(e)) => return Err(e),
     };
-
-    let mut sites = Vec::new();
-    if target.deterministic {
-        // One reduction order for every T: one-shot (fixed rank order) everywhere, or no
-        // fusion at all. Two-shot cannot cover T < W, and unfused T mix in the
-        // all-reduce library's order.
-        for &h in hiddens {
-            let blocker = if let Some(why) = unsupported.get(&h) {
-                Some(why.clone())
-            } else if m < t_max {
-                Some(format!(
-                    "the graph can run with up to T={t_max} but only T <= max_token_num {m} \
-                     may be fused, so some T would reduce in another order"
-                ))
-            } else if ws.capacity_tokens(Strategy::OneShot, h)? < t_max {
-                Some(format!(
-                    "one-shot at T={t_max}, H={h} needs {} bytes, more than one Lamport \
-                     buffer of {} bytes",
-                    ws.required_bytes(Strategy::OneShot, t_max, h)?,
-                    ws.lamport_buffer_bytes
-                ))
-            } else {
-                None
-            };
-            if let Some(why) = blocker {
-                refuse(
-                    plan,
-                    format!(
-                        "deterministic mode needs one reduction order for every T \
-                         (domain.md §3), and {why}"
-                    ),
-                );
-                return Ok(());
-            }
-            let reason = format!(
-                "deterministic mode: one-shot (fixed rank-order reduction) for every T; it \
-                 fits {}",
-                ctx.buffer_name(Strategy::OneShot)
-            );
-            sites.push(SiteDispatch {
-                hidden: h,
-                ranges: vec![ctx.range(1, t_max, Strategy::OneShot, reason, h)?],
-            });
-        }
-    } else {
-        for &h in hiddens {
-            let ranges = match unsupported.get(&h) {
-                Some(why) => vec![unfused_all(t_max, why)],
-                None => ctx.site_ranges(h)?,
-            };
-            sites.push(SiteDispatch { hidden: h, ranges });
-        }
-    }
-
     if !sites
         .iter()
         .any(|s| s.ranges.iter().any(|r| r.strategy.is_fused()))
     {
         refuse(
             plan,
-            format!(
-                "no T in 1..={m} fits the workspace with any fused strategy ({})",
-                ws
-            ),
+            format!("no T in 1..={m} fits the workspace with any fused strategy ({ws})"),
         );
         return Ok(());
     }
+    if ws.kernels == KernelLibrary::Arfuse {
+        plan.flashinfer_workspace = Some(Workspace::flashinfer(
+            backend,
+            target.world_size,
+            h_ws,
+            dtype,
+            m,
+        )?);
+    }
+    plan.max_bytes = Some(max_bytes);
     plan.max_token_num = m;
     plan.workspace = Some(ws);
     plan.sites = sites;
@@ -692,8 +675,238 @@ fn plan_fused(
     Ok(())
 }
 
-fn check_given(ws: &Workspace, backend: Backend, w: u32, dtype: ActDtype, h: u64) -> Result<()> {
+/// Hidden sizes the target's kernels cannot run, with the reason; those sites stay
+/// unfused.
+fn unsupported_hiddens(target: &Target, hiddens: &[u64]) -> Result<BTreeMap<u64, String>> {
+    let mut unsupported = BTreeMap::new();
+    for &h in hiddens {
+        if let Some(why) = limits::row_unsupported_reason(target.kernels, h, target.dtype)? {
+            unsupported.insert(h, why);
+        }
+    }
+    Ok(unsupported)
+}
+
+/// The size cap (bytes of all-reduce input per rank) and where it comes from: the
+/// override or the size table's entry. `None` (and the plan refused) when the table
+/// has no entry.
+fn size_cap(plan: &mut Plan, target: &Target) -> Option<(u64, String)> {
+    let (sm, w) = (target.sm, target.world_size);
+    match target.max_bytes_override {
+        Some(b) => Some((b, "max_bytes_override".to_string())),
+        None => match limits::max_bytes_entry(sm, w) {
+            Some(b) => Some((
+                b,
+                format!("the size table entry for SM {sm} W={w} (domain.md §4)"),
+            )),
+            None => {
+                refuse(
+                    plan,
+                    format!(
+                        "the size table (domain.md §4) has no entry for SM {sm} W={w}, so no \
+                         size is known to be safe and fast; set max_bytes_override to fuse \
+                         anyway"
+                    ),
+                );
+                None
+            }
+        },
+    }
+}
+
+/// A reason the whole plan is refused (no fusion).
+struct Refusal(String);
+
+/// What sizing and dispatch of one plan depend on.
+struct Shape<'a> {
+    target: &'a Target,
+    backend: Backend,
+    hiddens: &'a [u64],
+    unsupported: &'a BTreeMap<u64, String>,
+    /// The workspace's (widest supported) hidden size.
+    h_ws: u64,
+    /// max_token_num.
+    m: u64,
+    max_bytes: u64,
+    t_max: u64,
+}
+
+impl Shape<'_> {
+    fn ctx<'w>(&self, ws: &'w Workspace) -> Ctx<'w> {
+        Ctx {
+            kernels: ws.kernels,
+            backend: self.backend,
+            sm: self.target.sm,
+            w: self.target.world_size,
+            dtype: self.target.dtype,
+            m: self.m,
+            t_max: self.t_max,
+            max_bytes: self.max_bytes,
+            ws,
+        }
+    }
+
+    /// The workspace the plan allocates, or `None` when no fused call can be sized.
+    ///
+    /// - FlashInfer's kernels: FlashInfer's default sizing for M (domain.md §5), or one
+    ///   mnnvl buffer holding one-shot up to M in deterministic mode.
+    /// - arfuse's kernels: exactly what the dispatch uses. The rule's strategy for every
+    ///   (site, T) is found against the largest buffer the kernels allow
+    ///   ([`limits::LAMPORT_MAX_COMM_BYTES`]), and ONE buffer is sized for the largest
+    ///   of those calls (one-shot everywhere in deterministic mode). Every call the rule
+    ///   picked needs at most that buffer, and every call it refused needs more than the
+    ///   largest buffer, so dispatching again against the sized workspace makes the same
+    ///   choices (the plan is verified after).
+    fn size_workspace(&self) -> Result<Option<Workspace>> {
+        let t = self.target;
+        let (w, dtype) = (t.world_size, t.dtype);
+        match t.kernels {
+            KernelLibrary::Flashinfer if t.deterministic && self.backend == Backend::Mnnvl => {
+                Workspace::flashinfer_mnnvl_one_shot_everywhere(w, self.h_ws, dtype, self.m)
+                    .map(Some)
+            }
+            KernelLibrary::Flashinfer => {
+                Workspace::flashinfer(self.backend, w, self.h_ws, dtype, self.m).map(Some)
+            }
+            KernelLibrary::Arfuse => {
+                let need = if t.deterministic {
+                    // One-shot for every T up to M; a buffer the kernels cannot have is
+                    // capped, and the per-site check then refuses with the bytes.
+                    Some(required_bytes_one_shot(self, self.m)?.min(limits::LAMPORT_MAX_COMM_BYTES))
+                } else {
+                    let probe = Workspace::arfuse(
+                        self.backend,
+                        w,
+                        self.h_ws,
+                        dtype,
+                        Some(self.m),
+                        limits::LAMPORT_MAX_COMM_BYTES,
+                    )?;
+                    let ctx = self.ctx(&probe);
+                    let mut need = None::<u64>;
+                    for &h in self.supported() {
+                        for r in ctx.site_ranges(h)? {
+                            if r.strategy.is_fused() {
+                                need = Some(need.unwrap_or(0).max(r.required_bytes_max));
+                            }
+                        }
+                    }
+                    need
+                };
+                let Some(need) = need else { return Ok(None) };
+                let buffer = Workspace::arfuse_buffer_for(need)?;
+                Workspace::arfuse(self.backend, w, self.h_ws, dtype, Some(self.m), buffer).map(Some)
+            }
+        }
+    }
+
+    /// The hidden sizes the kernels run, widest first.
+    fn supported(&self) -> impl Iterator<Item = &u64> + '_ {
+        self.hiddens
+            .iter()
+            .filter(|h| !self.unsupported.contains_key(h))
+    }
+
+    /// Every site's dispatch against `ws`.
+    ///
+    /// Deterministic mode: one reduction order for every T, i.e. one-shot (fixed rank
+    /// order) everywhere, or no fusion at all. Two-shot cannot cover T < W, and unfused
+    /// T mix in the all-reduce library's order.
+    fn sites(&self, ws: &Workspace) -> std::result::Result<Vec<SiteDispatch>, PlanStep> {
+        let ctx = self.ctx(ws);
+        let mut sites = Vec::new();
+        for &h in self.hiddens {
+            let ranges = match self.unsupported.get(&h) {
+                Some(why) if self.target.deterministic => {
+                    return Err(PlanStep::deterministic_refusal(why.clone()))
+                }
+                Some(why) => vec![unfused_all(self.t_max, why)],
+                None if self.target.deterministic => {
+                    self.deterministic_blocker(ws, h)?;
+                    let reason = format!(
+                        "deterministic mode: one-shot (fixed rank-order reduction) for every \
+                         T; it fits {}",
+                        ctx.buffer_name(Strategy::OneShot)
+                    );
+                    vec![ctx.range(1, self.t_max, Strategy::OneShot, reason, h)?]
+                }
+                None => ctx.site_ranges(h)?,
+            };
+            sites.push(SiteDispatch { hidden: h, ranges });
+        }
+        Ok(sites)
+    }
+
+    /// Why deterministic mode cannot run one-shot for every T at `h` in `ws`.
+    fn deterministic_blocker(&self, ws: &Workspace, h: u64) -> std::result::Result<(), PlanStep> {
+        let (m, t_max) = (self.m, self.t_max);
+        if m < t_max {
+            return Err(PlanStep::deterministic_refusal(format!(
+                "the graph can run with up to T={t_max} but only T <= max_token_num {m} \
+                 may be fused, so some T would reduce in another order"
+            )));
+        }
+        if ws.capacity_tokens(Strategy::OneShot, h)? < t_max {
+            return Err(PlanStep::deterministic_refusal(format!(
+                "one-shot at T={t_max}, H={h} needs {} bytes, more than one Lamport \
+                 buffer of {} bytes",
+                ws.required_bytes(Strategy::OneShot, t_max, h)?,
+                ws.lamport_buffer_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of one-shot at `t` tokens and the workspace's H.
+fn required_bytes_one_shot(shape: &Shape<'_>, t: u64) -> Result<u64> {
+    crate::workspace::required_bytes(
+        shape.target.kernels,
+        shape.backend,
+        Strategy::OneShot,
+        t,
+        shape.h_ws,
+        shape.target.world_size,
+        shape.target.dtype,
+    )
+}
+
+/// Why a dispatch step stopped: an error, or a refusal of the whole plan.
+enum PlanStep {
+    Error(PolicyError),
+    Refused(Refusal),
+}
+
+impl PlanStep {
+    fn deterministic_refusal(why: String) -> PlanStep {
+        PlanStep::Refused(Refusal(format!(
+            "deterministic mode needs one reduction order for every T (domain.md §3), and \
+             {why}"
+        )))
+    }
+}
+
+impl From<PolicyError> for PlanStep {
+    fn from(e: PolicyError) -> PlanStep {
+        PlanStep::Error(e)
+    }
+}
+
+fn check_given(
+    ws: &Workspace,
+    kernels: KernelLibrary,
+    backend: Backend,
+    w: u32,
+    dtype: ActDtype,
+    h: u64,
+) -> Result<()> {
     let mismatch = |reason: String| Err(PolicyError::WorkspaceMismatch { reason });
+    if ws.kernels != kernels {
+        return mismatch(format!(
+            "it is laid out for {}'s kernels but the target plans for {kernels}'s",
+            ws.kernels
+        ));
+    }
     if ws.backend != backend {
         return mismatch(format!(
             "it belongs to {} but the target resolves to {backend}",
@@ -822,10 +1035,11 @@ impl Plan {
                 ),
             });
         }
-        if let Some(why) = limits::row_unsupported_reason(hidden, self.dtype)? {
+        if let Some(why) = limits::row_unsupported_reason(self.kernels, hidden, self.dtype)? {
             return Ok(vec![unfused_all(self.max_planned_tokens, &why)]);
         }
         let ctx = Ctx {
+            kernels: self.kernels,
             backend,
             sm: self.sm,
             w: self.world_size,
@@ -949,6 +1163,14 @@ impl fmt::Display for Plan {
         if let Some(ws) = &self.workspace {
             writeln!(f, "  max_token_num: {}", self.max_token_num)?;
             writeln!(f, "  workspace: {ws}")?;
+        }
+        if let (Some(ws), Some(fi)) = (&self.workspace, &self.flashinfer_workspace) {
+            writeln!(
+                f,
+                "  FlashInfer's sizing would allocate {} bytes per rank (arfuse / FlashInfer = {:.4})",
+                fi.total_bytes_per_rank,
+                ws.total_bytes_per_rank as f64 / fi.total_bytes_per_rank as f64
+            )?;
         }
         for site in &self.sites {
             writeln!(f, "  H={}:", site.hidden)?;

@@ -4,7 +4,7 @@
 //! are vLLM-like defaults: bf16 activations, 8192 max batched tokens and vLLM's default
 //! CUDA-graph capture sizes up to 512 tokens.
 
-use crate::target::{ActDtype, Interconnect, RequestedBackend, Target};
+use crate::target::{ActDtype, Interconnect, KernelLibrary, RequestedBackend, Target};
 
 /// Every preset name, in the order documented.
 pub(crate) const PRESET_NAMES: &[&str] = &[
@@ -60,6 +60,7 @@ fn build(m: Machine) -> Target {
         num_speculative_tokens: 0,
         deterministic: false,
         requested_backend: RequestedBackend::Auto,
+        kernels: KernelLibrary::Arfuse,
         max_bytes_override: None,
     }
 }

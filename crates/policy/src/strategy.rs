@@ -12,7 +12,7 @@ use crate::backend::Backend;
 use crate::bytes::{self, MIB};
 use crate::error::Result;
 use crate::limits;
-use crate::target::ActDtype;
+use crate::target::{ActDtype, KernelLibrary};
 
 /// How one call of T tokens is executed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -122,12 +122,19 @@ pub fn flashinfer_trtllm_auto_one_shot(
     Ok(Some(lhs <= bytes::mul(mib, MIB, "trtllm AUTO bound")?))
 }
 
-/// The strategy the public rules prefer for a call of `t` tokens, before any workspace
-/// check: vLLM's selector, deferring to FlashInfer's AUTO rule for mnnvl (the fix of the
-/// seed failure; domain.md §5).
+/// The strategy the rules prefer for a call of `t` tokens, before any workspace check.
+///
+/// - FlashInfer's kernels: vLLM's selector, deferring to FlashInfer's AUTO rule for
+///   mnnvl (the fix of the seed failure; domain.md §5).
+/// - arfuse's kernels: one-shot iff `T*H*W*e <= 1 MiB` on either backend. Both of
+///   arfuse's strategies are Lamport kernels over the same peer pointers (the backend
+///   only decides how those pointers are mapped), which is the pair FlashInfer's mnnvl
+///   AUTO threshold was chosen for; vLLM's trtllm table was tuned for FlashInfer's
+///   barrier-based trtllm kernels and does not apply.
 ///
 /// Errors: [`crate::PolicyError::Overflow`].
 pub fn preferred_strategy(
+    kernels: KernelLibrary,
     backend: Backend,
     sm: u32,
     w: u32,
@@ -135,25 +142,31 @@ pub fn preferred_strategy(
     dtype: ActDtype,
     t: u64,
 ) -> Result<Strategy> {
+    let lamport_rule = |t| -> Result<Strategy> {
+        Ok(if mnnvl_auto_one_shot(t, hidden, w, dtype)? {
+            Strategy::OneShot
+        } else {
+            Strategy::TwoShot
+        })
+    };
+    if kernels == KernelLibrary::Arfuse {
+        return lamport_rule(t);
+    }
     let input = bytes::product(&[t, hidden, dtype.element_bytes()], "input bytes T*H*e")?;
-    Ok(match vllm_one_shot_selector(backend, Some(sm), w, input) {
-        VllmSelection::OneShot => Strategy::OneShot,
-        VllmSelection::TwoShot => Strategy::TwoShot,
-        VllmSelection::BackendAuto => {
-            if mnnvl_auto_one_shot(t, hidden, w, dtype)? {
-                Strategy::OneShot
-            } else {
-                Strategy::TwoShot
-            }
-        }
-    })
+    match vllm_one_shot_selector(backend, Some(sm), w, input) {
+        VllmSelection::OneShot => Ok(Strategy::OneShot),
+        VllmSelection::TwoShot => Ok(Strategy::TwoShot),
+        VllmSelection::BackendAuto => lamport_rule(t),
+    }
 }
 
 /// Largest T (tokens) for which [`preferred_strategy`] is one-shot; `u64::MAX` when it
-/// is one-shot for every T (trtllm with no table entry). The rule is monotone in T.
+/// is one-shot for every T (FlashInfer's trtllm with no table entry). The rule is
+/// monotone in T.
 ///
 /// Errors: [`crate::PolicyError::Overflow`].
 pub(crate) fn preferred_one_shot_max(
+    kernels: KernelLibrary,
     backend: Backend,
     sm: u32,
     w: u32,
@@ -161,16 +174,21 @@ pub(crate) fn preferred_one_shot_max(
     dtype: ActDtype,
 ) -> Result<u64> {
     let row = limits::row_bytes(hidden, dtype)?;
-    match backend {
-        Backend::Mnnvl => bytes::floor_div(
+    let lamport_max = || {
+        bytes::floor_div(
             MNNVL_AUTO_ONE_SHOT_BYTES,
             bytes::mul(row, u64::from(w), "bytes per token H*W*e")?,
-            "mnnvl AUTO max tokens",
-        ),
-        Backend::Trtllm => match limits::trtllm_one_shot_bound(sm, w) {
-            None => Ok(u64::MAX),
-            Some(bound) => bytes::floor_div(bound, row, "trtllm one-shot max tokens"),
-        },
+            "Lamport rule max tokens",
+        )
+    };
+    match (kernels, backend) {
+        (KernelLibrary::Arfuse, _) | (KernelLibrary::Flashinfer, Backend::Mnnvl) => lamport_max(),
+        (KernelLibrary::Flashinfer, Backend::Trtllm) => {
+            match limits::trtllm_one_shot_bound(sm, w) {
+                None => Ok(u64::MAX),
+                Some(bound) => bytes::floor_div(bound, row, "trtllm one-shot max tokens"),
+            }
+        }
     }
 }
 
@@ -192,6 +210,9 @@ pub fn trigger_completion_at_end(strategy: Strategy, t: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const FI: KernelLibrary = KernelLibrary::Flashinfer;
+    const AR: KernelLibrary = KernelLibrary::Arfuse;
 
     #[test]
     fn vllm_selector_six_cases_of_domain_section_4() {
@@ -225,7 +246,7 @@ mod tests {
         assert_eq!(mnnvl_auto_one_shot(10, 6144, 8, ActDtype::Bf16), Ok(true));
         assert_eq!(mnnvl_auto_one_shot(11, 6144, 8, ActDtype::Bf16), Ok(false));
         assert_eq!(
-            preferred_one_shot_max(Backend::Mnnvl, 90, 8, 6144, ActDtype::Bf16),
+            preferred_one_shot_max(FI, Backend::Mnnvl, 90, 8, 6144, ActDtype::Bf16),
             Ok(10)
         );
         assert!(mnnvl_auto_one_shot(u64::MAX, 6144, 8, ActDtype::Bf16).is_err());
@@ -249,24 +270,44 @@ mod tests {
     }
 
     #[test]
-    fn trtllm_preference_follows_vllm_table() {
+    fn flashinfer_trtllm_preference_follows_vllm_table() {
         // SM90 W=8 bound 0.5 MiB: H=6144 bf16 -> one-shot up to T=42 (the seed's forced
         // one-shot at T=40).
-        let p = |t| preferred_strategy(Backend::Trtllm, 90, 8, 6144, ActDtype::Bf16, t);
+        let p = |t| preferred_strategy(FI, Backend::Trtllm, 90, 8, 6144, ActDtype::Bf16, t);
         assert_eq!(p(40), Ok(Strategy::OneShot));
         assert_eq!(p(43), Ok(Strategy::TwoShot));
         assert_eq!(
-            preferred_one_shot_max(Backend::Trtllm, 90, 8, 6144, ActDtype::Bf16),
+            preferred_one_shot_max(FI, Backend::Trtllm, 90, 8, 6144, ActDtype::Bf16),
             Ok(42)
         );
         assert_eq!(
-            preferred_one_shot_max(Backend::Trtllm, 100, 16, 6144, ActDtype::Bf16),
+            preferred_one_shot_max(FI, Backend::Trtllm, 100, 16, 6144, ActDtype::Bf16),
             Ok(u64::MAX)
         );
         // mnnvl defers to the backend's own AUTO rule.
-        let m = |t| preferred_strategy(Backend::Mnnvl, 90, 8, 6144, ActDtype::Bf16, t);
+        let m = |t| preferred_strategy(FI, Backend::Mnnvl, 90, 8, 6144, ActDtype::Bf16, t);
         assert_eq!(m(10), Ok(Strategy::OneShot));
         assert_eq!(m(40), Ok(Strategy::TwoShot));
+    }
+
+    #[test]
+    fn arfuse_kernels_use_the_lamport_rule_on_both_backends() {
+        // H=6144, W=8, bf16: 10 * 6144 * 8 * 2 = 983,040 <= 1 MiB < 11 * 98,304.
+        for backend in [Backend::Trtllm, Backend::Mnnvl] {
+            let p = |t| preferred_strategy(AR, backend, 90, 8, 6144, ActDtype::Bf16, t);
+            assert_eq!(p(10), Ok(Strategy::OneShot));
+            assert_eq!(p(11), Ok(Strategy::TwoShot));
+            assert_eq!(
+                preferred_one_shot_max(AR, backend, 90, 8, 6144, ActDtype::Bf16),
+                Ok(10)
+            );
+        }
+        // No table entry changes nothing for arfuse's kernels (FlashInfer's trtllm
+        // selector would say one-shot for every T).
+        assert_eq!(
+            preferred_one_shot_max(AR, Backend::Trtllm, 100, 16, 6144, ActDtype::Bf16),
+            Ok(5)
+        );
     }
 
     #[test]

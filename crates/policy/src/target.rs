@@ -142,6 +142,39 @@ impl fmt::Display for RequestedBackend {
     }
 }
 
+/// The fused kernels a plan is made for: their workspace layout, capacity and strategy
+/// rule differ, so the plan names them and sizes exactly what they allocate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum KernelLibrary {
+    /// This project's kernels (`kernels/` in the arfuse repository, run by
+    /// `arfuse-runtime`): one-shot and two-shot both run in three rotating Lamport
+    /// buffers, so the workspace is a small state block plus three buffers sized for the
+    /// largest call the plan dispatches ([`crate::ArfuseLayout`]). The default.
+    #[default]
+    Arfuse,
+    /// FlashInfer's `allreduce_fusion` kernels, as a graph compiler that calls them
+    /// allocates them: FlashInfer's own workspace formulas and the public strategy rules
+    /// (domain.md §4-§5), exactly as stated there.
+    Flashinfer,
+}
+
+impl KernelLibrary {
+    /// The TOML spelling (`"arfuse"`, `"flashinfer"`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            KernelLibrary::Arfuse => "arfuse",
+            KernelLibrary::Flashinfer => "flashinfer",
+        }
+    }
+}
+
+impl fmt::Display for KernelLibrary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 fn default_one() -> u32 {
     1
 }
@@ -195,6 +228,10 @@ pub struct Target {
     /// The backend asked for (default `auto`).
     #[serde(default)]
     pub requested_backend: RequestedBackend,
+    /// The fused kernels the plan is for (default `arfuse`, this project's kernels;
+    /// `flashinfer` plans FlashInfer's `allreduce_fusion` with its own formulas).
+    #[serde(default)]
+    pub kernels: KernelLibrary,
     /// Replaces the size table's max all-reduce input bytes per rank (bytes), as an
     /// engine's size-cap setting does; also supplies a value where the table has no
     /// entry. Must be > 0 when given (use `requested_backend = "off"` to disable).
@@ -371,16 +408,20 @@ mod tests {
         assert!(!t.multicast_all_ranks);
         assert!(t.capture_sizes.is_empty());
         assert_eq!(t.max_bytes_override, None);
+        assert_eq!(t.kernels, KernelLibrary::Arfuse);
     }
 
     #[test]
     fn enum_spellings_parse() {
-        let text = format!("{MINIMAL}\ndtype = \"fp16\"\nrequested_backend = \"mnnvl\"\n")
-            .replace("\"nvswitch\"", "\"bridged-nvlink\"");
+        let text = format!(
+            "{MINIMAL}\ndtype = \"fp16\"\nrequested_backend = \"mnnvl\"\nkernels = \"flashinfer\"\n"
+        )
+        .replace("\"nvswitch\"", "\"bridged-nvlink\"");
         let t = Target::from_toml_str(&text).unwrap();
         assert_eq!(t.dtype, ActDtype::F16);
         assert_eq!(t.interconnect, Interconnect::BridgedNvlink);
         assert_eq!(t.requested_backend, RequestedBackend::Mnnvl);
+        assert_eq!(t.kernels, KernelLibrary::Flashinfer);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::plan::{DispatchRange, Plan};
 use crate::strategy::Strategy;
-use crate::workspace::Workspace;
+use crate::workspace::{Misfit, Workspace};
 
 /// One way a plan is wrong. Token ranges are inclusive; bytes are bytes of one buffer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -261,11 +261,21 @@ pub(crate) fn verify_inner(plan: &Plan, workspace: Option<&Workspace>) -> Vec<Vi
         for detail in ws.problems() {
             out.push(Violation::Workspace { detail });
         }
-        if ws.backend != backend || ws.world_size != plan.world_size || ws.dtype != plan.dtype {
+        if ws.kernels != plan.kernels
+            || ws.backend != backend
+            || ws.world_size != plan.world_size
+            || ws.dtype != plan.dtype
+        {
             out.push(Violation::Workspace {
                 detail: format!(
-                    "it is a {} workspace for W={} {}, the plan is {backend} for W={} {}",
-                    ws.backend, ws.world_size, ws.dtype, plan.world_size, plan.dtype
+                    "it is a {} {} workspace for W={} {}, the plan is {} {backend} for W={} {}",
+                    ws.kernels,
+                    ws.backend,
+                    ws.world_size,
+                    ws.dtype,
+                    plan.kernels,
+                    plan.world_size,
+                    plan.dtype
                 ),
             });
         }
@@ -334,29 +344,32 @@ pub(crate) fn verify_inner(plan: &Plan, workspace: Option<&Workspace>) -> Vec<Vi
 }
 
 fn check_coverage(h: u64, ranges: &[&DispatchRange], need: u64, out: &mut Vec<Violation>) {
-    let mut next = 1u64; // first T not yet covered
+    // First T not yet covered; u128 so that a range ending at u64::MAX covers it.
+    let mut next = 1u128;
+    let need = u128::from(need);
     for r in ranges {
-        if r.lo > next && next <= need {
+        let (lo, hi) = (u128::from(r.lo), u128::from(r.hi));
+        if lo > next && next <= need {
             out.push(Violation::NotCovered {
                 hidden: h,
-                t_first: next,
-                t_last: (r.lo - 1).min(need),
+                t_first: next as u64,
+                t_last: (lo - 1).min(need) as u64,
             });
         }
-        if r.lo < next {
+        if lo < next {
             out.push(Violation::Overlap {
                 hidden: h,
                 t_first: r.lo,
-                t_last: r.hi.min(next - 1),
+                t_last: hi.min(next - 1) as u64,
             });
         }
-        next = next.max(r.hi.saturating_add(1));
+        next = next.max(hi + 1);
     }
     if next <= need {
         out.push(Violation::NotCovered {
             hidden: h,
-            t_first: next,
-            t_last: need,
+            t_first: next as u64,
+            t_last: need as u64,
         });
     }
 }
@@ -372,13 +385,14 @@ fn check_fused(plan: &Plan, ws: &Workspace, h: u64, r: &DispatchRange, out: &mut
             max_token_num: plan.max_token_num,
         });
     }
-    let w = u64::from(plan.world_size);
-    if s == Strategy::TwoShot && r.lo < w {
+    // The workspace's rule ([`Workspace::misfit`]) at the range's first T: two-shot
+    // needs T >= W there (T only grows along the range).
+    if let Ok(Some(Misfit::BelowWorldSize { world_size })) = ws.misfit(s, r.lo, h) {
         out.push(Violation::TwoShotBelowWorldSize {
             hidden: h,
             t_first: r.lo,
-            t_last: r.hi.min(w - 1),
-            world_size: plan.world_size,
+            t_last: r.hi.min(u64::from(world_size) - 1),
+            world_size,
         });
     }
     let arithmetic = |e: crate::PolicyError| Violation::Arithmetic {

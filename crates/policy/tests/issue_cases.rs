@@ -1,13 +1,24 @@
-//! The "done when" values of issue 3, one test each, plus the behaviours around them.
+//! The "done when" values of issue 3 (FlashInfer's kernels, whose formulas they are),
+//! the same cases for arfuse's kernels (issue 13), one test each, plus the behaviours
+//! around them.
 
 use arfuse_policy::{
     plan, plan_with_workspace, preferred_strategy, resolve_backend, trtllm_lamport_max_tokens,
-    verify, ActDtype, Backend, BackendDecision, DispatchRange, Interconnect, PolicyError,
-    RequestedBackend, Strategy, Target, Violation, Workspace, MIB,
+    verify, ActDtype, Backend, BackendDecision, DispatchRange, Interconnect, KernelLibrary,
+    PolicyError, RequestedBackend, Strategy, Target, Violation, Workspace, LAMPORT_MAX_COMM_BYTES,
+    MIB,
 };
 
 fn preset(name: &str) -> Target {
     Target::preset(name).unwrap()
+}
+
+/// A preset planned for FlashInfer's kernels.
+fn flashinfer(name: &str) -> Target {
+    Target {
+        kernels: KernelLibrary::Flashinfer,
+        ..preset(name)
+    }
 }
 
 /// (lo, hi, strategy) of every range, for compact assertions.
@@ -17,7 +28,7 @@ fn shape(ranges: &[DispatchRange]) -> Vec<(u64, u64, Strategy)> {
 
 #[test]
 fn seed_h200_w8_h6144_plan_and_forced_one_shot_violation() {
-    let target = preset("h200-sxm-x8");
+    let target = flashinfer("h200-sxm-x8");
     let p = plan(&target, &[6144]).unwrap();
     assert_eq!(p.backend(), Some(Backend::Mnnvl));
     assert_eq!(p.max_token_num, 42);
@@ -59,19 +70,77 @@ fn seed_h200_w8_h6144_plan_and_forced_one_shot_violation() {
         violations[0].to_string(),
         "T=40 one-shot: required 3932160 bytes, buffer 1179648 bytes"
     );
+    assert_eq!(ws.total_bytes_per_rank, 3_540_992);
+    assert_eq!(p.flashinfer_workspace, None);
+}
+
+/// The seed case with arfuse's kernels: the same dispatch, in ONE buffer shared by both
+/// strategies (983,040 bytes for one-shot at T=10, 1,179,648 for two-shot at T=42), so
+/// 256 + 3 * 1,179,648 = 3,539,200 bytes per rank against FlashInfer's 3,540,992.
+#[test]
+fn seed_case_with_arfuse_kernels_allocates_what_it_dispatches() {
+    let p = plan(&preset("h200-sxm-x8"), &[6144]).unwrap();
+    assert_eq!(p.kernels, KernelLibrary::Arfuse);
+    assert_eq!(p.max_token_num, 42);
+    assert_eq!(
+        shape(p.dispatch()),
+        vec![
+            (1, 10, Strategy::OneShot),
+            (11, 42, Strategy::TwoShot),
+            (43, 8192, Strategy::Unfused),
+        ]
+    );
+    let ws = p.workspace.clone().unwrap();
+    assert_eq!(ws.kernels, KernelLibrary::Arfuse);
+    assert_eq!(ws.lamport_buffer_bytes, 1_179_648);
+    assert_eq!(ws.total_bytes_per_rank, 3_539_200);
+    let fi = p.flashinfer_workspace.clone().unwrap();
+    assert_eq!(fi.total_bytes_per_rank, 3_540_992);
+    // The forced one-shot at T=40 is refused by the same rule.
+    let forced = p.with_strategy(40, 40, Strategy::OneShot).unwrap();
+    assert_eq!(
+        verify(&forced, &ws)[0].to_string(),
+        "T=40 one-shot: required 3932160 bytes, buffer 1179648 bytes"
+    );
+    assert!(verify(&p, &ws).is_empty());
+}
+
+/// A decode-only engine (max 10 batched tokens) dispatches one-shot only: arfuse
+/// allocates no two-shot room, while FlashInfer's formula sizes for two-shot at M.
+#[test]
+fn arfuse_allocates_only_what_the_plan_dispatches() {
+    let mut t = preset("h200-sxm-x8");
+    t.max_batched_tokens = 10;
+    t.capture_sizes = vec![1, 2, 4, 8];
+    let p = plan(&t, &[6144]).unwrap();
+    assert_eq!(shape(p.dispatch()), vec![(1, 10, Strategy::OneShot)]);
+    let ws = p.workspace.clone().unwrap();
+    // One-shot at T=10: 10 * 6144 * 8 * 2.
+    assert_eq!(ws.lamport_buffer_bytes, 983_040);
+    assert_eq!(ws.total_bytes_per_rank, 256 + 3 * 983_040);
+    // FlashInfer: max(10 * 98,304, 2 * ceil(10/8) * 8 * 12,288) = 983,040 too, plus its
+    // 2,048-byte signal pad.
+    let fi = p.flashinfer_workspace.unwrap();
+    assert_eq!(fi.total_bytes_per_rank, 3 * 983_040 + 2048);
+    // At T=3 only: 3 * 98,304 = 294,912 bytes, where FlashInfer sizes two-shot at M=3
+    // (2 * 1 * 8 * 12,288 = 196,608) and one-shot (294,912): the same buffer.
+    t.max_batched_tokens = 3;
+    t.capture_sizes = vec![1, 2];
+    let ws = plan(&t, &[6144]).unwrap().workspace.unwrap();
+    assert_eq!(ws.lamport_buffer_bytes, 294_912);
 }
 
 #[test]
 fn two_mib_allocation_buffer_698368_h7168() {
-    let ws = Workspace::mnnvl_from_allocation(8, 7168, ActDtype::Bf16, 2 * MIB).unwrap();
+    let ws = Workspace::flashinfer_mnnvl_from_allocation(8, 7168, ActDtype::Bf16, 2 * MIB).unwrap();
     assert_eq!(ws.lamport_buffer_bytes, 698_368);
     assert_eq!(
-        Workspace::mnnvl_from_buffer(8, 7168, ActDtype::Bf16, 698_368)
+        Workspace::flashinfer_mnnvl_from_buffer(8, 7168, ActDtype::Bf16, 698_368)
             .unwrap()
             .lamport_buffer_bytes,
         698_368
     );
-    let target = preset("h200-sxm-x8");
+    let target = flashinfer("h200-sxm-x8");
     let p = plan_with_workspace(&target, &[7168], &ws).unwrap();
     assert_eq!(p.max_token_num, 36);
     assert_eq!(
@@ -103,7 +172,16 @@ fn two_mib_allocation_buffer_698368_h7168() {
     assert!(verify(&p, &ws).is_empty());
 
     // The automatic rule's choice at T=7 is one-shot; it does not fit.
-    let auto = preferred_strategy(Backend::Mnnvl, 90, 8, 7168, ActDtype::Bf16, 7).unwrap();
+    let auto = preferred_strategy(
+        KernelLibrary::Flashinfer,
+        Backend::Mnnvl,
+        90,
+        8,
+        7168,
+        ActDtype::Bf16,
+        7,
+    )
+    .unwrap();
     assert_eq!(auto, Strategy::OneShot);
     let v = verify(&p.with_strategy(7, 7, auto).unwrap(), &ws);
     assert_eq!(v.len(), 1);
@@ -127,6 +205,7 @@ fn two_mib_allocation_buffer_698368_h7168() {
 fn trtllm_w2_f16_target() -> Target {
     Target::from_toml_str(
         r#"
+        kernels = "flashinfer"
         sm = 90
         world_size = 2
         gpus_per_node = 8
@@ -178,6 +257,41 @@ fn trtllm_h4096_fp16_w2_one_shot_up_to_130944_and_no_further() {
         }
         other => panic!("unexpected {other}"),
     }
+}
+
+/// The same machine with arfuse's kernels: the Lamport rule prefers one-shot to T=64
+/// (64 * 4096 * 2 * 2 = 1 MiB), two-shot then runs in the same buffer up to the largest
+/// buffer the kernels allow: 2 * ceil(T/2) * 2 * 8192 <= 2,145,386,496 holds to
+/// T = 130,944, the same limit, and everything above stays unfused.
+#[test]
+fn arfuse_kernels_on_trtllm_stop_two_shot_at_the_lamport_limit() {
+    let mut t = trtllm_w2_f16_target();
+    t.kernels = KernelLibrary::Arfuse;
+    let p = plan(&t, &[4096]).unwrap();
+    assert_eq!(p.backend(), Some(Backend::Trtllm));
+    assert_eq!(
+        shape(p.dispatch()),
+        vec![
+            (1, 64, Strategy::OneShot),
+            (65, 130_944, Strategy::TwoShot),
+            (130_945, 200_000, Strategy::Unfused),
+        ]
+    );
+    let ws = p.workspace.clone().unwrap();
+    assert_eq!(ws.lamport_buffer_bytes, LAMPORT_MAX_COMM_BYTES);
+    assert_eq!(ws.comm_buffer_bytes, 0);
+    assert!(
+        p.dispatch()[2].reason.contains("2*ceil(T/W)*W*H*e"),
+        "{}",
+        p.dispatch()[2]
+    );
+    assert!(verify(&p, &ws).is_empty());
+    // FlashInfer would allocate its comm buffer, flags and three clamped buffers.
+    let fi = p.flashinfer_workspace.unwrap();
+    assert_eq!(
+        fi.total_bytes_per_rank,
+        3_276_800_000 + 2 * 256 * 4 + 3 * LAMPORT_MAX_COMM_BYTES
+    );
 }
 
 #[test]
@@ -407,7 +521,8 @@ fn shared_workspace_uses_the_widest_hidden_size() {
         Err(PolicyError::WorkspaceMismatch { .. })
     ));
     // A target-sized workspace given from outside is refused for the wider draft.
-    let target_sized = Workspace::mnnvl(8, 4096, ActDtype::Bf16, 42).unwrap();
+    let target_sized =
+        Workspace::arfuse(Backend::Mnnvl, 8, 4096, ActDtype::Bf16, Some(42), 1_048_576).unwrap();
     assert!(matches!(
         plan_with_workspace(&t, &[4096, 6144], &target_sized),
         Err(PolicyError::WorkspaceMismatch { .. })
@@ -485,11 +600,16 @@ fn verify_reports_malformed_outside_plans() {
         }
     )));
 
-    // A workspace of another backend or dtype.
-    let other = Workspace::trtllm(8, 6144, ActDtype::Bf16, 42).unwrap();
+    // A workspace of another backend, or of the other kernels.
+    let other =
+        Workspace::arfuse(Backend::Trtllm, 8, 6144, ActDtype::Bf16, None, 1_179_648).unwrap();
     assert!(verify(&p, &other)
         .iter()
         .any(|x| matches!(x, Violation::Workspace { .. })));
+    let other = Workspace::flashinfer_mnnvl(8, 6144, ActDtype::Bf16, 42).unwrap();
+    assert!(verify(&p, &other)
+        .iter()
+        .any(|x| matches!(x, Violation::Workspace { detail } if detail.contains("flashinfer"))));
 }
 
 #[test]

@@ -1,11 +1,87 @@
 //! Property tests: every planned T fits its buffer, the range representation agrees
-//! with the per-T rule, and absurd inputs give errors instead of panics.
+//! with the per-T rule, arfuse's workspace is exactly what its dispatch uses, and absurd
+//! inputs give errors instead of panics.
+//!
+//! The expected strategy of every T is computed here from domain.md §4-§5 (the tables
+//! and formulas restated below), not with the planner's own functions.
 
 use arfuse_policy::{
-    plan, preferred_strategy, required_bytes, resolve_backend, ActDtype, Interconnect,
+    plan, required_bytes, resolve_backend, ActDtype, Backend, Interconnect, KernelLibrary,
     RequestedBackend, Strategy, Target, Workspace,
 };
 use proptest::prelude::*;
+
+const MIB: u64 = 1 << 20;
+
+/// vLLM's trtllm one-shot bounds (domain.md §4), MiB of per-rank input, x2 to stay
+/// integral: (SM, W, 2 * MiB).
+const TRTLLM_ONE_SHOT_HALF_MIB: [(u32, u32, u64); 12] = [
+    (90, 2, 64),
+    (90, 4, 4),
+    (90, 8, 1),
+    (100, 2, 64),
+    (100, 4, 8),
+    (100, 8, 2),
+    (103, 2, 64),
+    (103, 4, 8),
+    (103, 8, 4),
+    (107, 2, 64),
+    (107, 4, 8),
+    (107, 8, 4),
+];
+
+/// The preferred strategy of domain.md §4: arfuse's kernels and FlashInfer's mnnvl use
+/// the Lamport rule (one-shot iff T*H*W*e <= 1 MiB); FlashInfer's trtllm uses vLLM's
+/// table (one-shot iff T*H*e <= bound; no entry: one-shot).
+fn expected_preference(
+    k: KernelLibrary,
+    b: Backend,
+    sm: u32,
+    w: u32,
+    h: u64,
+    e: u64,
+    t: u64,
+) -> Strategy {
+    let one = |yes: bool| {
+        if yes {
+            Strategy::OneShot
+        } else {
+            Strategy::TwoShot
+        }
+    };
+    match (k, b) {
+        (KernelLibrary::Flashinfer, Backend::Trtllm) => {
+            match TRTLLM_ONE_SHOT_HALF_MIB
+                .iter()
+                .find(|x| x.0 == sm && x.1 == w)
+            {
+                Some(&(_, _, half_mib)) => one(2 * t * h * e <= half_mib * MIB),
+                None => Strategy::OneShot,
+            }
+        }
+        _ => one(t * h * u64::from(w) * e <= MIB),
+    }
+}
+
+/// Bytes of one call (domain.md §5): one-shot T*H*W*e; two-shot 2*ceil(T/W)*W*H*e in a
+/// Lamport buffer, W*T*H*e in FlashInfer trtllm's comm buffer.
+fn expected_bytes(
+    k: KernelLibrary,
+    b: Backend,
+    s: Strategy,
+    w: u32,
+    h: u64,
+    e: u64,
+    t: u64,
+) -> u64 {
+    let w = u64::from(w);
+    match (k, b, s) {
+        (_, _, Strategy::OneShot) => t * h * w * e,
+        (KernelLibrary::Flashinfer, Backend::Trtllm, Strategy::TwoShot) => w * t * h * e,
+        (_, _, Strategy::TwoShot) => 2 * t.div_ceil(w) * w * h * e,
+        (_, _, Strategy::Unfused) => 0,
+    }
+}
 
 fn target(sm: u32, w: u32, multicast: bool, dtype: ActDtype, mbt: u64) -> Target {
     Target {
@@ -22,6 +98,7 @@ fn target(sm: u32, w: u32, multicast: bool, dtype: ActDtype, mbt: u64) -> Target
         num_speculative_tokens: 0,
         deterministic: false,
         requested_backend: RequestedBackend::Auto,
+        kernels: KernelLibrary::Arfuse,
         max_bytes_override: None,
     }
 }
@@ -45,8 +122,8 @@ fn dtype_strategy() -> impl proptest::strategy::Strategy<Value = ActDtype> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
-    /// SM in {90,100,103,107}, W in {2,4,8,16}, H = 256..=16384 step 128, every T up to
-    /// max_token_num (and beyond, to the end of the plan).
+    /// SM in {90,100,103,107}, W in {2,4,8,16}, H = 256..=16384 step 128, both kernel
+    /// libraries, every T up to max_token_num (and beyond, to the end of the plan).
     #[test]
     fn every_planned_t_fits_its_buffer(
         sm in prop::sample::select(vec![90u32, 100, 103, 107]),
@@ -55,9 +132,12 @@ proptest! {
         multicast in any::<bool>(),
         dtype in dtype_strategy(),
         mbt in prop::sample::select(vec![1u64, 7, 64, 8192, 100_000]),
+        kernels in prop::sample::select(vec![KernelLibrary::Arfuse, KernelLibrary::Flashinfer]),
     ) {
         let h = 256 + 128 * k;
-        let t = target(sm, w, multicast, dtype, mbt);
+        let e = dtype.element_bytes();
+        let mut t = target(sm, w, multicast, dtype, mbt);
+        t.kernels = kernels;
         let p = plan(&t, &[h]).unwrap();
         prop_assert!(p.verify_own().is_empty(), "{:?}", p.verify_own());
         let Some(backend) = p.backend() else {
@@ -68,22 +148,24 @@ proptest! {
         };
         prop_assert_eq!(Some(backend), resolve_backend(&t).unwrap().backend());
         let ws = p.workspace.clone().unwrap();
-        prop_assert_eq!(ws.lamport_buffer_bytes % 32, 0);
+        prop_assert_eq!(ws.kernels, kernels);
         let m = p.max_token_num;
         prop_assert!(m >= 1 && m <= mbt);
-        let mut fused_any = false;
+        let available = |s: Strategy| match (kernels, backend, s) {
+            (KernelLibrary::Flashinfer, Backend::Trtllm, Strategy::TwoShot) => ws.comm_buffer_bytes,
+            _ => ws.lamport_buffer_bytes,
+        };
+        let mut largest_call = 0u64;
         for tok in 1..=p.max_planned_tokens.min(m + 64) {
             let s = p.strategy_for(tok).unwrap();
-            // The same rule, evaluated independently per T.
             let expected = if tok > m {
                 Strategy::Unfused
             } else {
                 let fits = |s: Strategy| {
                     (s != Strategy::TwoShot || tok >= u64::from(w))
-                        && required_bytes(backend, s, tok, h, w, dtype).unwrap()
-                            <= ws.available_bytes(s)
+                        && expected_bytes(kernels, backend, s, w, h, e, tok) <= available(s)
                 };
-                let pref = preferred_strategy(backend, sm, w, h, dtype, tok).unwrap();
+                let pref = expected_preference(kernels, backend, sm, w, h, e, tok);
                 if fits(pref) {
                     pref
                 } else if fits(other(pref)) {
@@ -94,24 +176,44 @@ proptest! {
             };
             prop_assert_eq!(s, expected, "T={}", tok);
             if s.is_fused() {
-                fused_any = true;
-                prop_assert!(tok <= m);
-                let need = required_bytes(backend, s, tok, h, w, dtype).unwrap();
-                prop_assert!(need <= ws.available_bytes(s), "T={} {} {} > {}", tok, s, need,
-                    ws.available_bytes(s));
-                if s == Strategy::TwoShot {
-                    prop_assert!(tok >= u64::from(w));
-                }
+                largest_call = largest_call.max(expected_bytes(kernels, backend, s, w, h, e, tok));
             }
         }
-        // A workspace sized by arfuse itself (domain.md §5 formula) fuses every T up to
-        // M, except T < W beyond what one buffer holds for one-shot (two-shot cannot run
-        // there; the formula only reserves one-shot room up to the AUTO threshold).
-        prop_assert!(fused_any);
-        let one_shot_cap = ws.capacity_tokens(Strategy::OneShot, h).unwrap();
-        for tok in 1..=m {
-            let gap = tok < u64::from(w) && tok > one_shot_cap;
-            prop_assert_eq!(p.strategy_for(tok).unwrap().is_fused(), !gap, "T={}", tok);
+        prop_assert!(largest_call > 0);
+        match kernels {
+            // arfuse allocates exactly what it dispatches: one buffer, the largest
+            // call rounded up to 128 bytes, and every T up to M is fused (a one-shot
+            // call of M tokens is at most 64 MiB * 16 ranks, far under the buffer limit).
+            KernelLibrary::Arfuse => {
+                prop_assert_eq!(ws.lamport_buffer_bytes, largest_call.div_ceil(128) * 128);
+                prop_assert_eq!(ws.total_bytes_per_rank, 256 + 3 * ws.lamport_buffer_bytes);
+                for tok in 1..=m {
+                    prop_assert!(p.strategy_for(tok).unwrap().is_fused(), "T={}", tok);
+                }
+                // Never more than FlashInfer's sizing for the same M, unless FlashInfer's
+                // leaves some T <= M unfused (T < W beyond its one-shot room, where
+                // two-shot cannot run) that arfuse fuses one-shot.
+                let fi = p.flashinfer_workspace.clone().unwrap();
+                let fi_plan = plan(&Target { kernels: KernelLibrary::Flashinfer, ..t.clone() }, &[h])
+                    .unwrap();
+                let fi_fuses_all = (1..=m).all(|tok| fi_plan.strategy_for(tok).unwrap().is_fused());
+                prop_assert_eq!(fi_plan.workspace.as_ref(), Some(&fi));
+                if fi_fuses_all {
+                    prop_assert!(ws.total_bytes_per_rank <= fi.total_bytes_per_rank,
+                        "arfuse {} > FlashInfer {}", ws, fi);
+                }
+            }
+            // FlashInfer's sizing fuses every T up to M, except T < W beyond what one
+            // buffer holds for one-shot (two-shot cannot run there; the formula only
+            // reserves one-shot room up to the AUTO threshold).
+            KernelLibrary::Flashinfer => {
+                prop_assert_eq!(ws.lamport_buffer_bytes % 32, 0);
+                let one_shot_cap = ws.lamport_buffer_bytes / (h * u64::from(w) * e);
+                for tok in 1..=m {
+                    let gap = tok < u64::from(w) && tok > one_shot_cap;
+                    prop_assert_eq!(p.strategy_for(tok).unwrap().is_fused(), !gap, "T={}", tok);
+                }
+            }
         }
     }
 
@@ -162,15 +264,21 @@ proptest! {
             prop_assert!(plan(&target, &[h]).is_err());
         }
         for s in [Strategy::OneShot, Strategy::TwoShot, Strategy::Unfused] {
-            for b in [arfuse_policy::Backend::Mnnvl, arfuse_policy::Backend::Trtllm] {
-                let r = required_bytes(b, s, t, h, w, ActDtype::F32);
-                if t == 0 || w == 0 || h == 0 {
-                    prop_assert!(r.is_err());
+            for b in [Backend::Mnnvl, Backend::Trtllm] {
+                for k in [KernelLibrary::Arfuse, KernelLibrary::Flashinfer] {
+                    let r = required_bytes(k, b, s, t, h, w, ActDtype::F32);
+                    if t == 0 || w == 0 || h == 0 {
+                        prop_assert!(r.is_err());
+                    }
                 }
             }
         }
-        let _ = Workspace::mnnvl(w, h, ActDtype::F32, t);
-        let _ = Workspace::trtllm(w, h, ActDtype::F32, t);
-        let _ = Workspace::mnnvl_from_allocation(w, h, ActDtype::Bf16, t);
+        let _ = Workspace::flashinfer_mnnvl(w, h, ActDtype::F32, t);
+        let _ = Workspace::flashinfer_trtllm(w, h, ActDtype::F32, t);
+        let _ = Workspace::flashinfer_mnnvl_from_allocation(w, h, ActDtype::Bf16, t);
+        if let Ok(ws) = Workspace::arfuse(Backend::Mnnvl, w, h, ActDtype::F32, None, t) {
+            prop_assert!(ws.problems().is_empty());
+            let _ = ws.capacity_tokens(Strategy::TwoShot, h);
+        }
     }
 }

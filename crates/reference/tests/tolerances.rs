@@ -176,7 +176,7 @@ fn gemma_decomposition_rounds_once_and_is_bit_exact() {
 fn nvfp4_fixture_matches_its_unfused_chain_and_has_the_worked_scale_size() {
     let lowered = fixture("nvfp4_final_norm.json");
     let h = 7168u64;
-    let mut b = Builder::new(16384);
+    let mut b = Builder::new(8192);
     let act = tt(DType::Bf16, tdims(h));
     let x = b.input("x", InputKind::Activation, act.clone());
     let res = b.input("res", InputKind::Activation, act.clone());

@@ -212,6 +212,15 @@ pub fn lower_with(
                 ));
                 continue;
             }
+            if let QKind::Fp8Group { group_size, .. } = kind.quant {
+                if let Some(why) = arfuse_policy::group_quant_unsupported_reason(group_size) {
+                    site_notes.entry(inst).or_default().push(format!(
+                        "the per-token-group FP8 quant epilogue is not fused: {why}; the \
+                         quant runs unfused after the fused node"
+                    ));
+                    continue;
+                }
+            }
             match index.check(inst, *class, *ch, *kind, &claimed) {
                 Ok(s) => {
                     if s.cost.0 >= s.cost.1 {
@@ -292,14 +301,8 @@ pub fn lower_with(
                     return Err(LowerError::StalePlan {
                         node: id,
                         detail: format!(
-                            "carried: {:?} backend, max_token_num {}, one buffer {} bytes; \
-                             this target: {:?} backend, max_token_num {}, one buffer {} bytes",
-                            carried.backend,
-                            carried.max_token_num,
-                            carried.lamport_buffer_bytes,
-                            p.backend,
-                            p.max_token_num,
-                            p.lamport_buffer_bytes
+                            "carried: max_token_num {}, {}; this target: max_token_num {}, {}",
+                            carried.max_token_num, carried.workspace, p.max_token_num, p.workspace
                         ),
                     });
                 }
@@ -420,8 +423,8 @@ pub fn lower_with(
                     entry.fused_node = Some(fid.clone());
                     entry.backend_reason = Some(d.reason.clone());
                     if let Some(p) = &d.plan {
-                        entry.backend = Some(backend_name(p.backend).into());
-                        entry.workspace_bytes = Some(p.workspace_bytes);
+                        entry.backend = Some(p.backend().to_string());
+                        entry.workspace_bytes = Some(p.workspace.total_bytes_per_rank);
                         entry.pattern_code = Some(pattern_code(s));
                         entry.dispatch = p
                             .dispatch
@@ -485,6 +488,7 @@ pub fn lower_with(
             group_nodes: target.group_nodes,
             dtype: target.dtype.to_string(),
             requested_backend: target.requested_backend.to_string(),
+            kernels: target.kernels.to_string(),
         },
         workspaces,
         all_reduces_seen: ars.len(),
@@ -578,13 +582,6 @@ fn output_name(o: FusedOutput) -> &'static str {
         FusedOutput::Residual => "residual",
         FusedOutput::Quant => "quant",
         FusedOutput::Scale => "scale",
-    }
-}
-
-fn backend_name(b: arfuse_ir::Backend) -> &'static str {
-    match b {
-        arfuse_ir::Backend::Trtllm => "trtllm",
-        arfuse_ir::Backend::Mnnvl => "mnnvl",
     }
 }
 

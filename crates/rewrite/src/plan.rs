@@ -4,8 +4,8 @@
 
 use crate::error::LowerError;
 use crate::report::WorkspaceReport;
-use arfuse_ir::{Backend as IrBackend, DType, DispatchRange, FusedPlan, Strategy as IrStrategy};
-use arfuse_policy::{ActDtype, Backend, Plan, Strategy, Target};
+use arfuse_ir::{DType, DispatchRange, FusedPlan};
+use arfuse_policy::{Plan, Target};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// What the policy says about one site.
@@ -21,31 +21,6 @@ pub(crate) struct SiteDecision {
     pub range_reasons: Vec<String>,
     /// The policy's short reason per range (without the range itself).
     pub range_why: Vec<String>,
-}
-
-/// The policy's activation dtype for an IR dtype.
-pub(crate) fn act_dtype(d: DType) -> Option<ActDtype> {
-    match d {
-        DType::Bf16 => Some(ActDtype::Bf16),
-        DType::F16 => Some(ActDtype::F16),
-        DType::F32 => Some(ActDtype::F32),
-        _ => None,
-    }
-}
-
-fn ir_backend(b: Backend) -> IrBackend {
-    match b {
-        Backend::Trtllm => IrBackend::Trtllm,
-        Backend::Mnnvl => IrBackend::Mnnvl,
-    }
-}
-
-fn ir_strategy(s: Strategy) -> IrStrategy {
-    match s {
-        Strategy::OneShot => IrStrategy::OneShot,
-        Strategy::TwoShot => IrStrategy::TwoShot,
-        Strategy::Unfused => IrStrategy::Unfused,
-    }
 }
 
 /// What [`decide`] returns: per (dtype, hidden) the site decision, and the
@@ -73,7 +48,7 @@ pub(crate) fn decide(
     let mut workspaces = Vec::new();
     let dtypes: BTreeSet<DType> = keys.keys().map(|k| k.0).collect();
     for dtype in dtypes {
-        let Some(act) = act_dtype(dtype) else {
+        let Some(act) = dtype.activation() else {
             for (&(d, h), _) in keys.iter().filter(|(k, _)| k.0 == dtype) {
                 out.insert(
                     (d, h),
@@ -130,10 +105,11 @@ pub(crate) fn decide(
         workspaces.push(WorkspaceReport {
             group: String::new(),
             dtype: dtype.to_string(),
+            kernels: t.kernels.to_string(),
             backend: plan
                 .backend()
                 .filter(|_| ws.is_some())
-                .map(|b| crate::backend_name(ir_backend(b)).to_string()),
+                .map(|b| b.to_string()),
             reason: plan.decision.reason().to_string(),
             hidden: ws.map(|w| w.hidden),
             own_hidden_sizes: hiddens.clone(),
@@ -141,6 +117,10 @@ pub(crate) fn decide(
             max_token_num: plan.max_token_num,
             lamport_buffer_bytes: ws.map(|w| w.lamport_buffer_bytes),
             bytes_per_rank: ws.map(|w| w.total_bytes_per_rank),
+            flashinfer_bytes_per_rank: plan
+                .flashinfer_workspace
+                .as_ref()
+                .map(|w| w.total_bytes_per_rank),
         });
         for h in hiddens {
             let tmax = keys.get(&(dtype, h)).copied().flatten();
@@ -162,22 +142,29 @@ fn refuse(reason: String) -> SiteDecision {
 
 fn site(plan: &Plan, h: u64, tmax: Option<u64>) -> SiteDecision {
     let reason = plan.decision.reason().to_string();
-    let (Some(backend), Some(ws)) = (plan.backend(), plan.workspace.as_ref()) else {
+    let (Some(_), Some(ws)) = (plan.backend(), plan.workspace.as_ref()) else {
         return refuse(format!("no fusion: {reason}"));
     };
     let ranges = match plan.dispatch_for_hidden(h) {
         Ok(r) => r,
         Err(e) => return refuse(e.to_string()),
     };
+    // Ranges clipped to the token counts the graph can run with; a clipped fused range
+    // states the bytes of its own last T (the IR checks that on load).
     let cap = tmax.unwrap_or(u64::MAX);
-    let clipped: Vec<_> = ranges
-        .into_iter()
-        .filter(|r| r.lo <= cap)
-        .map(|mut r| {
-            r.hi = r.hi.min(cap);
-            r
-        })
-        .collect();
+    let mut clipped = Vec::new();
+    for mut r in ranges.into_iter().filter(|r| r.lo <= cap) {
+        if r.hi > cap {
+            r.hi = cap;
+            if r.strategy.is_fused() {
+                match ws.required_bytes(r.strategy, r.hi, h) {
+                    Ok(b) => r.required_bytes_max = b,
+                    Err(e) => return refuse(e.to_string()),
+                }
+            }
+        }
+        clipped.push(r);
+    }
     if !clipped.iter().any(|r| r.strategy.is_fused()) {
         let why = clipped
             .iter()
@@ -191,7 +178,7 @@ fn site(plan: &Plan, h: u64, tmax: Option<u64>) -> SiteDecision {
         .map(|r| DispatchRange {
             min_tokens: r.lo,
             max_tokens: r.hi,
-            strategy: ir_strategy(r.strategy),
+            strategy: r.strategy.into(),
             required_bytes: r.required_bytes_max,
         })
         .collect();
@@ -199,11 +186,9 @@ fn site(plan: &Plan, h: u64, tmax: Option<u64>) -> SiteDecision {
         fused: true,
         reason,
         plan: Some(FusedPlan {
-            backend: ir_backend(backend),
             pattern_code: 0,
             max_token_num: plan.max_token_num,
-            workspace_bytes: ws.total_bytes_per_rank,
-            lamport_buffer_bytes: ws.lamport_buffer_bytes,
+            workspace: ws.clone(),
             dispatch,
         }),
         range_reasons: clipped.iter().map(|r| r.to_string()).collect(),

@@ -102,6 +102,8 @@ pub struct TargetReport {
     pub dtype: String,
     /// The backend requested (`auto`, `trtllm`, `mnnvl`, `off`).
     pub requested_backend: String,
+    /// The kernels planned for (`arfuse`, `flashinfer`).
+    pub kernels: String,
 }
 
 /// One workspace the plan sizes: per (group, backend, dtype), shared by every fused
@@ -112,6 +114,8 @@ pub struct WorkspaceReport {
     pub group: String,
     /// Activation dtype.
     pub dtype: String,
+    /// The kernels planned for (`arfuse`, `flashinfer`).
+    pub kernels: String,
     /// Backend (`trtllm`, `mnnvl`); `None` when the policy does not fuse.
     pub backend: Option<String>,
     /// The policy's reason for the backend (or for no fusion).
@@ -127,8 +131,11 @@ pub struct WorkspaceReport {
     pub max_token_num: u64,
     /// Bytes of ONE Lamport buffer (what a call's required bytes are checked against).
     pub lamport_buffer_bytes: Option<u64>,
-    /// Bytes per rank, the whole allocation.
+    /// Bytes allocated per rank, the whole workspace.
     pub bytes_per_rank: Option<u64>,
+    /// For arfuse's kernels: what FlashInfer's sizing would allocate per rank for the
+    /// same target, backend, hidden size and M (bytes), for comparison.
+    pub flashinfer_bytes_per_rank: Option<u64>,
 }
 
 /// What [`crate::lower`] did.
@@ -284,8 +291,8 @@ impl fmt::Display for Report {
         let t = &self.target;
         writeln!(
             f,
-            "arfuse lower: group `{}` ({}); target SM {}, W={}, {} node{}, {}, backend {}; \
-             all-reduces fused {} / {}{}",
+            "arfuse lower: group `{}` ({}); target SM {}, W={}, {} node{}, {}, backend {}, \
+             {} kernels; all-reduces fused {} / {}{}",
             self.group,
             self.group_source,
             t.sm,
@@ -294,6 +301,7 @@ impl fmt::Display for Report {
             if t.group_nodes == 1 { "" } else { "s" },
             t.dtype,
             t.requested_backend,
+            t.kernels,
             self.all_reduces_fused,
             self.all_reduces_seen,
             if self.already_fused > 0 {
@@ -312,9 +320,10 @@ impl fmt::Display for Report {
                 (Some(b), Some(h)) => {
                     writeln!(
                         f,
-                        "workspace `{}` {b} {}: {}",
+                        "workspace `{}` {b} {} ({}'s kernels): {}",
                         w.group,
                         w.dtype,
+                        w.kernels,
                         group_digits(&w.reason)
                     )?;
                     let sizes = |v: &[u64]| {
@@ -336,11 +345,21 @@ impl fmt::Display for Report {
                     )?;
                     writeln!(
                         f,
-                        "  max_token_num {}; one Lamport buffer {}; per rank {} (whole allocation)",
+                        "  max_token_num {}; one Lamport buffer {}; allocated per rank {}",
                         thousands(w.max_token_num),
                         opt_bytes(w.lamport_buffer_bytes),
                         opt_bytes(w.bytes_per_rank)
                     )?;
+                    if let (Some(ours), Some(fi)) = (w.bytes_per_rank, w.flashinfer_bytes_per_rank)
+                    {
+                        writeln!(
+                            f,
+                            "  FlashInfer's sizing for the same M and H would allocate {} per \
+                             rank (arfuse / FlashInfer = {:.3})",
+                            opt_bytes(Some(fi)),
+                            ours as f64 / fi as f64
+                        )?;
+                    }
                 }
                 _ => writeln!(
                     f,

@@ -127,7 +127,10 @@ fn a_wider_shared_graph_sizes_the_workspace() {
         if let arfuse_ir::Op::FusedAllreduceNorm(f) = &n.op {
             let plan = f.plan.as_ref().unwrap();
             assert_eq!(plan.max_token_num, 32);
-            assert_eq!(plan.lamport_buffer_bytes, ws.lamport_buffer_bytes.unwrap());
+            assert_eq!(
+                plan.workspace.lamport_buffer_bytes,
+                ws.lamport_buffer_bytes.unwrap()
+            );
             let last_fused = plan
                 .dispatch
                 .iter()

@@ -166,6 +166,12 @@ impl Case {
         }
         // The kernels' block-size limit (H * e <= 64 KiB).
         crate::cuda::block_size(self.hidden, self.dtype)?;
+        if self.strategy == Strategy::TwoShot && self.tokens < self.world {
+            return Err(Error::Invalid(format!(
+                "two-shot needs T >= W = {}, T = {}",
+                self.world, self.tokens
+            )));
+        }
         if self.weight_bias > 1 {
             return Err(Error::Invalid("weight_bias must be 0 or 1".into()));
         }
@@ -781,8 +787,10 @@ pub fn compare_partial(live: Liveness, full: &[RankOutputs], partial: &[RankOutp
 /// - one-shot, per rank: read x (R), push it to every peer (W*R), re-fill the
 ///   previous call's buffer with the sentinel (W*R, same T assumed), poll and read the
 ///   W slots (W*R);
-/// - two-shot, per rank: read x (R), push to the owners (R), read the owned slots
-///   (R), push the reduced tokens to every peer (R), read the gathered tokens (R);
+/// - two-shot, per rank: read x (R), push to the owners (R), poll the owned slots
+///   (R), push the reduced tokens to every peer (R), poll the gathered tokens (R),
+///   re-fill the previous call's buffer with the sentinel (`(W * ceil(T/W) + T) * H
+///   * e`, same T assumed);
 /// - epilogue, per rank: read the residual (R), write `residual_out` (R, norm
 ///   patterns), write `out` (R), read gamma (H*e), write quant data and scales
 ///   ([`Case::output_bytes`]).
@@ -793,9 +801,13 @@ pub fn bytes_moved(case: &Case) -> Result<u64> {
     let o = case.output_bytes()?;
     let w = u64::from(case.world);
     let r = o.out;
+    let row = u64::from(case.hidden) * case.dtype.bytes() as u64;
+    let t = u64::from(case.tokens);
     let comm = match case.strategy {
         Strategy::OneShot => r.checked_mul(1 + 3 * w),
-        Strategy::TwoShot => r.checked_mul(5),
+        Strategy::TwoShot => r
+            .checked_mul(5)
+            .and_then(|c| c.checked_add((w * t.div_ceil(w) + t).checked_mul(row)?)),
     }
     .ok_or(Error::Overflow("bytes moved"))?;
     let residual_in = if case.epilogue.residual { r } else { 0 };
@@ -858,9 +870,10 @@ mod tests {
         let with = all_cases(4096, true);
         let without = all_cases(4096, false);
         // 15 epilogues for 16-bit types (all-reduce only, residual on/off x 7 quant
-        // forms), 11 for f32 (no NVFP4); x 2 strategies x 3 W x 7 T.
-        assert_eq!(with.len(), (15 + 15 + 11) * 2 * 3 * 7);
-        assert_eq!(without.len(), (11 + 11 + 11) * 2 * 3 * 7);
+        // forms), 11 for f32 (no NVFP4); x one-shot at 3 W x 7 T, and two-shot at the
+        // T >= W of T in {1, 7, 16, 40, 42, 128, 1024}: 6 (W=2) + 6 (W=4) + 5 (W=8).
+        assert_eq!(with.len(), (15 + 15 + 11) * (3 * 7 + 6 + 6 + 5));
+        assert_eq!(without.len(), (11 + 11 + 11) * (3 * 7 + 6 + 6 + 5));
         assert!(without.iter().all(|c| !c.epilogue.quant.needs_sm100()));
         assert!(with
             .iter()
@@ -1084,9 +1097,13 @@ mod tests {
         // per rank (1 + 12) R + R residual + R res_out + R out + 512 gamma = 17 R.
         let c = case(Epilogue::RES_NORM, Dtype::Bf16, 1);
         assert_eq!(bytes_moved(&c).unwrap(), 4 * 17 * 512);
-        let mut two = c;
+        // Two-shot needs T >= W: T=4, R = 2048; 5 R + the re-fill of (4 * 1 + 4) rows
+        // of 512 bytes (2 R) + residual, res_out, out (3 R) + gamma.
+        let mut two = case(Epilogue::RES_NORM, Dtype::Bf16, 4);
         two.strategy = Strategy::TwoShot;
-        assert_eq!(bytes_moved(&two).unwrap(), 4 * 9 * 512);
+        assert_eq!(bytes_moved(&two).unwrap(), 4 * (10 * 2048 + 512));
+        two.tokens = 3;
+        assert!(bytes_moved(&two).is_err());
         let ar = case(Epilogue::AR_ONLY, Dtype::Bf16, 1);
         assert_eq!(bytes_moved(&ar).unwrap(), 4 * 14 * 512);
     }

@@ -13,9 +13,9 @@
 //! its CPU-side parts (shapes, parameters) are unit-tested, the rest is unverified.
 
 use crate::error::{Error, Result};
-use crate::layout::{WorkspaceLayout, WorkspaceRequest};
 use crate::variants::{self, Arch, Dtype, KernelKind, Variant};
 use crate::workspace::{Backend, WorkspaceFactory};
+use arfuse_policy::{ArfuseLayout, Workspace};
 use cudarc::driver::sys;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
@@ -24,10 +24,8 @@ use std::sync::Arc;
 /// Default polling timeout of the kernels (globaltimer ns): 5 s. A correct protocol
 /// never comes close; a broken one exits and reports instead of hanging.
 pub const DEFAULT_TIMEOUT_NS: u64 = 5_000_000_000;
-/// Largest thread block (and the kernels' `__launch_bounds__`).
-pub const MAX_BLOCK: u32 = 1024;
-/// Vectors per thread the default kernels hold (`ARF_MAX_VPT`).
-pub const MAX_VPT: u32 = 4;
+/// Most CTAs per rank of one fused launch (tokens are strided over them).
+pub const MAX_GRID_CTAS: u32 = 256;
 
 /// Checks that a driver library can be loaded, without touching cudarc.
 ///
@@ -139,20 +137,12 @@ pub struct KernelParams {
     pub gamma: u64,
     /// fp32 scalar: static fp8 dequant scale or NVFP4 global scale.
     pub scale_in: u64,
-    /// Workspace offsets (see [`WorkspaceLayout`]).
-    pub off_os_state: u64,
-    /// Two-shot epochs.
-    pub off_ts_state: u64,
-    /// Two-shot flags.
-    pub off_ts_flags: u64,
-    /// Lamport buffers.
+    /// Workspace offsets ([`ArfuseLayout`]): the state block.
+    pub off_state: u64,
+    /// The first Lamport buffer.
     pub off_lamport: u64,
     /// Bytes of one Lamport buffer.
     pub lamport_stride: u64,
-    /// Two-shot scatter inbox.
-    pub off_scatter: u64,
-    /// Two-shot gather inbox.
-    pub off_gather: u64,
     /// u32 error word.
     pub err: u64,
     /// Polling timeout, ns.
@@ -163,8 +153,6 @@ pub struct KernelParams {
     pub hidden: i32,
     /// Rank of `blockIdx.y == 0`.
     pub rank_base: i32,
-    /// Workspace M.
-    pub max_tokens: i32,
     /// RMSNorm epsilon.
     pub eps: f32,
     /// 0 or 1 (Gemma-style weight offset).
@@ -172,65 +160,52 @@ pub struct KernelParams {
     /// 1 when `gamma` is f32 (the Gemma form `1 + w.float()` with 16-bit activations),
     /// 0 when it has the activation dtype. `ArfParams::gamma_f32`.
     pub gamma_f32: i32,
-    /// Padding.
-    pub pad: i32,
 }
 
-const _: () = assert!(std::mem::size_of::<KernelParams>() == 344);
+const _: () = assert!(std::mem::size_of::<KernelParams>() == 304);
 
 impl KernelParams {
     /// Fills the workspace fields from a layout and the base of rank 0's slice
-    /// (virtual ranks: rank r at `base + r * per_rank_bytes`).
+    /// (virtual ranks: rank r of `world` at `base + r * bytes_per_rank`).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for more than 16 ranks; [`Error::Overflow`].
     pub fn with_virtual_workspace(
         mut self,
-        layout: &WorkspaceLayout,
+        layout: &ArfuseLayout,
+        world: u32,
         base: u64,
         err: u64,
     ) -> Result<Self> {
-        let w = layout.request.world as usize;
-        for r in 0..w {
+        if world as usize > self.peer.len() {
+            return Err(Error::Invalid(format!(
+                "{world} ranks; the kernels take at most 16"
+            )));
+        }
+        for r in 0..world as usize {
             self.peer[r] = (r as u64)
-                .checked_mul(layout.per_rank_bytes)
+                .checked_mul(layout.bytes_per_rank)
                 .and_then(|o| o.checked_add(base))
                 .ok_or(Error::Overflow("peer address"))?;
         }
-        self.off_os_state = layout.off_os_state;
-        self.off_ts_state = layout.off_ts_state;
-        self.off_ts_flags = layout.off_ts_flags;
-        self.off_lamport = layout.off_lamport;
-        self.lamport_stride = layout.lamport_stride;
-        self.off_scatter = layout.off_scatter;
-        self.off_gather = layout.off_gather;
+        self.off_state = layout.state_offset;
+        self.off_lamport = layout.lamport_offset;
+        self.lamport_stride = layout.lamport_buffer_bytes;
         self.err = err;
-        self.max_tokens =
-            i32::try_from(layout.request.max_tokens).map_err(|_| Error::Overflow("M"))?;
         Ok(self)
     }
 }
 
-/// Threads per block for a token of `hidden` elements of `dtype`: 16-byte vectors,
-/// at most [`MAX_VPT`] per thread, a multiple of 32 and at least 128 threads (so no
-/// block reduction ever runs on a partial warp).
+/// Threads per block for a token of `hidden` elements of `dtype`: the policy's
+/// [`arfuse_policy::arfuse_block_threads`] (16-byte vectors, at most four per thread,
+/// whole warps, at least 128 threads), the plan-time limit the planner already
+/// checked.
 ///
 /// # Errors
-/// [`Error::Invalid`] when H * e is not a multiple of 16; [`Error::Unsupported`] when
-/// a token needs more than `MAX_BLOCK * MAX_VPT` vectors.
+/// [`Error::Unsupported`] with the policy's reason when the kernels cannot run the row.
 pub fn block_size(hidden: u32, dtype: Dtype) -> Result<u32> {
-    let row = u64::from(hidden) * dtype.bytes() as u64;
-    if row == 0 || row % 16 != 0 {
-        return Err(Error::Invalid(format!(
-            "H * e = {row} must be a positive multiple of 16"
-        )));
-    }
-    let nvec = row / 16;
-    let vpt = nvec.div_ceil(u64::from(MAX_BLOCK));
-    if vpt > u64::from(MAX_VPT) {
-        return Err(Error::Unsupported(format!(
-            "H = {hidden} needs {vpt} vectors per thread; kernels are built for {MAX_VPT} (compile with ARF_MAX_VPT=8 for wider tokens)"
-        )));
-    }
-    let threads = nvec.div_ceil(vpt).div_ceil(32) * 32;
-    Ok(threads.max(128) as u32)
+    arfuse_policy::arfuse_block_threads(u64::from(hidden), dtype.policy())
+        .map_err(|e| Error::Unsupported(e.to_string()))
 }
 
 /// A loaded kernel entry point (opaque driver handle, valid while its [`Gpu`] lives).
@@ -697,8 +672,10 @@ impl Drop for Graph {
 
 /// W virtual ranks' workspaces in one allocation, plus the error word.
 pub struct VirtualWorkspace {
-    /// The layout of one rank.
-    pub layout: WorkspaceLayout,
+    /// The workspace the plan proved (what is allocated per rank).
+    pub workspace: Workspace,
+    /// Its byte offsets (one rank).
+    pub layout: ArfuseLayout,
     /// All ranks' slices.
     pub memory: DeviceBuffer,
     /// u32 error word the kernels set instead of hanging.
@@ -706,10 +683,18 @@ pub struct VirtualWorkspace {
 }
 
 impl VirtualWorkspace {
-    /// Allocates and initialises (Lamport buffers to the -0.0 sentinel, rest zero).
-    pub fn create(gpu: &Gpu, request: WorkspaceRequest) -> Result<VirtualWorkspace> {
-        let layout = WorkspaceLayout::new(request)?;
-        let bytes = layout.virtual_bytes()?;
+    /// Allocates `workspace` for its W virtual ranks and initialises it (Lamport
+    /// buffers to the -0.0 sentinel, the state block zero).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a workspace of FlashInfer's kernels or with problems of
+    /// its own; [`Error::Unsupported`] when it exceeds free memory; driver errors.
+    pub fn create(gpu: &Gpu, workspace: &Workspace) -> Result<VirtualWorkspace> {
+        let layout = arfuse_layout(workspace)?;
+        let bytes = layout
+            .bytes_per_rank
+            .checked_mul(u64::from(workspace.world_size))
+            .ok_or(Error::Overflow("virtual workspace"))?;
         if bytes > gpu.info.free_bytes {
             return Err(Error::Unsupported(format!(
                 "workspace of {bytes} bytes exceeds free memory {}",
@@ -718,10 +703,11 @@ impl VirtualWorkspace {
         }
         let memory = gpu.alloc(bytes)?;
         let err = gpu.alloc(4)?;
-        for r in 0..u64::from(request.world) {
-            let base = memory.ptr + r * layout.per_rank_bytes + layout.off_lamport;
-            let lam = 3 * layout.lamport_stride;
-            let rc = match request.dtype {
+        let dtype = Dtype::from_policy(workspace.dtype);
+        for r in 0..u64::from(workspace.world_size) {
+            let base = memory.ptr + r * layout.bytes_per_rank + layout.lamport_offset;
+            let lam = arfuse_policy::LAMPORT_BUFFER_COUNT * layout.lamport_buffer_bytes;
+            let rc = match dtype {
                 // SAFETY: the range lies inside `memory` (layout arithmetic is checked).
                 Dtype::Bf16 | Dtype::F16 => unsafe {
                     sys::cuMemsetD16Async(base, 0x8000, (lam / 2) as usize, gpu.stream)
@@ -735,6 +721,7 @@ impl VirtualWorkspace {
         }
         gpu.sync()?;
         Ok(VirtualWorkspace {
+            workspace: workspace.clone(),
             layout,
             memory,
             err,
@@ -759,15 +746,69 @@ impl WorkspaceFactory for Gpu {
     fn is_capturing(&self) -> Result<bool> {
         self.capturing()
     }
-    fn create(&mut self, backend: Backend, request: &WorkspaceRequest) -> Result<VirtualWorkspace> {
+    fn create(&mut self, backend: Backend, workspace: &Workspace) -> Result<VirtualWorkspace> {
         match backend {
             // One GPU: no multicast object between ranks exists here.
             Backend::Mnnvl => Err(Error::Unsupported(
                 "mnnvl needs NVLink multicast between GPUs; virtual ranks use trtllm layout".into(),
             )),
-            Backend::Trtllm => VirtualWorkspace::create(self, *request),
+            Backend::Trtllm => VirtualWorkspace::create(self, workspace),
             Backend::Unfused => Err(Error::Invalid("unfused needs no workspace".into())),
         }
+    }
+}
+
+/// The arfuse layout of a workspace the runtime can allocate.
+///
+/// # Errors
+/// [`Error::Invalid`] for FlashInfer's kernels (arfuse's runtime runs its own) or a
+/// workspace with problems of its own.
+pub fn arfuse_layout(workspace: &Workspace) -> Result<ArfuseLayout> {
+    let problems = workspace.problems();
+    if !problems.is_empty() {
+        return Err(Error::Invalid(format!(
+            "workspace: {}",
+            problems.join("; ")
+        )));
+    }
+    workspace.arfuse_layout().ok_or_else(|| {
+        Error::Invalid(format!(
+            "the workspace is laid out for {}'s kernels; arfuse-runtime runs plans made for \
+             kernels = \"arfuse\"",
+            workspace.kernels
+        ))
+    })
+}
+
+/// Whether a fused call of `tokens` tokens at `hidden` with `strategy` may run in
+/// `workspace`: the policy's capacity rule ([`Workspace::misfit`]), the one the
+/// planner proved the plan with.
+///
+/// # Errors
+/// [`Error::Invalid`] naming the required and available bytes, or T < W for two-shot.
+pub fn check_fits(
+    workspace: &Workspace,
+    strategy: variants::Strategy,
+    tokens: u32,
+    hidden: u32,
+) -> Result<()> {
+    let misfit = workspace
+        .misfit(strategy.policy(), u64::from(tokens), u64::from(hidden))
+        .map_err(|e| Error::Invalid(e.to_string()))?;
+    match misfit {
+        None => Ok(()),
+        Some(arfuse_policy::Misfit::BelowWorldSize { world_size }) => Err(Error::Invalid(format!(
+            "{} at T = {tokens} needs T >= W = {world_size}",
+            strategy.policy()
+        ))),
+        Some(arfuse_policy::Misfit::TooLarge {
+            required_bytes,
+            available_bytes,
+        }) => Err(Error::Invalid(format!(
+            "{} at T = {tokens} needs {required_bytes} bytes of one Lamport buffer; it has \
+             {available_bytes}",
+            strategy.policy()
+        ))),
     }
 }
 
@@ -778,6 +819,8 @@ pub struct FusedCall {
     pub variant: Variant,
     /// Tokens T.
     pub tokens: u32,
+    /// Hidden size H of this call (elements; at most the workspace's).
+    pub hidden: u32,
     /// Ranks in this launch (W for virtual ranks).
     pub ranks: u32,
     /// Tensors and scalars; workspace fields are filled by [`launch_fused`].
@@ -793,19 +836,18 @@ pub fn launch_fused(gpu: &mut Gpu, ws: &VirtualWorkspace, call: &FusedCall) -> R
     let KernelKind::Fused { strategy, world } = call.variant.kind else {
         return Err(Error::Invalid("launch_fused needs a fused variant".into()));
     };
-    if world != ws.layout.request.world || call.variant.dtype != ws.layout.request.dtype {
+    let wsp = &ws.workspace;
+    if world != wsp.world_size || call.variant.dtype.policy() != wsp.dtype {
         return Err(Error::Invalid(
             "variant world size / dtype differ from the workspace".into(),
         ));
     }
-    ws.layout.check_call(strategy, call.tokens)?;
+    let hidden = call.hidden;
+    check_fits(wsp, strategy, call.tokens, hidden)?;
     let f = gpu.kernel(&call.variant)?;
-    let block = block_size(ws.layout.request.hidden, call.variant.dtype)?;
+    let block = block_size(hidden, call.variant.dtype)?;
     let resident = gpu.resident_ctas(f, block)?;
-    let gx = call
-        .tokens
-        .min(crate::layout::MAX_CTAS as u32)
-        .min(resident / world);
+    let gx = call.tokens.min(MAX_GRID_CTAS).min(resident / world);
     if gx == 0 {
         return Err(Error::Unsupported(format!(
             "{world} ranks x 1 CTA of {block} threads cannot be co-resident"
@@ -813,9 +855,9 @@ pub fn launch_fused(gpu: &mut Gpu, ws: &VirtualWorkspace, call: &FusedCall) -> R
     }
     let mut p = call
         .params
-        .with_virtual_workspace(&ws.layout, ws.memory.ptr, ws.err.ptr)?;
-    p.tokens = call.tokens as i32;
-    p.hidden = ws.layout.request.hidden as i32;
+        .with_virtual_workspace(&ws.layout, world, ws.memory.ptr, ws.err.ptr)?;
+    p.tokens = i32::try_from(call.tokens).map_err(|_| Error::Overflow("T"))?;
+    p.hidden = hidden as i32;
     p.rank_base = 0;
     if p.timeout_ns == 0 {
         p.timeout_ns = DEFAULT_TIMEOUT_NS;
@@ -905,48 +947,54 @@ mod tests {
     use super::*;
 
     #[test]
-    fn block_sizes_are_full_warps_and_at_least_128() {
-        assert_eq!(block_size(4096, Dtype::Bf16).unwrap(), 512);
+    fn block_sizes_are_the_policys() {
         assert_eq!(block_size(6144, Dtype::Bf16).unwrap(), 768);
-        assert_eq!(block_size(7168, Dtype::Bf16).unwrap(), 896);
-        assert_eq!(block_size(16384, Dtype::Bf16).unwrap(), 1024);
-        assert_eq!(block_size(2880, Dtype::Bf16).unwrap(), 384); // 360 vectors
-        assert_eq!(block_size(128, Dtype::Bf16).unwrap(), 128); // 16 vectors: padded block
-        assert_eq!(block_size(32768, Dtype::Bf16).unwrap(), 1024);
         assert!(matches!(
             block_size(65536, Dtype::Bf16),
             Err(Error::Unsupported(_))
         ));
         assert!(matches!(
             block_size(100, Dtype::Bf16),
-            Err(Error::Invalid(_))
+            Err(Error::Unsupported(_))
         ));
-        for h in [2048u32, 2688, 3072, 4096, 5120, 7168, 8192] {
-            let b = block_size(h, Dtype::Bf16).unwrap();
-            assert!(b % 32 == 0 && (128..=MAX_BLOCK).contains(&b), "{h} -> {b}");
-        }
     }
 
     #[test]
     fn params_layout_and_virtual_peers() {
-        let layout = WorkspaceLayout::new(WorkspaceRequest {
-            world: 4,
-            hidden: 4096,
-            dtype: Dtype::Bf16,
-            max_tokens: 16,
-            oneshot_max_tokens: 16,
-        })
+        let ws = Workspace::arfuse(
+            arfuse_policy::Backend::Trtllm,
+            4,
+            4096,
+            arfuse_policy::ActDtype::Bf16,
+            Some(16),
+            16 * 4 * 4096 * 2,
+        )
         .unwrap();
+        let layout = arfuse_layout(&ws).unwrap();
         let p = KernelParams::default()
-            .with_virtual_workspace(&layout, 0x1000_0000, 0x2000)
+            .with_virtual_workspace(&layout, 4, 0x1000_0000, 0x2000)
             .unwrap();
-        assert_eq!(p.peer[3], 0x1000_0000 + 3 * layout.per_rank_bytes);
+        assert_eq!(p.peer[3], 0x1000_0000 + 3 * (256 + 3 * 16 * 4 * 4096 * 2));
         assert_eq!(p.peer[4], 0);
+        assert_eq!((p.off_state, p.off_lamport), (0, 256));
         assert_eq!(p.lamport_stride, 16 * 4 * 4096 * 2);
         assert_eq!(std::mem::offset_of!(KernelParams, x), 128);
         assert_eq!(std::mem::offset_of!(KernelParams, gamma), 224);
-        assert_eq!(std::mem::offset_of!(KernelParams, tokens), 312);
-        assert_eq!(std::mem::offset_of!(KernelParams, eps), 328);
+        assert_eq!(std::mem::offset_of!(KernelParams, tokens), 280);
+        assert_eq!(std::mem::offset_of!(KernelParams, eps), 292);
+        // The capacity rule is the policy's: one-shot T=16 fits, 17 does not; two-shot
+        // needs T >= W.
+        check_fits(&ws, variants::Strategy::OneShot, 16, 4096).unwrap();
+        let e = check_fits(&ws, variants::Strategy::OneShot, 17, 4096).unwrap_err();
+        assert!(e.to_string().contains("557056 bytes"), "{e}");
+        let e = check_fits(&ws, variants::Strategy::TwoShot, 3, 4096).unwrap_err();
+        assert!(e.to_string().contains("T >= W = 4"), "{e}");
+        // FlashInfer's layouts are not this runtime's.
+        let fi = Workspace::flashinfer_mnnvl(4, 4096, arfuse_policy::ActDtype::Bf16, 16).unwrap();
+        assert!(arfuse_layout(&fi)
+            .unwrap_err()
+            .to_string()
+            .contains("flashinfer"));
     }
 
     #[test]

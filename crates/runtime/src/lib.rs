@@ -8,19 +8,19 @@
 //! Running a lowered graph's fused node (W virtual ranks on one GPU):
 //!
 //! 1. [`node::NodeKernels::from_graph`] (graph, node id, world size): the kernel
-//!    variant for every token count of the node's plan, the workspace request, the
+//!    variant for every token count of the node's plan, the plan's workspace, the
 //!    scalar arguments; everything the kernels cannot do is an error here, at load time.
 //!    [`runner::Runner::for_graph`] does this for every fused node of a graph.
 //! 2. [`cuda::Gpu::open`], then [`runner::Runner::new`] + [`runner::Runner::add`] (or
 //!    `for_graph`) and [`runner::Runner::prepare`] outside any capture: creates the
 //!    workspaces (plan's backend first, then trtllm, then unfused; failures cached; nodes
-//!    with the same request share one) and loads every kernel.
+//!    carrying the same workspace share one) and loads every kernel.
 //! 3. Allocate the tensors ([`runner::NodeTensors`] says what each holds; W slices at a
 //!    fixed per-rank stride), then [`runner::Runner::launch`] per call or
 //!    [`runner::Runner::capture`] once per capture size and replay the graphs.
 //!
 //! Module map:
-//! - [`node`]: IR fused node + plan -> variants per token count, workspace request.
+//! - [`node`]: IR fused node + plan -> variants per token count, the plan's workspace.
 //! - [`runner`]: one node end to end (prepare, launch, capture, unfused path).
 //! - [`cuda`]: device probe, allocations, virtual-rank workspaces, launches, graphs.
 //! - [`workspace`]: the backend fallback chain with cached failures (device-independent).
@@ -28,7 +28,7 @@
 //! - [`nvrtc`]: finding and calling NVRTC (PyPI wheel, CUDA toolkit, or system).
 //! - [`protocol`]: host model of the one-shot / two-shot synchronisation protocols
 //!   (Rust threads as ranks, same layouts, sentinels and counters as the kernels).
-//! - [`layout`]: workspace and output byte sizes, with checked arithmetic.
+//! - [`layout`]: quant output byte sizes, with checked arithmetic (the workspace layout is `arfuse_policy::ArfuseLayout`).
 //! - [`check`]: the device-independent half of the GPU check (cases, inputs, expected
 //!   outputs from arfuse-reference's contract, comparison).
 //!

@@ -7,20 +7,19 @@
 //! follows them exactly and refuses a T the plan does not cover, so a graph never
 //! runs a strategy the planner did not prove fits.
 //!
-//! Workspace: the runtime's own layout ([`crate::layout`]) sized for the plan's largest
-//! fused T (two-shot inboxes) and largest one-shot T (Lamport buffers). The plan's
-//! `workspace_bytes` is the planner's figure for the backend's published allocation
-//! (FlashInfer's formulas, domain.md section 5); [`NodeKernels::plan_workspace_bytes`]
-//! and [`NodeKernels::layout`] give both so a caller can report them side by side.
+//! Workspace: exactly the one the plan carries ([`arfuse_policy::Workspace`], arfuse's
+//! layout [`arfuse_policy::ArfuseLayout`]): the runtime allocates what the planner
+//! proved, and re-checks every fused range with the policy's capacity rule
+//! ([`arfuse_policy::Workspace::misfit`]) when the node is loaded.
 
 use crate::error::{Error, Result};
-use crate::layout::{WorkspaceLayout, WorkspaceRequest};
 use crate::variants::{self, Dtype, Epilogue, KernelKind, Quant, Strategy, Variant};
 use crate::workspace::Backend;
 use arfuse_ir::{
     DType, FusedAllReduceNorm, FusedOutput, FusedQuant, Graph, GroupScaleLayout, Nvfp4ScaleLayout,
     Op,
 };
+use arfuse_policy::{ArfuseLayout, Workspace};
 
 /// How one call of the node runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,10 +58,9 @@ pub struct NodeKernels {
     pub outputs: Vec<FusedOutput>,
     /// The plan's backend, in the runtime's terms.
     pub backend: Backend,
-    /// The workspace the fused ranges need.
-    pub request: WorkspaceRequest,
-    /// The plan's per-rank workspace bytes (the planner's figure for the backend).
-    pub plan_workspace_bytes: u64,
+    /// The plan's workspace: what the runtime allocates per rank (shared by the nodes
+    /// that carry the same one).
+    pub workspace: Workspace,
     dispatch: Vec<(u32, u32, Option<Strategy>)>,
 }
 
@@ -96,9 +94,9 @@ pub fn quant_of(q: FusedQuant, node: &str) -> Result<Quant> {
             group_size,
             scale_layout,
         } => {
-            if group_size != 128 {
+            if let Some(why) = arfuse_policy::group_quant_unsupported_reason(group_size) {
                 return Err(Error::Unsupported(format!(
-                    "node {node}: per-token-group FP8 with group size {group_size}; the kernels use 128"
+                    "node {node}: per-token-group FP8: {why}"
                 )));
             }
             match scale_layout {
@@ -113,6 +111,22 @@ pub fn quant_of(q: FusedQuant, node: &str) -> Result<Quant> {
     })
 }
 
+/// The plan's workspace must be arfuse's layout for this node's W and dtype, at least
+/// as wide as its H.
+fn node_workspace(node: &str, ws: &Workspace, world: u32, dt: Dtype, hidden: u32) -> Result<()> {
+    crate::cuda::arfuse_layout(ws).map_err(|e| Error::Unsupported(format!("node {node}: {e}")))?;
+    if ws.world_size != world || ws.dtype != dt.policy() || ws.hidden < u64::from(hidden) {
+        return Err(Error::Invalid(format!(
+            "node {node}: the plan's workspace is for W={} {} H<={}, the node is W={world} {} H={hidden}",
+            ws.world_size,
+            ws.dtype,
+            ws.hidden,
+            dt.name()
+        )));
+    }
+    Ok(())
+}
+
 impl NodeKernels {
     /// Builds the launch description of a fused node with attributes `attrs`, id
     /// `node`, activation dtype `dtype`, hidden size `hidden` (elements), RMSNorm
@@ -124,7 +138,8 @@ impl NodeKernels {
     /// implement (W outside {2, 4, 8, 16}, dtypes other than bf16/f16/f32, a weight
     /// dtype other than the activation's or f32 with `weight_bias` 1, a group size
     /// other than 128, NVFP4 on f32, `weight_bias` other than 0 or 1, a fused range
-    /// whose variant is not built); workspace errors from [`WorkspaceLayout::new`].
+    /// whose variant is not built, a workspace that is not arfuse's layout for this W and
+    /// dtype); [`Error::Invalid`] for a fused range the workspace's capacity rule refuses.
     pub fn new(
         node: &str,
         attrs: &FusedAllReduceNorm,
@@ -178,7 +193,9 @@ impl NodeKernels {
         crate::cuda::block_size(hidden, dt)
             .map_err(|e| Error::Unsupported(format!("node {node}: hidden size {hidden}: {e}")))?;
         let group = matches!(quant, Quant::Fp8GroupPacked | Quant::Fp8GroupF32);
-        if (group && hidden % 128 != 0) || (quant.needs_sm100() && hidden % 16 != 0) {
+        if (group && u64::from(hidden) % arfuse_policy::FP8_GROUP_SIZE != 0)
+            || (quant.needs_sm100() && hidden % 16 != 0)
+        {
             return Err(Error::Unsupported(format!(
                 "node {node}: {} needs the hidden size ({hidden}) to be a multiple of {}",
                 quant.name(),
@@ -190,13 +207,14 @@ impl NodeKernels {
                 "node {node}: the fused node carries no plan; lower the graph with a target first"
             ))
         })?;
-        let backend = match plan.backend {
+        let workspace = plan.workspace.clone();
+        node_workspace(node, &workspace, world, dt, hidden)?;
+        let backend = match plan.backend() {
             arfuse_ir::Backend::Trtllm => Backend::Trtllm,
             arfuse_ir::Backend::Mnnvl => Backend::Mnnvl,
         };
         let mut dispatch = Vec::with_capacity(plan.dispatch.len());
         let mut next = 1u64;
-        let (mut max_fused, mut max_oneshot) = (0u32, 0u32);
         for r in &plan.dispatch {
             if r.min_tokens != next || r.max_tokens < r.min_tokens {
                 return Err(Error::Invalid(format!(
@@ -218,23 +236,16 @@ impl NodeKernels {
                 arfuse_ir::Strategy::Unfused => None,
             };
             if let Some(s) = strategy {
-                max_fused = max_fused.max(hi);
-                if s == Strategy::OneShot {
-                    max_oneshot = max_oneshot.max(hi);
-                    // The planner's proof: one-shot at T needs T*W*H*e bytes of ONE
-                    // Lamport buffer (domain.md section 5). Re-checked here, so a plan
-                    // edited by hand cannot make the runtime quietly size more.
-                    let need = u64::from(hi)
-                        .checked_mul(u64::from(world))
-                        .and_then(|v| v.checked_mul(u64::from(hidden)))
-                        .and_then(|v| v.checked_mul(dt.bytes() as u64))
-                        .ok_or(Error::Overflow("one-shot bytes"))?;
-                    if need > plan.lamport_buffer_bytes {
-                        return Err(Error::Invalid(format!(
-                            "node {node}: plan runs one-shot up to T = {hi}, which needs {need} bytes of one Lamport buffer; the plan's buffer is {} bytes",
-                            plan.lamport_buffer_bytes
-                        )));
-                    }
+                // The planner's proof, re-checked with the same rule at both ends of
+                // the range (it is monotone in T), so a plan edited by hand cannot run
+                // a call its workspace does not hold.
+                for t in [lo, hi] {
+                    crate::cuda::check_fits(&workspace, s, t, hidden).map_err(|e| match e {
+                        Error::Invalid(m) => {
+                            Error::Invalid(format!("node {node}: plan range {lo}..={hi}: {m}"))
+                        }
+                        other => other,
+                    })?;
                 }
                 let v = Variant {
                     kind: KernelKind::Fused { strategy: s, world },
@@ -254,21 +265,6 @@ impl NodeKernels {
                 "node {node}: the plan has no dispatch ranges"
             )));
         }
-        let request = WorkspaceRequest {
-            world,
-            hidden,
-            dtype: dt,
-            max_tokens: max_fused.max(1),
-            oneshot_max_tokens: max_oneshot,
-        };
-        // Validates the sizes now (a plan the runtime cannot hold fails here, at load
-        // time, not at the first launch or during capture).
-        WorkspaceLayout::new(request).map_err(|e| match e {
-            Error::Unsupported(m) | Error::Invalid(m) => {
-                Error::Unsupported(format!("node {node}: workspace: {m}"))
-            }
-            other => other,
-        })?;
         Ok(NodeKernels {
             node: node.to_string(),
             world,
@@ -280,8 +276,7 @@ impl NodeKernels {
             gamma_f32: weight_dtype == DType::F32,
             outputs: attrs.outputs.clone(),
             backend,
-            request,
-            plan_workspace_bytes: plan.workspace_bytes,
+            workspace,
             dispatch,
         })
     }
@@ -385,12 +380,13 @@ impl NodeKernels {
         }
     }
 
-    /// The runtime's workspace layout for this node (per rank).
+    /// The byte layout of this node's workspace (per rank), as the runtime allocates
+    /// it; checked by the constructor.
     ///
     /// # Errors
-    /// As [`WorkspaceLayout::new`] (already checked by the constructor).
-    pub fn layout(&self) -> Result<WorkspaceLayout> {
-        WorkspaceLayout::new(self.request)
+    /// As [`crate::cuda::arfuse_layout`].
+    pub fn layout(&self) -> Result<ArfuseLayout> {
+        crate::cuda::arfuse_layout(&self.workspace)
     }
 
     /// Whether an output is live.
@@ -430,11 +426,17 @@ mod tests {
             quant: FusedQuant::None,
             outputs: vec![FusedOutput::Norm, FusedOutput::Residual],
             plan: Some(FusedPlan {
-                backend: arfuse_ir::Backend::Mnnvl,
                 pattern_code: 1,
                 max_token_num: 42,
-                workspace_bytes: 3 * 1_179_648 + 2048,
-                lamport_buffer_bytes: 1_179_648,
+                workspace: Workspace::arfuse(
+                    arfuse_policy::Backend::Mnnvl,
+                    8,
+                    6144,
+                    arfuse_policy::ActDtype::Bf16,
+                    Some(42),
+                    1_179_648,
+                )
+                .unwrap(),
                 dispatch: vec![
                     range(1, 10, S::OneShot),
                     range(11, 42, S::TwoShot),
@@ -447,8 +449,6 @@ mod tests {
     #[test]
     fn seed_plan_routes_every_token_count_as_planned() {
         let k = NodeKernels::new("ln", &seed(), DType::Bf16, 6144, DType::Bf16, 8).unwrap();
-        assert_eq!(k.request.max_tokens, 42);
-        assert_eq!(k.request.oneshot_max_tokens, 10);
         assert_eq!(k.backend, Backend::Mnnvl);
         let strategy = |t| match k.route(t).unwrap() {
             Route::Fused(v) => match v.kind {
@@ -472,16 +472,14 @@ mod tests {
         assert!(k.route(0).is_err());
         let e = k.route(8193).unwrap_err().to_string();
         assert!(e.contains("node ln") && e.contains("8193"), "{e}");
-        // The layout holds one-shot at T=10 in ONE Lamport buffer and refuses T=11.
+        // The plan's workspace is what is allocated: 256 + 3 x 1,179,648 bytes per rank,
+        // one buffer holding one-shot to T = 12 and two-shot to T = 48.
         let l = k.layout().unwrap();
-        l.check_call(Strategy::OneShot, 10).unwrap();
-        assert!(l.check_call(Strategy::OneShot, 11).is_err());
-        l.check_call(Strategy::TwoShot, 42).unwrap();
-        // The runtime's own layout for this plan (three Lamport buffers for one-shot
-        // T <= 10, two-shot inboxes for M = 42, state and flags) against the plan's
-        // figure for FlashInfer's mnnvl allocation (3 x 1,179,648 + 2,048).
-        assert_eq!(l.per_rank_bytes, 4_064_512);
-        assert_eq!(k.plan_workspace_bytes, 3 * 1_179_648 + 2048);
+        assert_eq!(l.bytes_per_rank, 3_539_200);
+        assert_eq!(l.bytes_per_rank, k.workspace.total_bytes_per_rank);
+        let fits = |s, t| crate::cuda::check_fits(&k.workspace, s, t, 6144).is_ok();
+        assert!(fits(Strategy::OneShot, 12) && !fits(Strategy::OneShot, 13));
+        assert!(fits(Strategy::TwoShot, 48) && !fits(Strategy::TwoShot, 49));
         assert_eq!(k.eps, 1e-5f32);
         assert!(k.writes(FusedOutput::Residual) && !k.writes(FusedOutput::Quant));
     }
@@ -504,7 +502,7 @@ mod tests {
             group_size: 64,
             scale_layout: GroupScaleLayout::PackedUe8m0,
         };
-        assert!(err(&g, DType::Bf16, DType::Bf16, 8).contains("group size 64"));
+        assert!(err(&g, DType::Bf16, DType::Bf16, 8).contains("groups of 128 elements, not 64"));
         let mut n = s.clone();
         n.quant = FusedQuant::Nvfp4 {
             scale_layout: Nvfp4ScaleLayout::Linear,
@@ -547,15 +545,38 @@ mod tests {
     #[test]
     fn a_plan_too_large_for_one_shot_fails_at_load_time() {
         use arfuse_ir::Strategy as S;
-        // One-shot up to T = 8192 at W = 8, H = 16384, bf16 is 2 GiB of comm: above the
-        // Lamport limit, refused when the node is loaded, not at launch.
+        // One-shot up to T = 8192 at W = 8, H = 16384, bf16 needs 2 GiB of one buffer,
+        // above the largest buffer the kernels allow: refused when the node is loaded,
+        // not at launch.
         let mut a = seed();
-        a.plan.as_mut().unwrap().dispatch = vec![range(1, 8192, S::OneShot)];
+        let plan = a.plan.as_mut().unwrap();
+        plan.workspace = Workspace::arfuse(
+            arfuse_policy::Backend::Mnnvl,
+            8,
+            16384,
+            arfuse_policy::ActDtype::Bf16,
+            None,
+            arfuse_policy::LAMPORT_MAX_COMM_BYTES,
+        )
+        .unwrap();
+        plan.dispatch = vec![range(1, 8192, S::OneShot)];
         let e = NodeKernels::new("big", &a, DType::Bf16, 16384, DType::Bf16, 8)
             .unwrap_err()
             .to_string();
+        assert_eq!(
+            e,
+            "invalid argument: node big: plan range 1..=8192: one-shot at \
+             T = 8192 needs 2147483648 bytes of one Lamport buffer; it has 2145386496"
+        );
+        // A plan for FlashInfer's kernels is not this runtime's to run.
+        let mut fi = seed();
+        fi.plan.as_mut().unwrap().workspace =
+            Workspace::flashinfer_mnnvl(8, 6144, arfuse_policy::ActDtype::Bf16, 42).unwrap();
+        let e = NodeKernels::new("fi", &fi, DType::Bf16, 6144, DType::Bf16, 8)
+            .unwrap_err()
+            .to_string();
         assert!(
-            e.contains("node big") && e.contains("Lamport") || e.contains("INT32_MAX"),
+            e.contains("node fi") && e.contains("flashinfer's kernels"),
             "{e}"
         );
     }

@@ -6,9 +6,11 @@
 //!   (`0x8000`) as the "empty" sentinel tested bitwise, -0.0 inputs written as +0.0,
 //!   the buffer of the previous call re-filled with the sentinel, a per-rank call
 //!   counter and per-buffer "bytes used" bookkeeping.
-//! - Two-shot: reduce-scatter into the owner's inbox (the first `T % W` ranks own one
-//!   extra token), reduce in rank order, all-gather, with flag barriers (release
-//!   stores, acquire loads) and an epoch counter separate from the one-shot state.
+//! - Two-shot: reduce-scatter into slot `rank` of the owner's current Lamport buffer
+//!   (the first `T % W` ranks own one extra token), the owner polls, reduces in rank
+//!   order and all-gathers into every rank's gather rows of the same buffer, which
+//!   every rank polls. Both strategies share one call counter and the buffer rotation,
+//!   so strategy and T may change between any two calls; two-shot needs T >= W.
 //!
 //! Every wait has a deadline, so a protocol bug fails with [`Error::Model`] instead
 //! of hanging. The model works on bf16 (bits in `AtomicU16`), reducing in fp32 in
@@ -81,20 +83,12 @@ pub struct Call {
 
 /// The memory of one rank, laid out like the kernels' workspace (in elements).
 struct RankMem {
-    /// One-shot: three Lamport buffers of `W * M * H` elements each.
+    /// Three Lamport buffers of `max(W * M, W * ceil(M / W) + M) * H` elements each.
     lamport: [Vec<AtomicU16>; 3],
-    /// One-shot call counter n (buffer n % 3 is current).
-    os_call: AtomicU32,
+    /// Call counter n (buffer n % 3 is current), shared by both strategies.
+    call: AtomicU32,
     /// Elements written into each Lamport buffer by the call that used it.
-    os_used: [AtomicUsize; 3],
-    /// Two-shot barrier epoch of this rank (one CTA).
-    ts_epoch: AtomicU32,
-    /// Two-shot barrier flags, one per source rank.
-    ts_flags: Vec<AtomicU32>,
-    /// Two-shot reduce-scatter inbox: W slots x ceil(M / W) tokens x H.
-    scatter: Vec<AtomicU16>,
-    /// Two-shot all-gather inbox: M x H.
-    gather: Vec<AtomicU16>,
+    used: [AtomicUsize; 3],
 }
 
 /// A workspace shared by W rank threads; it persists across [`Model::run`] calls so
@@ -221,16 +215,14 @@ impl Model {
             return Err(Error::Invalid("model needs W, H, M >= 1".into()));
         }
         let w = cfg.world;
-        let lam = w
-            .checked_mul(cfg.max_tokens)
-            .and_then(|x| x.checked_mul(cfg.hidden))
+        let m = cfg.max_tokens;
+        let rows = w
+            .checked_mul(m)
+            .max(w.checked_mul(m.div_ceil(w)).and_then(|x| x.checked_add(m)))
             .ok_or(Error::Overflow("model Lamport buffer"))?;
-        let rows = cfg.max_tokens.div_ceil(w);
-        let scat = w
-            .checked_mul(rows)
-            .and_then(|x| x.checked_mul(cfg.hidden))
-            .ok_or(Error::Overflow("model scatter buffer"))?;
-        let gath = cfg.max_tokens * cfg.hidden; // <= lam, cannot overflow
+        let lam = rows
+            .checked_mul(cfg.hidden)
+            .ok_or(Error::Overflow("model Lamport buffer"))?;
         let ranks = (0..w)
             .map(|_| RankMem {
                 lamport: [
@@ -238,16 +230,12 @@ impl Model {
                     atomics(lam, SENTINEL_BF16),
                     atomics(lam, SENTINEL_BF16),
                 ],
-                os_call: AtomicU32::new(0),
-                os_used: [
+                call: AtomicU32::new(0),
+                used: [
                     AtomicUsize::new(0),
                     AtomicUsize::new(0),
                     AtomicUsize::new(0),
                 ],
-                ts_epoch: AtomicU32::new(0),
-                ts_flags: (0..w).map(|_| AtomicU32::new(0)).collect(),
-                scatter: atomics(scat, 0),
-                gather: atomics(gath, 0),
             })
             .collect();
         Ok(Model { cfg, ranks })
@@ -257,7 +245,7 @@ impl Model {
     /// (the invariant that makes the next calls safe). Call between runs.
     pub fn lamport_clean_except_last(&self) -> bool {
         self.ranks.iter().all(|m| {
-            let n = m.os_call.load(Ordering::Acquire);
+            let n = m.call.load(Ordering::Acquire);
             let last = (n + 2) % 3; // buffer of the last call, cleared by the next
             (0..3u32).filter(|b| *b != last).all(|b| {
                 m.lamport[b as usize]
@@ -280,6 +268,12 @@ impl Model {
                 return Err(Error::Invalid(format!(
                     "call {k}: T={} exceeds the workspace (M={})",
                     c.tokens, self.cfg.max_tokens
+                )));
+            }
+            if c.strategy == Strategy::TwoShot && c.tokens < w {
+                return Err(Error::Invalid(format!(
+                    "call {k}: two-shot needs T >= W = {w}, T = {}",
+                    c.tokens
                 )));
             }
             if c.inputs.len() != w
@@ -355,117 +349,132 @@ impl Model {
         }
     }
 
-    /// One-shot Lamport call of rank `r` (mirrors `arf_oneshot`).
-    fn oneshot(&self, r: usize, c: &Call, waiter: &Waiter<'_>) -> Result<Vec<bf16>> {
-        let w = self.cfg.world;
-        let h = self.cfg.hidden;
-        let t_n = c.tokens;
+    /// Starts a call of rank `r`: its number n, and the previous call's buffer re-filled
+    /// with the sentinel (mirrors `arf_call_begin`).
+    fn begin(&self, r: usize) -> u32 {
         let me = &self.ranks[r];
-        let n = me.os_call.load(Ordering::Acquire);
-        let cur = (n % 3) as usize;
+        let n = me.call.load(Ordering::Acquire);
         let prev = ((n + 2) % 3) as usize;
-        let slot = t_n * h;
-        // 1. Push, -0.0 written as +0.0.
-        for (q, peer) in self.ranks.iter().enumerate() {
-            let _ = q;
-            for (i, x) in c.inputs[r].iter().enumerate() {
-                let mut bits = x.to_bits();
-                if bits == SENTINEL_BF16 {
-                    bits = 0;
-                }
-                peer.lamport[cur][r * slot + i].store(bits, Ordering::Release);
-            }
-        }
-        // 2. Re-fill the previous call's buffer with the sentinel.
-        let prev_used = me.os_used[prev].load(Ordering::Acquire);
+        let prev_used = me.used[prev].load(Ordering::Acquire);
         for e in &me.lamport[prev][..prev_used] {
             e.store(SENTINEL_BF16, Ordering::Relaxed);
         }
-        // 3. Poll and reduce in rank order from +0.0.
+        n
+    }
+
+    /// Ends call `n` of rank `r`, which wrote `used` elements into its buffer (mirrors
+    /// `arf_call_end`).
+    fn end(&self, r: usize, n: u32, used: usize) {
+        let me = &self.ranks[r];
+        me.used[((n + 2) % 3) as usize].store(0, Ordering::Release);
+        me.used[(n % 3) as usize].store(used, Ordering::Release);
+        me.call.store(n.wrapping_add(1), Ordering::Release);
+    }
+
+    /// Polls one element of rank `r`'s buffer until it holds no sentinel.
+    fn poll(
+        &self,
+        cell: &AtomicU16,
+        waiter: &Waiter<'_>,
+        what: &dyn Fn() -> String,
+    ) -> Result<u16> {
+        let mut bits = cell.load(Ordering::Acquire);
+        if self.is_empty(bits) {
+            waiter.wait(what, || {
+                bits = cell.load(Ordering::Acquire);
+                !self.is_empty(bits)
+            })?;
+        }
+        Ok(bits)
+    }
+
+    /// -0.0 travels as +0.0: -0.0 is the sentinel.
+    fn scrub(x: bf16) -> u16 {
+        let bits = x.to_bits();
+        if bits == SENTINEL_BF16 {
+            0
+        } else {
+            bits
+        }
+    }
+
+    /// One-shot Lamport call of rank `r` (mirrors `arf_oneshot`).
+    fn oneshot(&self, r: usize, c: &Call, waiter: &Waiter<'_>) -> Result<Vec<bf16>> {
+        let w = self.cfg.world;
+        let slot = c.tokens * self.cfg.hidden;
+        let n = self.begin(r);
+        let cur = (n % 3) as usize;
+        // 1. Push.
+        for peer in &self.ranks {
+            for (i, x) in c.inputs[r].iter().enumerate() {
+                peer.lamport[cur][r * slot + i].store(Self::scrub(*x), Ordering::Release);
+            }
+        }
+        // 2. Poll and reduce in rank order from +0.0.
+        let me = &self.ranks[r];
         let mut out = Vec::with_capacity(slot);
         for i in 0..slot {
             let mut acc = 0.0f32;
             for s in 0..w {
-                let cell = &me.lamport[cur][s * slot + i];
-                let mut bits = cell.load(Ordering::Acquire);
-                if self.is_empty(bits) {
-                    waiter.wait(
-                        &|| format!("one-shot slot {s} element {i} (buffer {cur})"),
-                        || {
-                            bits = cell.load(Ordering::Acquire);
-                            !self.is_empty(bits)
-                        },
-                    )?;
-                }
+                let bits = self.poll(&me.lamport[cur][s * slot + i], waiter, &|| {
+                    format!("one-shot slot {s} element {i} (buffer {cur})")
+                })?;
                 acc += bf16::from_bits(bits).to_f32();
             }
             out.push(bf16::from_f32(acc));
         }
-        // 4. Bookkeeping (the kernel's last CTA).
-        me.os_used[prev].store(0, Ordering::Release);
-        me.os_used[cur].store(w * slot, Ordering::Release);
-        me.os_call.store(n.wrapping_add(1), Ordering::Release);
+        self.end(r, n, w * slot);
         Ok(out)
     }
 
-    fn barrier(&self, r: usize, e: u32, waiter: &Waiter<'_>) -> Result<()> {
-        for peer in &self.ranks {
-            peer.ts_flags[r].store(e, Ordering::Release);
-        }
-        let me = &self.ranks[r];
-        for (q, f) in me.ts_flags.iter().enumerate() {
-            // Wrap-safe ">=": a peer is at most one barrier ahead.
-            waiter.wait(
-                &|| format!("two-shot barrier epoch {e} from rank {q}"),
-                || (f.load(Ordering::Acquire).wrapping_sub(e) as i32) >= 0,
-            )?;
-        }
-        Ok(())
-    }
-
-    /// Two-shot call of rank `r` (mirrors `arf_twoshot`).
+    /// Two-shot Lamport call of rank `r` (mirrors `arf_twoshot`): scatter rows
+    /// `[0, W * R)` (slot s = rows s * R ..), gather rows `[W * R, W * R + T)`, R =
+    /// ceil(T / W).
     fn twoshot(&self, r: usize, c: &Call, waiter: &Waiter<'_>) -> Result<Vec<bf16>> {
         let w = self.cfg.world;
         let h = self.cfg.hidden;
         let t_n = c.tokens;
         let rows = t_n.div_ceil(w);
-        let me = &self.ranks[r];
-        let mut epoch = me.ts_epoch.load(Ordering::Acquire);
-        // 1. Reduce-scatter push.
+        let n = self.begin(r);
+        let cur = (n % 3) as usize;
+        // 1. Reduce-scatter push into slot r of the owner's buffer.
         for t in 0..t_n {
             let o = owner_of(t, t_n, w);
-            let row = t - owner_start(o, t_n, w);
+            let row = r * rows + t - owner_start(o, t_n, w);
             for i in 0..h {
-                self.ranks[o].scatter[(r * rows + row) * h + i]
-                    .store(c.inputs[r][t * h + i].to_bits(), Ordering::Relaxed);
+                self.ranks[o].lamport[cur][row * h + i]
+                    .store(Self::scrub(c.inputs[r][t * h + i]), Ordering::Release);
             }
         }
-        epoch = epoch.wrapping_add(1);
-        self.barrier(r, epoch, waiter)?;
-        // 2. Reduce owned tokens, all-gather.
+        // 2. Poll the owned rows, reduce in rank order, all-gather the rounded sums.
+        let me = &self.ranks[r];
         let (start, end) = (owner_start(r, t_n, w), owner_start(r + 1, t_n, w));
         for t in start..end {
             for i in 0..h {
                 let mut acc = 0.0f32;
                 for s in 0..w {
-                    acc += bf16::from_bits(
-                        me.scatter[(s * rows + t - start) * h + i].load(Ordering::Relaxed),
-                    )
-                    .to_f32();
+                    let cell = &me.lamport[cur][(s * rows + t - start) * h + i];
+                    let bits = self.poll(cell, waiter, &|| {
+                        format!("two-shot scatter slot {s} token {t} (buffer {cur})")
+                    })?;
+                    acc += bf16::from_bits(bits).to_f32();
                 }
                 let bits = bf16::from_f32(acc).to_bits();
                 for peer in &self.ranks {
-                    peer.gather[t * h + i].store(bits, Ordering::Relaxed);
+                    peer.lamport[cur][(w * rows + t) * h + i].store(bits, Ordering::Release);
                 }
             }
         }
-        epoch = epoch.wrapping_add(1);
-        self.barrier(r, epoch, waiter)?;
-        // 3. Read the gathered result.
-        let out = (0..t_n * h)
-            .map(|k| bf16::from_bits(me.gather[k].load(Ordering::Relaxed)))
-            .collect();
-        me.ts_epoch.store(epoch, Ordering::Release);
+        // 3. Poll every gathered row.
+        let mut out = Vec::with_capacity(t_n * h);
+        for k in 0..t_n * h {
+            let cell = &me.lamport[cur][w * rows * h + k];
+            let bits = self.poll(cell, waiter, &|| {
+                format!("two-shot gather element {k} (buffer {cur})")
+            })?;
+            out.push(bf16::from_bits(bits));
+        }
+        self.end(r, n, (w * rows + t_n) * h);
         Ok(out)
     }
 }
@@ -619,27 +628,39 @@ mod tests {
     }
 
     #[test]
-    fn twoshot_many_calls_including_t_below_w() {
+    fn twoshot_many_calls_with_changing_t() {
         for w in [2, 4, 8] {
-            let plan: Vec<(Strategy, usize)> = [1, 7, 16, 40, 42, 3, 42]
+            let plan: Vec<(Strategy, usize)> = [8, 9, 16, 40, 42, 13, 42, 8]
                 .iter()
                 .map(|&t| (Strategy::TwoShot, t))
                 .collect();
             check_calls(w, 16, 42, &plan, 0xabc + w as u64);
         }
+        let model = Model::new(ModelConfig::new(8, 8, 16)).unwrap();
+        let err = model
+            .run(&[Call {
+                strategy: Strategy::TwoShot,
+                tokens: 7,
+                inputs: vec![vec![bf16::ZERO; 56]; 8],
+            }])
+            .unwrap_err();
+        assert!(err.to_string().contains("T >= W = 8"), "{err}");
     }
 
+    /// Both strategies share one rotation: any sequence of strategies and T (each
+    /// two-shot call with T >= W) keeps every rank's buffers in step.
     #[test]
-    fn alternating_strategies_keep_separate_counters() {
+    fn alternating_strategies_share_one_rotation() {
         for w in [2, 4, 8] {
             let mut plan = Vec::new();
             for k in 0..14 {
-                let s = if k % 3 == 1 {
+                let t = 1 + (k * 5) % 16;
+                let s = if k % 3 == 1 && t >= w {
                     Strategy::TwoShot
                 } else {
                     Strategy::OneShot
                 };
-                plan.push((s, 1 + (k * 5) % 16));
+                plan.push((s, t));
             }
             check_calls(w, 8, 16, &plan, 0x77 + w as u64);
         }
@@ -655,8 +676,8 @@ mod tests {
         let model = Model::new(ModelConfig::new(w, h, 4)).unwrap();
         let mk = |v: bf16, s| Call {
             strategy: s,
-            tokens: 2,
-            inputs: vec![vec![v; 2 * h]; w],
+            tokens: 4,
+            inputs: vec![vec![v; 4 * h]; w],
         };
         let calls = vec![
             mk(neg0, Strategy::OneShot),

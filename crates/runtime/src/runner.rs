@@ -67,10 +67,10 @@ struct NodeState {
     prepared: Option<Prepared>,
 }
 
-/// Runs the fused nodes of a graph on the W virtual ranks of one GPU. Nodes with the
-/// same workspace request (world size, hidden size, dtype, token limits: every decoder
-/// layer of a model, typically) share ONE workspace, as the plan intends; all launches
-/// go to one stream, in call order.
+/// Runs the fused nodes of a graph on the W virtual ranks of one GPU. Nodes whose plans
+/// carry the same workspace (every fused node of one group and dtype, as the planner
+/// sizes one workspace for them) share ONE allocation of exactly that workspace; all
+/// launches go to one stream, in call order.
 pub struct Runner {
     manager: WorkspaceManager<Gpu>,
     nodes: BTreeMap<String, NodeState>,
@@ -176,7 +176,7 @@ impl Runner {
         }
         let k = state.kernels.clone();
         let chain = state.chain.clone();
-        let prepared = match self.manager.acquire(k.request, &chain)? {
+        let prepared = match self.manager.acquire(k.workspace.clone(), &chain)? {
             Acquired::Fused { backend, .. } => Prepared::Fused(backend),
             Acquired::Unfused { reasons } => Prepared::Unfused(reasons),
         };
@@ -236,7 +236,7 @@ impl Runner {
         k: &NodeKernels,
         prepared: &Prepared,
     ) -> (&mut Gpu, Option<&VirtualWorkspace>) {
-        let (gpu, ws) = self.manager.parts(&k.request);
+        let (gpu, ws) = self.manager.parts(&k.workspace);
         let ws = match prepared {
             Prepared::Fused(_) => ws.map(|(_, w)| w),
             Prepared::Unfused(_) => None,
@@ -347,6 +347,7 @@ fn launch_fused_node(
         &FusedCall {
             variant,
             tokens,
+            hidden: k.hidden,
             ranks: k.world,
             params: base_params(k, t),
         },
@@ -396,6 +397,7 @@ fn launch_unfused_node(gpu: &mut Gpu, k: &NodeKernels, tokens: u32, t: &NodeTens
         &FusedCall {
             variant: k.local_variant(),
             tokens,
+            hidden: k.hidden,
             ranks: k.world,
             params: local,
         },
@@ -407,8 +409,8 @@ fn launch_unfused_node(gpu: &mut Gpu, k: &NodeKernels, tokens: u32, t: &NodeTens
 mod tests {
     use super::*;
     use arfuse_ir::{
-        Backend as IrBackend, DType, DispatchRange, FusedAllReduceNorm, FusedOutput, FusedPlan,
-        FusedQuant, Strategy as IrStrategy,
+        DType, DispatchRange, FusedAllReduceNorm, FusedOutput, FusedPlan, FusedQuant,
+        Strategy as IrStrategy,
     };
 
     fn kernels() -> NodeKernels {
@@ -420,11 +422,17 @@ mod tests {
             quant: FusedQuant::None,
             outputs: vec![FusedOutput::Norm, FusedOutput::Residual],
             plan: Some(FusedPlan {
-                backend: IrBackend::Trtllm,
                 pattern_code: 1,
                 max_token_num: 16,
-                workspace_bytes: 1 << 20,
-                lamport_buffer_bytes: 1 << 18,
+                workspace: arfuse_policy::Workspace::arfuse(
+                    arfuse_policy::Backend::Trtllm,
+                    4,
+                    256,
+                    arfuse_policy::ActDtype::Bf16,
+                    Some(16),
+                    1 << 18,
+                )
+                .unwrap(),
                 dispatch: vec![DispatchRange {
                     min_tokens: 1,
                     max_tokens: 64,

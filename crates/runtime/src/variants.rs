@@ -46,6 +46,22 @@ pub enum Dtype {
 impl Dtype {
     /// All dtypes.
     pub const ALL: [Dtype; 3] = [Dtype::Bf16, Dtype::F16, Dtype::F32];
+    /// The policy's activation dtype.
+    pub fn policy(self) -> arfuse_policy::ActDtype {
+        match self {
+            Dtype::Bf16 => arfuse_policy::ActDtype::Bf16,
+            Dtype::F16 => arfuse_policy::ActDtype::F16,
+            Dtype::F32 => arfuse_policy::ActDtype::F32,
+        }
+    }
+    /// The runtime's dtype for a policy activation dtype.
+    pub fn from_policy(d: arfuse_policy::ActDtype) -> Dtype {
+        match d {
+            arfuse_policy::ActDtype::Bf16 => Dtype::Bf16,
+            arfuse_policy::ActDtype::F16 => Dtype::F16,
+            arfuse_policy::ActDtype::F32 => Dtype::F32,
+        }
+    }
     /// Bytes per element `e`.
     pub fn bytes(self) -> usize {
         match self {
@@ -193,11 +209,19 @@ impl Epilogue {
 pub enum Strategy {
     /// One-shot Lamport (triple buffered, no barrier).
     OneShot,
-    /// Two-shot: reduce-scatter + all-gather with flag barriers.
+    /// Two-shot Lamport: reduce-scatter + all-gather in the same rotating buffers.
     TwoShot,
 }
 
 impl Strategy {
+    /// The policy's strategy (whose capacity rule the runtime checks against).
+    pub fn policy(self) -> arfuse_policy::Strategy {
+        match self {
+            Strategy::OneShot => arfuse_policy::Strategy::OneShot,
+            Strategy::TwoShot => arfuse_policy::Strategy::TwoShot,
+        }
+    }
+
     /// Short name.
     pub fn name(self) -> &'static str {
         match self {

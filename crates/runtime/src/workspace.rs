@@ -7,7 +7,7 @@
 //! logic is unit-tested on the CPU with a fake device; [`crate::cuda`] implements it.
 
 use crate::error::{Error, Result};
-use crate::layout::WorkspaceRequest;
+use arfuse_policy::Workspace as WorkspaceRequest;
 use std::collections::HashMap;
 
 /// Where the fused kernel's peer buffers live.
@@ -41,7 +41,8 @@ pub trait WorkspaceFactory {
     type Workspace;
     /// Whether any stream of this device is capturing a graph right now.
     fn is_capturing(&self) -> Result<bool>;
-    /// Creates a workspace for `backend` (never called for [`Backend::Unfused`]).
+    /// Creates the workspace `request` (the plan's, per rank) mapped for `backend`
+    /// (never called for [`Backend::Unfused`]).
     fn create(&mut self, backend: Backend, request: &WorkspaceRequest) -> Result<Self::Workspace>;
 }
 
@@ -115,7 +116,9 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
 
     /// The cached failure of `backend` for `request`, if any.
     pub fn failure(&self, backend: Backend, request: &WorkspaceRequest) -> Option<&str> {
-        self.failures.get(&(backend, *request)).map(String::as_str)
+        self.failures
+            .get(&(backend, request.clone()))
+            .map(String::as_str)
     }
 
     /// Returns the workspace for `request`, creating it with the first backend of
@@ -144,7 +147,7 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
             if backend == Backend::Unfused {
                 return Ok(Acquired::Unfused { reasons });
             }
-            if let Some(why) = self.failures.get(&(backend, request)) {
+            if let Some(why) = self.failures.get(&(backend, request.clone())) {
                 reasons.push(format!(
                     "{}: failed earlier (not retried): {why}",
                     backend.name()
@@ -154,7 +157,7 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
             if !capture_checked {
                 if self.factory.is_capturing()? {
                     return Err(Error::Capturing(format!(
-                        "workspace for {request:?} does not exist yet; create it before capture"
+                        "workspace ({request}) does not exist yet; create it before capture"
                     )));
                 }
                 capture_checked = true;
@@ -162,7 +165,7 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
             self.attempts += 1;
             match self.factory.create(backend, &request) {
                 Ok(ws) => {
-                    self.live.insert(request, (backend, ws));
+                    self.live.insert(request.clone(), (backend, ws));
                     let (b, ws) = &self.live[&request];
                     return Ok(Acquired::Fused {
                         backend: *b,
@@ -172,7 +175,7 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
                 Err(e) => {
                     let why = e.to_string();
                     reasons.push(format!("{}: {why}", backend.name()));
-                    self.failures.insert((backend, request), why);
+                    self.failures.insert((backend, request.clone()), why);
                 }
             }
         }
@@ -183,7 +186,6 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::variants::Dtype;
     use std::cell::Cell;
 
     struct Fake {
@@ -225,14 +227,16 @@ mod tests {
         }
     }
 
-    fn req(h: u32) -> WorkspaceRequest {
-        WorkspaceRequest {
-            world: 8,
-            hidden: h,
-            dtype: Dtype::Bf16,
-            max_tokens: 42,
-            oneshot_max_tokens: 10,
-        }
+    fn req(h: u64) -> WorkspaceRequest {
+        WorkspaceRequest::arfuse(
+            arfuse_policy::Backend::Mnnvl,
+            8,
+            h,
+            arfuse_policy::ActDtype::Bf16,
+            Some(42),
+            1_179_648,
+        )
+        .unwrap()
     }
 
     #[test]
