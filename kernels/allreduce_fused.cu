@@ -36,9 +36,11 @@
 // buffer of call n - 1 ((n + 2) % 3), whose every written element this rank saw during
 // call n - 1. Why n - 1 and not n - 2 ((n + 1) % 3): a peer that has finished call n
 // may already be writing call n + 1 into buffer (n + 1) % 3 of this rank while this
-// rank is still inside call n; a peer reaches call n + 2 only after this rank wrote its
-// call n + 1 data (every call of either strategy sends data from every rank to every
-// rank; two-shot needs T >= W for that), i.e. after this kernel ended.
+// rank is still inside call n; a peer reaches call n + 2 only after this rank started
+// call n + 1, i.e. after this kernel ended: no rank finishes a call before every rank
+// has pushed its data for it (one-shot: every rank reads every rank's slot; two-shot:
+// every owner reads every rank's scatter slot, and every rank reads the owners'
+// gathered rows, so even the ranks that own no token when T < W wait for all).
 struct ArfCall {
   u64 ws;   // this rank's workspace
   u64 cur;  // byte offset of this call's Lamport buffer in every rank's workspace
@@ -174,7 +176,7 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
 //   gather rows   [W * R, W * R + T) * row: token t's all-reduced row, from its owner
 // Bytes used per buffer: (W * R + T) * H * e <= 2 * ceil(T/W) * W * H * e, the policy's
 // two-shot formula. Token ownership: the first T % W ranks own ceil(T/W) tokens, the
-// rest floor(T/W); the planner runs two-shot only for T >= W, so every rank owns one.
+// rest floor(T/W) (zero when T < W: such a rank only pushes and polls the gather).
 __device__ __forceinline__ int arf_owner_start(int o, int T) {
   const int base = T / ARF_W, rem = T % ARF_W;
   return o * base + (o < rem ? o : rem);

@@ -172,3 +172,94 @@ fn plan_bytes_are_the_runtime_allocation_and_only_what_is_dispatched() {
     }
     assert!(pairs >= 20, "{pairs}");
 }
+
+/// Issue 13: every number derived from capacity comes from one rule, so changing one
+/// input (the size cap) moves every consumer together: the planner's max_token_num and
+/// ranges, the capture-size checks, the lowered node's plan and its IR check on load,
+/// and the runtime's route and fit check.
+#[test]
+fn one_capacity_input_moves_every_consumer_together() {
+    let f = common::fixtures()
+        .into_iter()
+        .find(|f| f.name == "llama31_8b_tp8")
+        .unwrap();
+    let mut seen = Vec::new();
+    // 0.5 MiB (the size table) -> M = 64 at H = 4096, bf16: one-shot to 16, two-shot
+    // to 64, one buffer of 1 MiB. 64 KiB -> M = 8: one-shot only, a buffer of
+    // 8 * 8 * 8192 = 524,288 bytes.
+    for (cap, m, buffer) in [(None, 64u64, 1_048_576u64), (Some(65_536u64), 8, 524_288)] {
+        let mut target = Target::preset("h200-sxm-x8").unwrap();
+        target.max_bytes_override = cap;
+        let plan = arfuse::policy::plan(&target, &[4096]).unwrap();
+        assert_eq!(plan.max_token_num, m);
+        let last_fused = plan
+            .dispatch()
+            .iter()
+            .filter(|r| r.strategy.is_fused())
+            .map(|r| r.hi)
+            .max();
+        assert_eq!(last_fused, Some(m));
+        // Capture size 40: fused (two-shot) under the table's cap, unfused under the
+        // smaller one.
+        let p40 = plan.points.iter().find(|p| p.t == 40).unwrap();
+        assert_eq!(p40.strategy.is_fused(), m >= 40, "cap {cap:?}");
+        // The lowered node carries that plan, and the runtime routes by it.
+        let lowered = arfuse::lower(&f.graph, &target).unwrap();
+        let (id, a) = lowered
+            .graph
+            .nodes()
+            .find_map(|(_, n)| match &n.op {
+                arfuse::ir::Op::FusedAllreduceNorm(a) => Some((n.id.clone(), a.clone())),
+                _ => None,
+            })
+            .unwrap();
+        let node_plan = a.plan.clone().unwrap();
+        assert_eq!(node_plan.workspace, plan.workspace.clone().unwrap());
+        assert_eq!(node_plan.workspace.lamport_buffer_bytes, buffer);
+        let k = NodeKernels::from_graph(&lowered.graph, &id, 8).unwrap();
+        assert!(matches!(k.route(m as u32).unwrap(), Route::Fused(_)));
+        assert!(matches!(
+            k.route(m as u32 + 1).unwrap(),
+            Route::Unfused { .. }
+        ));
+        seen.push((lowered.graph, id, node_plan));
+    }
+    // The larger plan's fused range (two-shot to T=64) pasted onto the smaller
+    // workspace is refused by the IR check on load and by the runtime, with the same
+    // bytes: two-shot at T=64 needs 2 * 8 * 8 * 8192 = 1,048,576 bytes.
+    let (small_graph, id, small_plan) = &seen[1];
+    let big_plan = &seen[0].2;
+    let mut forged = small_plan.clone();
+    forged.dispatch = big_plan.dispatch.clone();
+    forged.max_token_num = big_plan.max_token_num;
+    let mut json: serde_json::Value = serde_json::from_str(&small_graph.to_json_string()).unwrap();
+    for n in json["nodes"].as_array_mut().unwrap() {
+        if n["id"] == serde_json::json!(id) {
+            n["attrs"]["plan"] = serde_json::to_value(&forged).unwrap();
+        }
+    }
+    let text = match arfuse::Graph::from_json_slice(json.to_string().as_bytes()) {
+        Ok(_) => panic!("the forged plan was accepted"),
+        Err(e) => e.to_string(),
+    };
+    let available = small_plan.workspace.lamport_buffer_bytes;
+    assert!(
+        text.contains(&format!(
+            "two-shot at T=64 needs 1048576 bytes, its buffer holds {available}"
+        )),
+        "{text}"
+    );
+    let e = arfuse_runtime::cuda::check_fits(
+        &small_plan.workspace,
+        arfuse_runtime::variants::Strategy::TwoShot,
+        64,
+        4096,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().contains(&format!(
+            "needs 1048576 bytes of one Lamport buffer; it has {available}"
+        )),
+        "{e}"
+    );
+}

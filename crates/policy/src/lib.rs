@@ -28,7 +28,7 @@
 //! 5. For each T in `1..=max planned`, the preferred strategy (arfuse's kernels: one-shot
 //!    iff `T*H*W*e <= 1 MiB`; FlashInfer's: vLLM's selector, which defers to
 //!    FlashInfer's AUTO rule for mnnvl; §4) is used only when the call fits; otherwise
-//!    the other fused strategy (two-shot only for T >= W), otherwise unfused. In
+//!    the other fused strategy (FlashInfer's two-shot only for T >= W), otherwise unfused. In
 //!    deterministic mode the plan is one-shot for every T or no fusion at all.
 //! 6. The result is a [`Plan`] of token ranges, each with its bytes and reason, and
 //!    [`verify`] re-checks any plan against any workspace.

@@ -278,7 +278,9 @@ impl Ctx<'_> {
 
     fn fail_text(&self, s: Strategy, fail: Fail) -> String {
         match fail {
-            Fail::BelowWorldSize => format!("two-shot needs T >= W = {}", self.w),
+            Fail::BelowWorldSize => {
+                format!("FlashInfer's two-shot needs T >= W = {}", self.w)
+            }
             Fail::DoesNotFit => {
                 let formula = match (self.kernels, self.backend, s) {
                     (KernelLibrary::Flashinfer, Backend::Trtllm, Strategy::TwoShot) => "W*T*H*e",
@@ -810,7 +812,8 @@ impl Shape<'_> {
     /// Every site's dispatch against `ws`.
     ///
     /// Deterministic mode: one reduction order for every T, i.e. one-shot (fixed rank
-    /// order) everywhere, or no fusion at all. Two-shot cannot cover T < W, and unfused
+    /// order) everywhere, or no fusion at all (one-shot and two-shot reduce in different
+    /// orders today; FlashInfer's two-shot cannot cover T < W), and unfused
     /// T mix in the all-reduce library's order.
     fn sites(&self, ws: &Workspace) -> std::result::Result<Vec<SiteDispatch>, PlanStep> {
         let ctx = self.ctx(ws);

@@ -21,7 +21,7 @@ pub enum Strategy {
     /// Fused, one-shot Lamport all-reduce: every rank pushes its whole input to every
     /// peer and reduces locally.
     OneShot,
-    /// Fused, two-shot: reduce-scatter then all-gather; requires T >= W.
+    /// Fused, two-shot: reduce-scatter then all-gather (FlashInfer's requires T >= W).
     TwoShot,
     /// Not fused: separate all-reduce, residual add and RMSNorm kernels.
     Unfused,

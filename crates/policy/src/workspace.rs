@@ -103,8 +103,10 @@ pub struct ArfuseLayout {
 /// Why one fused call cannot run in a workspace ([`Workspace::misfit`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Misfit {
-    /// Two-shot splits the T tokens over the W ranks and needs T >= W (every rank owns
-    /// a token, as TensorRT-LLM and FlashInfer require; domain.md §4).
+    /// FlashInfer's two-shot splits the T tokens over the W ranks and needs T >= W
+    /// (every rank owns a token, as TensorRT-LLM and FlashInfer require; domain.md §4).
+    /// arfuse's Lamport two-shot runs any T >= 1 (ranks without a token only take part
+    /// in the reduce-scatter and the all-gather).
     BelowWorldSize {
         /// W.
         world_size: u32,
@@ -524,14 +526,18 @@ impl Workspace {
 
     /// THE capacity rule: why a call of `t` tokens at `hidden` with `strategy` cannot
     /// run in this workspace, or `None` when it can (always `None` for unfused).
-    /// Two-shot needs T >= W; a fused call must fit the buffer its strategy uses.
+    /// FlashInfer's two-shot needs T >= W; a fused call must fit the buffer its
+    /// strategy uses.
     ///
     /// Errors: as [`required_bytes`].
     pub fn misfit(&self, strategy: Strategy, t: u64, hidden: u64) -> Result<Option<Misfit>> {
         if !strategy.is_fused() {
             return Ok(None);
         }
-        if strategy == Strategy::TwoShot && t < u64::from(self.world_size) {
+        if self.kernels == KernelLibrary::Flashinfer
+            && strategy == Strategy::TwoShot
+            && t < u64::from(self.world_size)
+        {
             return Ok(Some(Misfit::BelowWorldSize {
                 world_size: self.world_size,
             }));
@@ -546,7 +552,7 @@ impl Workspace {
 
     /// Largest T (tokens) whose `strategy` call at `hidden` fits this workspace's buffer
     /// (0 when none): the closed form of the byte test of [`Workspace::misfit`], which
-    /// holds exactly for `T <= capacity_tokens` (and, for two-shot, T >= W). For
+    /// holds exactly for `T <= capacity_tokens` (and, for FlashInfer's two-shot, T >= W). For
     /// [`Strategy::Unfused`], `u64::MAX`. Never "allocation / bytes per token".
     ///
     /// Errors: [`PolicyError::InvalidHidden`], [`PolicyError::Overflow`].
@@ -844,14 +850,17 @@ mod tests {
                     available_bytes: 1_179_648
                 }))
             );
-            assert_eq!(
-                ws.misfit(Strategy::TwoShot, 7, 6144),
-                Ok(Some(Misfit::BelowWorldSize { world_size: 8 }))
-            );
+            // arfuse's Lamport two-shot runs T < W too (2 * 1 * 8 * 12,288 bytes).
+            assert_eq!(ws.misfit(Strategy::TwoShot, 7, 6144), Ok(None));
+            assert_eq!(ws.required_bytes(Strategy::TwoShot, 7, 6144), Ok(196_608));
         }
         // FlashInfer's kernels have no arfuse layout.
         let fi = Workspace::flashinfer_mnnvl(8, 6144, ActDtype::Bf16, 42).unwrap();
         assert_eq!(fi.arfuse_layout(), None);
+        assert_eq!(
+            fi.misfit(Strategy::TwoShot, 7, 6144),
+            Ok(Some(Misfit::BelowWorldSize { world_size: 8 }))
+        );
         assert_eq!(fi.total_bytes_per_rank, 3_540_992);
     }
 

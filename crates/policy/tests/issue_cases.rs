@@ -538,8 +538,11 @@ fn verify_reports_malformed_outside_plans() {
     let p = plan(&preset("h200-sxm-x8"), &[6144]).unwrap();
     let ws = p.workspace.clone().unwrap();
 
-    // Two-shot below W.
-    let v = verify(&p.with_strategy(3, 12, Strategy::TwoShot).unwrap(), &ws);
+    // Two-shot below W: FlashInfer's kernels cannot, arfuse's Lamport two-shot can.
+    assert!(verify(&p.with_strategy(3, 12, Strategy::TwoShot).unwrap(), &ws).is_empty());
+    let fi = plan(&flashinfer("h200-sxm-x8"), &[6144]).unwrap();
+    let fi_ws = fi.workspace.clone().unwrap();
+    let v = verify(&fi.with_strategy(3, 12, Strategy::TwoShot).unwrap(), &fi_ws);
     assert!(v.contains(&Violation::TwoShotBelowWorldSize {
         hidden: 6144,
         t_first: 3,

@@ -162,7 +162,9 @@ proptest! {
                 Strategy::Unfused
             } else {
                 let fits = |s: Strategy| {
-                    (s != Strategy::TwoShot || tok >= u64::from(w))
+                    // FlashInfer's two-shot needs T >= W; arfuse's runs any T.
+                    let below_w = s == Strategy::TwoShot && tok < u64::from(w);
+                    !(below_w && kernels == KernelLibrary::Flashinfer)
                         && expected_bytes(kernels, backend, s, w, h, e, tok) <= available(s)
                 };
                 let pref = expected_preference(kernels, backend, sm, w, h, e, tok);
@@ -190,18 +192,17 @@ proptest! {
                 for tok in 1..=m {
                     prop_assert!(p.strategy_for(tok).unwrap().is_fused(), "T={}", tok);
                 }
-                // Never more than FlashInfer's sizing for the same M, unless FlashInfer's
-                // leaves some T <= M unfused (T < W beyond its one-shot room, where
-                // two-shot cannot run) that arfuse fuses one-shot.
+                // Never more than FlashInfer's sizing for the same M: both hold the same
+                // largest call (FlashInfer's buffer reserves one-shot to the AUTO
+                // threshold and two-shot to M; arfuse's only what the rule picks), and
+                // arfuse's 256-byte state plus rounding to 128 stays under FlashInfer's
+                // 2,048-byte signal pad plus rounding to 32.
                 let fi = p.flashinfer_workspace.clone().unwrap();
                 let fi_plan = plan(&Target { kernels: KernelLibrary::Flashinfer, ..t.clone() }, &[h])
                     .unwrap();
-                let fi_fuses_all = (1..=m).all(|tok| fi_plan.strategy_for(tok).unwrap().is_fused());
                 prop_assert_eq!(fi_plan.workspace.as_ref(), Some(&fi));
-                if fi_fuses_all {
-                    prop_assert!(ws.total_bytes_per_rank <= fi.total_bytes_per_rank,
-                        "arfuse {} > FlashInfer {}", ws, fi);
-                }
+                prop_assert!(ws.total_bytes_per_rank <= fi.total_bytes_per_rank,
+                    "arfuse {} > FlashInfer {}", ws, fi);
             }
             // FlashInfer's sizing fuses every T up to M, except T < W beyond what one
             // buffer holds for one-shot (two-shot cannot run there; the formula only
