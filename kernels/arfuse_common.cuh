@@ -12,7 +12,8 @@
 //   ARF_NORM     1 = RMSNorm, 0 = none (y = h)
 //   ARF_QUANT    0 none, 1 fp8 static, 2 fp8 per-token, 3 fp8 per-token-group (128)
 //                packed ue8m0 column-major, 4 fp8 group fp32 row-major,
-//                5 nvfp4 swizzled 128x4 scales, 6 nvfp4 linear scales (5/6: sm_100a+)
+//                5 nvfp4 swizzled 128x4 scales, 6 nvfp4 linear scales (5/6: sm_100a+),
+//                7 fp8 group fp32 row-major with power-of-two (ue8m0) values
 // Which outputs are written is decided at run time: a null output pointer is dead.
 //
 // Rounding contract (shared with crates/runtime/src/protocol.rs and model.rs):
@@ -26,7 +27,8 @@
 //         correctly rounded sqrt and division (NVRTC defaults), no FMA (--fmad=false)
 //   y   = round_T((float(h) * r) * (float(gamma) + weight_bias))   (one rounding;
 //         gamma in T, or f32 when p.gamma_f32, the Gemma form 1 + w.float())
-//   quant applied to float(y).
+//   quant applied to float(y), in the operation order of contract v2 clause 4 (see the
+//   quant part of arf_epilogue; crates/reference/src/contract.rs names the sources).
 #pragma once
 
 #ifndef ARF_DTYPE
@@ -60,6 +62,7 @@
 #define ARF_Q_FP8_GROUP_F32 4
 #define ARF_Q_NVFP4_SWIZZLED 5
 #define ARF_Q_NVFP4_LINEAR 6
+#define ARF_Q_FP8_GROUP_F32_UE8M0 7
 
 #if ARF_DTYPE == 2
 #define ARF_EB 4
@@ -330,7 +333,7 @@ __device__ __forceinline__ u32 arf_e4m3x2(float lo, float hi) {
   return r;
 }
 // One vector of ARF_VEC activations -> ARF_VEC e4m3 bytes at `dst`:
-// e4m3(clamp(y / scale, -448, 448)), as contract v1 clause 4 (a true division). The
+// e4m3(clamp(y / scale, -448, 448)), as contract v2 clause 4 (a true division). The
 // clamp is the cvt's satfinite: it saturates every finite value and infinity to
 // +-448 exactly as a clamp would, and keeps NaN a NaN (0x7F), which an fminf/fmaxf
 // clamp would turn into -448.
@@ -338,6 +341,18 @@ __device__ __forceinline__ void arf_store_e4m3_vec(u64 dst, const float* yf, flo
   u32 b[ARF_VEC / 2];
 #pragma unroll
   for (int i = 0; i < ARF_VEC; i += 2) b[i / 2] = arf_e4m3x2(yf[i] / scale, yf[i + 1] / scale);
+#if ARF_VEC == 8
+  *reinterpret_cast<uint2*>(dst) = make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
+#else
+  *reinterpret_cast<u32*>(dst) = b[0] | (b[1] << 16);
+#endif
+}
+// As arf_store_e4m3_vec with e4m3(y * inv): static FP8 multiplies by the rounded
+// reciprocal of its scale (contract v2 clause 4).
+__device__ __forceinline__ void arf_store_e4m3_vec_mul(u64 dst, const float* yf, float inv) {
+  u32 b[ARF_VEC / 2];
+#pragma unroll
+  for (int i = 0; i < ARF_VEC; i += 2) b[i / 2] = arf_e4m3x2(yf[i] * inv, yf[i + 1] * inv);
 #if ARF_VEC == 8
   *reinterpret_cast<uint2*>(dst) = make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
 #else
@@ -462,8 +477,9 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
 #endif
 #if ARF_QUANT == ARF_Q_FP8_STATIC || ARF_QUANT == ARF_Q_FP8_TOKEN
 #if ARF_QUANT == ARF_Q_FP8_STATIC
-  // q = e4m3_satfinite(y / scale), scale = fp32 dequant scale.
-  const float qscale = *reinterpret_cast<const float*>(p.scale_in);
+  // q = e4m3_satfinite(y * (1 / scale)), scale = fp32 dequant scale: the reciprocal
+  // rounded once, then a product (vLLM static_scaled_fp8_quant, FlashInfer pattern 2).
+  const float qinv = 1.0f / *reinterpret_cast<const float*>(p.scale_in);
 #else
   // scale_t = max(amax_t / 448, 1 / (512 * 448)); q = e4m3(clamp(y / scale_t)).
   float amax = 0.0f;
@@ -488,11 +504,16 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
       if (v < vpt && idx < nvec) {
         float yf[ARF_VEC];
         arf_unpack(a[v], yf);
+#if ARF_QUANT == ARF_Q_FP8_STATIC
+        arf_store_e4m3_vec_mul(qout + (u64)t * (u64)p.H + (u64)idx * ARF_VEC, yf, qinv);
+#else
         arf_store_e4m3_vec(qout + (u64)t * (u64)p.H + (u64)idx * ARF_VEC, yf, qscale);
+#endif
       }
     }
   }
-#elif ARF_QUANT == ARF_Q_FP8_GROUP_PACKED || ARF_QUANT == ARF_Q_FP8_GROUP_F32
+#elif ARF_QUANT == ARF_Q_FP8_GROUP_PACKED || ARF_QUANT == ARF_Q_FP8_GROUP_F32 || \
+    ARF_QUANT == ARF_Q_FP8_GROUP_F32_UE8M0
   // Groups of 128 elements = 128 / ARF_VEC consecutive vectors = that many
   // consecutive lanes of one warp (blockDim is a multiple of 32, so a group never
   // straddles two warps or two v iterations). H % 128 == 0 is checked on the host.
@@ -511,17 +532,19 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
         for (int i = 0; i < ARF_VEC; ++i) amax = fmaxf(amax, fabsf(yf[i]));
       }
       amax = arf_group_max(amax, gw);
-      // scale = max(amax / 448, 1e-10); the packed UE8M0 layout rounds it up to the
-      // next power of two, the f32 layout keeps it exact (contract v1 clause 4).
-      const float raw = fmaxf(amax / 448.0f, 1e-10f);
-#if ARF_QUANT == ARF_Q_FP8_GROUP_PACKED
+      // Contract v2 clause 4 (vLLM's per_token_group_quant kernels): the f32 form's
+      // scale is max(amax, 1e-10) / 448; the UE8M0 forms floor that at 1e-10 and round
+      // it up to a power of two (exponent + 1 when the mantissa is not zero).
+      const float raw = fmaxf(amax, 1e-10f) / 448.0f;
+#if ARF_QUANT == ARF_Q_FP8_GROUP_F32
+      const float gscale = raw;
+#else
       // The largest code is 254 (2^127): 255 is UE8M0's NaN (an infinite amax).
-      u32 ex = __float_as_uint(raw) >> 23;
-      if (__float_as_uint(raw) & 0x7fffffu) ex += 1u;
+      const u32 rb = __float_as_uint(fmaxf(raw, 1e-10f));
+      u32 ex = rb >> 23;
+      if (rb & 0x7fffffu) ex += 1u;
       ex = ex > 254u ? 254u : ex;
       const float gscale = __uint_as_float(ex << 23);
-#else
-      const float gscale = raw;
 #endif
       if (live) {
         const int g = idx / gw;
@@ -547,7 +570,9 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
   }
 #elif ARF_QUANT == ARF_Q_NVFP4_SWIZZLED || ARF_QUANT == ARF_Q_NVFP4_LINEAR
   // Blocks of 16 elements = 2 vectors = 2 adjacent lanes. H % 16 == 0 (host check).
-  // SF = e4m3(gs * amax / 6); q = e2m1((y * gs) / float(SF)) (0 when SF == 0).
+  // Contract v2 clause 4, FlashInfer's fused order (cvt_warp_fp16_to_fp4):
+  // SF = e4m3(gs * (amax * f32(1/6))); os = gs / float(SF), 0 when SF == 0;
+  // q = e2m1(y * os). 1.0f / 6.0f folds at compile time to 0x3E2AAAAB.
   const float gs = *reinterpret_cast<const float*>(p.scale_in);
   const int sf_cols = p.H / 16;
 #pragma unroll
@@ -563,8 +588,9 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
         for (int i = 0; i < ARF_VEC; ++i) amax = fmaxf(amax, fabsf(yf[i]));
       }
       amax = arf_group_max(amax, 2);
-      const u32 sf = arf_e4m3x2(gs * amax / 6.0f, 0.0f) & 0xffu;
+      const u32 sf = arf_e4m3x2(gs * (amax * (1.0f / 6.0f)), 0.0f) & 0xffu;
       const float sff = arf_e4m3_to_f32(sf);
+      const float os = sff != 0.0f ? gs / sff : 0.0f;
       if (live) {
         const int c = idx / 2;
         if ((idx & 1) == 0 && sout) {
@@ -580,10 +606,8 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
           u32 packed = 0;
 #pragma unroll
           for (int i = 0; i < ARF_VEC; i += 2) {
-            // SF == 0: a zero with the sign of y * gs (contract v1 clause 4).
-            const float q0 = sff != 0.0f ? (yf[i] * gs) / sff : (yf[i] * gs) * 0.0f;
-            const float q1 = sff != 0.0f ? (yf[i + 1] * gs) / sff : (yf[i + 1] * gs) * 0.0f;
-            packed |= arf_e2m1x2(q0, q1) << (4 * i);
+            // SF == 0: os = 0, a zero with the sign of y.
+            packed |= arf_e2m1x2(yf[i] * os, yf[i + 1] * os) << (4 * i);
           }
           *reinterpret_cast<u32*>(qout + (u64)t * (u64)(p.H / 2) + (u64)idx * 4u) = packed;
         }
@@ -593,11 +617,14 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
 #endif
 }
 
-// Zeroes the padding of the scale layouts that have one. Packed ue8m0 group scales:
-// tokens [T, round_up(T, 4)) and the unused bytes of the last int32 column when
-// (H/128) % 4 != 0. Swizzled NVFP4: rows [T, round_up(T, 128)) and columns
-// [H/16, round_up(H/16, 4)). Called once per rank by CTA 0; takes scalars (not the
-// parameter struct) and is not inlined, so it adds no stack or register pressure.
+// Zeroes the padding of the scale layouts that have one. Packed ue8m0 group scales
+// (T + (C - 1) * round_up(T, 4) words, vLLM's allocation, C = ceil(H / 512)): tokens
+// [T, round_up(T, 4)) of every word column but the last (the last has T rows only;
+// writing its padding rows would pass the end of the caller's tensor), and the
+// unused bytes of the last column when (H/128) % 4 != 0. Swizzled NVFP4: rows
+// [T, round_up(T, 128)) and columns [H/16, round_up(H/16, 4)). Called once per rank by
+// CTA 0; takes scalars (not the parameter struct) and is not inlined, so it adds no
+// stack or register pressure.
 __device__ __noinline__ void arf_zero_scale_padding(u64 sout, int T, int H) {
   if (sout == 0) return;
 #if ARF_QUANT == ARF_Q_FP8_GROUP_PACKED
@@ -606,7 +633,7 @@ __device__ __noinline__ void arf_zero_scale_padding(u64 sout, int T, int H) {
   const u32 cols = (groups + 3u) / 4u;
   const u32 pad = tpad - (u32)T;
   u32* w = reinterpret_cast<u32*>(sout);
-  for (u32 k = threadIdx.x; k < cols * pad; k += blockDim.x) w[(u64)(k / pad) * tpad + T + k % pad] = 0u;
+  for (u32 k = threadIdx.x; k < (cols - 1u) * pad; k += blockDim.x) w[(u64)(k / pad) * tpad + T + k % pad] = 0u;
   if (groups % 4u != 0u) {
     unsigned char* b = reinterpret_cast<unsigned char*>(sout);
     const u32 used = groups % 4u;

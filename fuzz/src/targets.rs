@@ -753,14 +753,12 @@ pub fn gen_graph(s: &mut Src) -> Graph {
             }
             2 => {
                 let gs = s.pick(&[16, 64, 128, 7, h]);
-                let layout =
-                    s.pick(&[GroupScaleLayout::F32RowMajor, GroupScaleLayout::PackedUe8m0]);
+                let layout = s.pick(&GroupScaleLayout::ALL);
                 let groups = h / gs;
-                let scale = match layout {
-                    GroupScaleLayout::F32RowMajor => with_last(&norm_ty, groups, DType::F32),
-                    GroupScaleLayout::PackedUe8m0 => {
-                        with_last(&norm_ty, groups.div_ceil(4), DType::I32)
-                    }
+                let scale = if layout.f32_storage() {
+                    with_last(&norm_ty, groups, DType::F32)
+                } else {
+                    with_last(&norm_ty, groups.div_ceil(4), DType::I32)
                 };
                 let q = b.add(
                     Op::QuantFp8PerTokenGroup {

@@ -121,17 +121,41 @@ impl Io {
         }
         let w = u64::from(world);
         let alloc = |b: u64| gpu.alloc(b.max(16) * w);
+        let alloc_out = |b: u64| gpu.alloc(out_stride(b.max(16)) * w);
         Ok(Io {
             x: alloc(big.out)?,
             residual: alloc(big.out)?,
-            out: alloc(big.out)?,
-            residual_out: alloc(big.out)?,
-            quant: alloc(big.quant)?,
-            scale: alloc(big.scale)?,
+            out: alloc_out(big.out)?,
+            residual_out: alloc_out(big.out)?,
+            quant: alloc_out(big.quant)?,
+            scale: alloc_out(big.scale)?,
             gamma: gpu.alloc(u64::from(hidden) * 4)?,
             scale_in: gpu.alloc(4)?,
             ar_out: alloc(big.out)?,
         })
+    }
+}
+
+/// Bytes after each rank's slice of every output that no kernel may write. They are
+/// filled with FILL_BYTE with the outputs and must still hold it after each launch, so a
+/// write past the end of a tensor sized as the engines allocate it (scale padding past
+/// vLLM's packed UE8M0 allocation, say) fails the case.
+const GUARD_BYTES: u64 = 64;
+
+/// Per-rank stride of an output of `n` bytes: the slice plus its guard.
+fn out_stride(n: u64) -> u64 {
+    n + GUARD_BYTES
+}
+
+/// An output tensor of `n` bytes per rank at a stride of [`out_stride`].
+fn out_tensor(buf: &DeviceBuffer, n: u64, live: bool) -> RankTensor {
+    if live && n > 0 {
+        RankTensor {
+            ptr: buf.ptr(),
+            rank_stride: out_stride(n),
+        }
+    } else {
+        RankTensor::default()
     }
 }
 
@@ -151,10 +175,10 @@ fn params(io: &Io, case: &Case, live: Liveness) -> anyhow::Result<KernelParams> 
     Ok(KernelParams {
         x: rank_tensor(&io.x, b.out, true),
         residual_in: rank_tensor(&io.residual, b.out, case.epilogue.residual),
-        residual_out: rank_tensor(&io.residual_out, b.residual_out, live.residual_out),
-        out: rank_tensor(&io.out, b.out, live.out),
-        quant_out: rank_tensor(&io.quant, b.quant, live.quant),
-        scale_out: rank_tensor(&io.scale, b.scale, live.scale),
+        residual_out: out_tensor(&io.residual_out, b.residual_out, live.residual_out),
+        out: out_tensor(&io.out, b.out, live.out),
+        quant_out: out_tensor(&io.quant, b.quant, live.quant),
+        scale_out: out_tensor(&io.scale, b.scale, live.scale),
         gamma: io.gamma.ptr(),
         scale_in: if matches!(
             case.epilogue.quant,
@@ -182,7 +206,8 @@ fn upload_inputs(gpu: &Gpu, io: &Io, inputs: &Inputs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Fills every output of the case with FILL_BYTE (so unwritten bytes show).
+/// Fills every output of the case, guards included, with FILL_BYTE (so unwritten
+/// bytes show).
 fn fill_outputs(gpu: &Gpu, io: &Io, case: &Case) -> anyhow::Result<()> {
     let b = case.output_bytes()?;
     let w = u64::from(case.world);
@@ -192,28 +217,46 @@ fn fill_outputs(gpu: &Gpu, io: &Io, case: &Case) -> anyhow::Result<()> {
         (&io.quant, b.quant),
         (&io.scale, b.scale),
     ] {
-        gpu.fill(buf, 0, n * w, FILL_BYTE)?;
+        if n > 0 {
+            gpu.fill(buf, 0, out_stride(n) * w, FILL_BYTE)?;
+        }
     }
     gpu.sync()?;
     Ok(())
 }
 
+/// Every rank's slice of each output; an error when a guard byte after a slice was
+/// written (the kernel wrote past the output's end).
 fn download_outputs(gpu: &Gpu, io: &Io, case: &Case) -> anyhow::Result<Vec<RankOutputs>> {
     let b = case.output_bytes()?;
     let w = case.world as usize;
-    let get = |buf: &DeviceBuffer, n: u64| -> anyhow::Result<Vec<Vec<u8>>> {
-        let n = usize::try_from(n)?;
-        let mut all = vec![0u8; n * w];
-        if n > 0 {
-            gpu.download(buf, 0, &mut all)?;
+    let get = |buf: &DeviceBuffer, n: u64, what: &str| -> anyhow::Result<Vec<Vec<u8>>> {
+        if n == 0 {
+            return Ok(vec![Vec::new(); w]);
         }
-        Ok((0..w).map(|r| all[r * n..(r + 1) * n].to_vec()).collect())
+        let stride = usize::try_from(out_stride(n))?;
+        let n = usize::try_from(n)?;
+        let mut all = vec![0u8; stride * w];
+        gpu.download(buf, 0, &mut all)?;
+        for r in 0..w {
+            let guard = &all[r * stride + n..(r + 1) * stride];
+            let hit = guard.iter().filter(|&&x| x != FILL_BYTE).count();
+            if hit > 0 {
+                return Err(anyhow!(
+                    "{}: {hit} of the {GUARD_BYTES} bytes after rank {r}'s {n}-byte {what} output were written",
+                    case.label()
+                ));
+            }
+        }
+        Ok((0..w)
+            .map(|r| all[r * stride..r * stride + n].to_vec())
+            .collect())
     };
     let (out, res, q, s) = (
-        get(&io.out, b.out)?,
-        get(&io.residual_out, b.residual_out)?,
-        get(&io.quant, b.quant)?,
-        get(&io.scale, b.scale)?,
+        get(&io.out, b.out, "norm")?,
+        get(&io.residual_out, b.residual_out, "residual")?,
+        get(&io.quant, b.quant, "quant")?,
+        get(&io.scale, b.scale, "scale")?,
     );
     Ok((0..w)
         .map(|r| RankOutputs {

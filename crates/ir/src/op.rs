@@ -57,16 +57,66 @@ pub enum ReduceOp {
     Sum,
 }
 
-/// Scale layout of per-token-group FP8 quantisation (domain.md section 1).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// Scale form of per-token-group FP8 quantisation (domain.md section 1): how the
+/// scales are rounded and how they are stored. The one definition of these forms;
+/// the reference, the rewrite and the runtime all use this enum.
+///
+/// The scale values (arfuse rounding contract v2, clause 4) are
+/// `max(amax, 1e-10) / 448` for [`GroupScaleLayout::F32RowMajor`], and that value
+/// floored at 1e-10 and rounded UP to a power of two for the two UE8M0 forms
+/// (vLLM's `use_ue8m0=True`, DeepGEMM's scales).
+///
+/// The derived order (declaration order) is what the rewrite uses to break ties.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum GroupScaleLayout {
-    /// fp32 `[..., H / group_size]`, row-major.
+    /// `f32_row_major`: fp32 `[..., H / group_size]`, row-major, unrounded scales.
     F32RowMajor,
-    /// ue8m0 exponents, 4 per i32, logical `[..., ceil(H / group_size / 4)]` i32; stored
-    /// column-major with the token dim padded to a multiple of 4, padding zeroed
-    /// (DeepGEMM's layout).
+    /// `packed_ue8m0`: ue8m0 exponents, 4 per i32, logical
+    /// `[..., ceil(H / group_size / 4)]` i32; stored column-major with a column
+    /// stride of `round_up(T, 4)` words (DeepGEMM's TMA-aligned layout), so the
+    /// tensor is `T + (ceil(G / 4) - 1) * round_up(T, 4)` words, as vLLM allocates it
+    /// (`torch.empty_strided((T, C), (1, round_up(T, 4)))`); padding rows of every
+    /// column but the last and unused bytes are zero.
     PackedUe8m0,
+    /// `f32_row_major_ue8m0`: fp32 `[..., H / group_size]`, row-major, every scale a
+    /// power of two (vLLM's `per_token_group_quant_fp8(..., use_ue8m0=True)` with
+    /// row-major scales).
+    F32RowMajorUe8m0,
+}
+
+impl GroupScaleLayout {
+    /// Every form, in declaration order.
+    pub const ALL: [GroupScaleLayout; 3] = [
+        GroupScaleLayout::F32RowMajor,
+        GroupScaleLayout::PackedUe8m0,
+        GroupScaleLayout::F32RowMajorUe8m0,
+    ];
+
+    /// Whether the scales are powers of two (UE8M0 values).
+    pub const fn power_of_two_scales(self) -> bool {
+        matches!(
+            self,
+            GroupScaleLayout::PackedUe8m0 | GroupScaleLayout::F32RowMajorUe8m0
+        )
+    }
+
+    /// Whether the scales are stored as fp32 `[..., G]` row-major (else packed i32).
+    pub const fn f32_storage(self) -> bool {
+        matches!(
+            self,
+            GroupScaleLayout::F32RowMajor | GroupScaleLayout::F32RowMajorUe8m0
+        )
+    }
+
+    /// The JSON / text spelling (`f32_row_major`, `packed_ue8m0`, `f32_row_major_ue8m0`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            GroupScaleLayout::F32RowMajor => "f32_row_major",
+            GroupScaleLayout::PackedUe8m0 => "packed_ue8m0",
+            GroupScaleLayout::F32RowMajorUe8m0 => "f32_row_major_ue8m0",
+        }
+    }
 }
 
 /// Scale layout of NVFP4 quantisation (domain.md section 1).
@@ -396,7 +446,9 @@ impl Op {
         obj.insert("op".into(), serde_json::Value::String(name.to_string()));
         let op: Op = serde_json::from_value(serde_json::Value::Object(obj)).map_err(|e| {
             let msg = e.to_string();
-            if msg.starts_with("unknown variant") {
+            // Only an unknown op name is "unknown op"; an unknown attribute value (a
+            // misspelt scale layout) keeps serde's message, which names it.
+            if msg.starts_with(&format!("unknown variant `{name}`")) {
                 format!("unknown op {name:?}; use \"opaque\" with a \"target\" for ops arfuse does not model")
             } else if let Some(field) = msg.strip_prefix("missing field ") {
                 format!("op {name:?} needs attribute {field}")
@@ -459,11 +511,30 @@ mod tests {
 
     #[test]
     fn attrs_round_trip() {
-        let op = Op::QuantFp8PerTokenGroup {
-            group_size: 128,
-            scale_layout: GroupScaleLayout::PackedUe8m0,
-        };
-        let back = Op::from_name_attrs(op.name(), &op.attrs_json()).unwrap();
-        assert_eq!(op, back);
+        for scale_layout in GroupScaleLayout::ALL {
+            let op = Op::QuantFp8PerTokenGroup {
+                group_size: 128,
+                scale_layout,
+            };
+            let json = op.attrs_json();
+            assert_eq!(json["scale_layout"], scale_layout.name(), "{json:?}");
+            let back = Op::from_name_attrs(op.name(), &json).unwrap();
+            assert_eq!(op, back);
+        }
+        let err = Op::from_name_attrs(
+            "quant_fp8_per_token_group",
+            &obj(json!({"group_size": 128, "scale_layout": "f32_ue8m0"})),
+        )
+        .unwrap_err();
+        assert!(err.contains("f32_ue8m0"), "{err}");
+    }
+
+    #[test]
+    fn group_scale_forms() {
+        use GroupScaleLayout::*;
+        assert!(!F32RowMajor.power_of_two_scales() && F32RowMajor.f32_storage());
+        assert!(PackedUe8m0.power_of_two_scales() && !PackedUe8m0.f32_storage());
+        assert!(F32RowMajorUe8m0.power_of_two_scales() && F32RowMajorUe8m0.f32_storage());
+        assert!(F32RowMajor < PackedUe8m0 && PackedUe8m0 < F32RowMajorUe8m0);
     }
 }

@@ -264,10 +264,12 @@ impl Checker<'_> {
                 }
                 let groups = h / group_size;
                 let scale = match scale_layout {
-                    GroupScaleLayout::F32RowMajor => TensorType {
-                        dtype: DType::F32,
-                        shape: Self::with_last(&x.shape, groups),
-                    },
+                    GroupScaleLayout::F32RowMajor | GroupScaleLayout::F32RowMajorUe8m0 => {
+                        TensorType {
+                            dtype: DType::F32,
+                            shape: Self::with_last(&x.shape, groups),
+                        }
+                    }
                     GroupScaleLayout::PackedUe8m0 => TensorType {
                         dtype: DType::I32,
                         shape: Self::with_last(&x.shape, groups.div_ceil(4)),

@@ -1,4 +1,4 @@
-//! # arfuse rounding contract v1
+//! # arfuse rounding contract v2
 //!
 //! The one place that states how the fused all-reduce -> residual add ->
 //! RMSNorm (-> quant) op computes, bit for bit. The CPU evaluator
@@ -42,23 +42,106 @@
 //!    it accordingly (an f32 T shows the reordering directly; the runtime's
 //!    GPU check states its f32 bound, `arfuse_runtime::check`);
 //!    `residual_out` and the all-reduce output are bit-exact.
-//! 4. **Quant epilogues** act on `y` (already rounded to T, widened to f32),
-//!    as domain.md section 1 ([`Epilogue`], [`apply_epilogue`],
-//!    [`crate::numerics::quant`]). All arithmetic f32, left to right:
-//!    - static FP8: `q = e4m3_satfinite(y / scale)` (a true division, not a
-//!      multiplication by a precomputed reciprocal);
-//!    - dynamic per-token FP8: `s = max(amax / 448, 1 / (512 * 448))`,
-//!      `q = e4m3(clamp(y / s, -448, 448))`;
-//!    - per-token-group FP8: `s = max(amax / 448, 1e-10)`, rounded UP to a
-//!      power of two for the packed UE8M0 layout, kept exact for the f32
-//!      layout; `q = e4m3(clamp(y / s, -448, 448))`;
-//!    - NVFP4: `SF = e4m3_satfinite((global_scale * amax) / 6)`, element
-//!      `e2m1_satfinite((y * global_scale) / f32(SF))`, a signed zero when
-//!      `SF == 0`; swizzled scales follow the 128x4 layout the block-scaled
-//!      GEMMs read ([`crate::numerics::quant::nvfp4_swizzle_row_slot`]);
+//! 4. **Quant epilogues** act on `y` (already rounded to T, widened to f32)
+//!    ([`Epilogue`], [`apply_epilogue`], [`crate::numerics::quant`]). Each form
+//!    follows the operation order of the engine kernel a user compares the fused
+//!    output with, every operation one IEEE f32 rounding (the golden vectors of
+//!    `tools/golden/golden.py` check it bit for bit, `tests/golden.rs`):
+//!    - static FP8: `inv = 1 / scale`, `q = e4m3_satfinite(y * inv)`. Source:
+//!      vLLM `static_scaled_fp8_quant` (csrc/quantization/w8a8/fp8/common.cu,
+//!      `scaled_fp8_quant_kernel_strided`: `inv_scale = 1.0f / (*scale)`, then
+//!      `scaled_fp8_conversion<true>`: `val * inv_scale`, clamp, cvt); FlashInfer's
+//!      fused kernel (include/flashinfer/comm/trtllm_allreduce_fusion.cuh, the
+//!      `kFP8` branch: `m_scale_factor = 1.f / *(params.scale_factor)`, `val *
+//!      m_scale_factor`, satfinite cast) has the same order.
+//!    - dynamic per-token FP8: `s = max(amax / 448, 1 / (448 * 512))`,
+//!      `q = e4m3(clamp(y / s, -448, 448))`, scales f32 `[T, 1]`. Source: vLLM
+//!      `dynamic_per_token_scaled_fp8_quant_kernel_strided` (common.cu) and
+//!      `ref_dynamic_per_token_quant` (tests/kernels/quant_utils.py); FlashInfer
+//!      `dynamic_token_fp8_scale` (patterns 10/11). Unchanged from v1.
+//!    - per-token-group FP8 ([`GroupScaleLayout`], [`group_fp8_scale`]): f32
+//!      form `s = max(amax, 1e-10) / 448`; the two UE8M0 forms (packed, and f32
+//!      with power-of-two values) `s = max(max(amax, 1e-10) / 448, 1e-10)` rounded
+//!      UP to a power of two; `q = e4m3(clamp(y / s, -448, 448))`. Sources: vLLM
+//!      csrc/quantization/w8a8/fp8/per_token_group_quant.cu
+//!      (`ComputeGroupScale` / `per_token_group_quant_8bit_register_kernel`: the
+//!      absmax starts at `eps` = 1e-10, then `/ max_8bit`; with `SCALE_UE8M0` the
+//!      exponent is bumped when the mantissa is not zero, after `fmaxf(y_s,
+//!      1e-10f)`; `per_token_group_quant_8bit_packed_register_kernel` the same, its
+//!      quantisation `y * (1 / y_s)` equals `y / y_s` for a power of two);
+//!      `native_per_token_group_quant_fp8` (tests/kernels/quant_utils.py: `amax
+//!      .clamp(min=eps) / fp8_max`); FlashInfer `compute_ue8m0_scale` (patterns
+//!      8/9: `fmaxf(absmax / 448, 1e-10f)`, then the same rounding; the same value
+//!      as vLLM's). vLLM's shared-memory kernel (used for f32 inputs or other
+//!      group sizes) and its Triton kernel round with `exp2(ceil(log2(s)))`,
+//!      which can round down a value a few ulp above a power of two once
+//!      `log2` rounds to an integer; the contract is the exact rounding. The
+//!      packed storage has `T + (ceil(G / 4) - 1) * round_up(T, 4)` int32 words,
+//!      vLLM's allocation (`per_token_group_quant_fp8_packed_for_deepgemm`:
+//!      `torch.empty_strided((T, C), (1, round_up(T, 4)))`) and what FlashInfer's
+//!      pattern 8/9 kernel writes ([`packed_group_scale_words`]).
+//!    - NVFP4: `SF = e4m3_satfinite(global_scale * (amax * f32(1 / 6)))`,
+//!      `os = global_scale / f32(SF)` (0 when `SF == 0`), element
+//!      `e2m1_satfinite(y * os)`; swizzled scales follow the 128x4 layout the
+//!      block-scaled GEMMs read ([`crate::numerics::quant::nvfp4_swizzle_row_slot`]).
+//!      Source: FlashInfer's fused kernel (trtllm_allreduce_fusion.cuh,
+//!      `utils::cvt_warp_fp16_to_fp4`: `SFScaleVal * (vecMax * RECIPROCAL_6)`,
+//!      `outputScale = SFScaleVal / quantized_sf`, `fp2Val *= outputScale`), the
+//!      kernel the fused op replaces. The engines' unfused quant disagrees with it:
+//!      vLLM `scaled_fp4_quant` (csrc/quantization/fp4/nvfp4_utils.cuh), FlashInfer's
+//!      standalone `fp4_quantize` (nv_internal quantization_utils.cuh) and its
+//!      test reference `ref_fp4_quant` compute `os = 1 / (f32(SF) * (1 / gs))`,
+//!      which is the same value when `gs` is a power of two and otherwise differs
+//!      on 21 of 458,240 golden bytes; the contract follows the fused kernel.
 //!    - `amax` ignores NaN (as `fmaxf`); e4m3 rounds to nearest even and
 //!      encodes NaN as 0x7F; e2m1 rounds to nearest even, saturates to +-6
-//!      and encodes NaN as +6 (0x7); signs of zeros are kept.
+//!      and encodes NaN as +6 (0x7); signs of zeros are kept. The engines
+//!      disagree on NaN, so the contract states its own choice: vLLM's
+//!      static/per-token clamp `fmaxf(-448, fminf(x, 448))` turns NaN into +448,
+//!      vLLM's group kernels and FlashInfer's per-token and group paths
+//!      (`fminf(fmaxf(x, -448), 448)`) into -448, FlashInfer's static path keeps
+//!      NaN. The golden vectors hold finite inputs only.
+//!
+//!    Arithmetic of the engine builds, not modelled: FlashInfer compiles its
+//!    comm kernels with `-use_fast_math` (flashinfer/jit/core.py), so its
+//!    `1.f / scale` and `gs / SF` are approximate (up to 1-2 ulp) and subnormals
+//!    flush to zero; a FlashInfer binary matches the contract wherever its
+//!    approximation returns the correctly rounded value (exactly, for a
+//!    power-of-two `scale` or `gs`). vLLM's `scaled_fp4_quant` uses
+//!    `rcp.approx.ftz` explicitly. arfuse's kernels compile with IEEE division
+//!    and no FMA contraction, as this clause.
+//!
+//! Engine paths the contract does not follow (nothing implicit is offered for
+//! them; a user comparing against them sees these differences):
+//! - vLLM's torch-native residual path (`RMSNorm.forward_native` with a
+//!   residual) rounds `x + residual` to T for the new residual but normalises the
+//!   UNROUNDED f32 sum; clauses 2-3 normalise the rounded `h`, as vLLM's CUDA
+//!   `fused_add_rms_norm` and FlashInfer's fused kernel do.
+//! - DeepGEMM's test utilities (`per_token_cast_to_fp8`) floor a group's amax at
+//!   1e-4 instead of 1e-10, so groups with amax below 1e-4 get other scales and
+//!   codes than vLLM's kernels and this contract.
+//!
+//! ## Changelog
+//!
+//! v2 (clause 4 only; clauses 1-3 unchanged):
+//! - static FP8: `y * (1 / scale)` instead of `y / scale` (vLLM
+//!   `static_scaled_fp8_quant`, FlashInfer's fused kernel). 24 of 1,003,520
+//!   golden codes differed under v1.
+//! - per-token-group FP8, f32 scales: the floor moves to amax, `max(amax, 1e-10)
+//!   / 448` instead of `max(amax / 448, 1e-10)` (vLLM's kernels); all-zero groups
+//!   get 2.2321428e-13 instead of 1e-10, and groups with amax below 4.48e-8 other
+//!   codes. 8,570 of 271,488 golden codes and 282 of 2,121 scales differed.
+//! - per-token-group FP8: new form `f32_row_major_ue8m0` (f32 storage,
+//!   power-of-two values: vLLM's `use_ue8m0=True` with row-major scales), in the
+//!   IR, the rewrite, the runtime and the kernels.
+//! - per-token-group FP8, packed UE8M0: the tensor is `T + (ceil(G / 4) - 1) *
+//!   round_up(T, 4)` words (vLLM's allocation) instead of `round_up(T, 4) *
+//!   ceil(G / 4)`: the last word column has no padding rows, and no kernel writes
+//!   them. 19 golden scale words were extra under v1.
+//! - NVFP4: `SF = e4m3(gs * (amax * f32(1/6)))` instead of `e4m3((gs * amax) /
+//!   6)`, and the element `y * (gs / SF)` instead of `(y * gs) / SF` (FlashInfer's
+//!   fused kernel); they differ on exact ties, common with a power-of-two `gs`.
+//!   1,003 of 572,800 golden data bytes differed under v1.
 //!
 //! f64 attributes (`eps`, constants) enter as the nearest f32 (`eps`) or in
 //! one rounding to T ([`FloatFormat::round_f64`]).
@@ -77,12 +160,14 @@
 use crate::error::{ReferenceError, Result};
 use crate::numerics::quant::{
     dynamic_per_token_fp8_quant, nvfp4_quant, per_token_group_fp8_quant, static_fp8_quant,
-    GroupScaleLayout, GroupScaleRounding, GroupScales, Nvfp4ScaleLayout,
+    GroupScaleLayout, GroupScales, Nvfp4ScaleLayout,
 };
+#[cfg(doc)]
+use crate::numerics::quant::{group_fp8_scale, packed_group_scale_words};
 use crate::numerics::FloatFormat;
 
 /// The name of this contract, as kernels and reports cite it.
-pub const CONTRACT_NAME: &str = "arfuse rounding contract v1";
+pub const CONTRACT_NAME: &str = "arfuse rounding contract v2";
 
 /// Largest difference, in ulp of T, the contract allows between a kernel's
 /// `norm_out` and [`rms_norm`] for a 16-bit T (tree-order sum of squares).
@@ -212,13 +297,13 @@ pub enum Epilogue {
     },
     /// Dynamic per-token FP8.
     Fp8PerToken,
-    /// Per-token-group FP8. The packed layout uses power-of-two (UE8M0)
-    /// scales; the f32 layout uses `max(amax / 448, 1e-10)` unrounded
-    /// (see [`GroupScaleRounding`]).
+    /// Per-token-group FP8. The form fixes both the scale values and their
+    /// storage ([`GroupScaleLayout`]: f32 `max(amax, 1e-10) / 448`, or
+    /// power-of-two scales packed or as f32).
     Fp8PerTokenGroup {
         /// Elements per group.
         group_size: usize,
-        /// Scale layout.
+        /// Scale form.
         layout: GroupScaleLayout,
     },
     /// NVFP4 with this global scale (multiplied, not inverted).
@@ -228,16 +313,6 @@ pub enum Epilogue {
         /// Scale layout.
         layout: Nvfp4ScaleLayout,
     },
-}
-
-/// The rounding of per-token-group scales for a layout (contract v1): the
-/// packed UE8M0 layout is power-of-two by construction; the plain f32
-/// layout keeps the exact `max(amax / 448, 1e-10)` (vLLM's non-UE8M0 path).
-pub fn group_scale_rounding(layout: GroupScaleLayout) -> GroupScaleRounding {
-    match layout {
-        GroupScaleLayout::PackedUe8m0 => GroupScaleRounding::PowerOfTwo,
-        GroupScaleLayout::F32RowMajor => GroupScaleRounding::Exact,
-    }
 }
 
 /// The quant output of an epilogue, logical (un-swizzled) values.
@@ -295,14 +370,7 @@ pub fn apply_epilogue(
             })
         }
         Epilogue::Fp8PerTokenGroup { group_size, layout } => {
-            let g = per_token_group_fp8_quant(
-                y,
-                tokens,
-                hidden,
-                group_size,
-                layout,
-                group_scale_rounding(layout),
-            )?;
+            let g = per_token_group_fp8_quant(y, tokens, hidden, group_size, layout)?;
             Some(QuantOut::Fp8PerTokenGroup {
                 values: decode(g.data),
                 scales: g.scales,
@@ -500,7 +568,7 @@ mod tests {
         };
         let want: Vec<f32> = y
             .iter()
-            .map(|&v| crate::numerics::fp8::round_e4m3(v / 0.5))
+            .map(|&v| crate::numerics::fp8::round_e4m3(v * (1.0 / 0.5)))
             .collect();
         assert_eq!(values, want);
 

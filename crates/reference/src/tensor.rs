@@ -13,7 +13,9 @@
 
 use crate::error::{ReferenceError, Result};
 use crate::numerics::fp8::e4m3_satfinite;
-use crate::numerics::quant::{nvfp4_scale_bytes, nvfp4_scale_offset, Nvfp4ScaleLayout};
+use crate::numerics::quant::{
+    nvfp4_scale_bytes, nvfp4_scale_offset, packed_group_scale_words, Nvfp4ScaleLayout,
+};
 use crate::numerics::FloatFormat;
 use arfuse_ir::DType;
 
@@ -47,8 +49,9 @@ pub enum Storage {
     /// Row-major, as the logical shape.
     Plain,
     /// Per-token-group FP8 scales, packed UE8M0: the logical `[T, C]` i32
-    /// words are stored column-major with T padded to a multiple of 4,
-    /// padding zeroed (DeepGEMM).
+    /// words are stored column-major with a column stride of `round_up(T, 4)`
+    /// words, `T + (C - 1) * round_up(T, 4)` words in all, padding zeroed
+    /// (DeepGEMM's layout, vLLM's allocation; `numerics::quant::GroupScaleLayout`).
     PackedUe8m0Scales,
     /// NVFP4 e4m3 block scales, logical `[T, H / 16]`, stored in this layout.
     Nvfp4Scales(Nvfp4ScaleLayout),
@@ -163,9 +166,8 @@ impl Tensor {
                     .div_ceil(4)
                     .checked_mul(4)
                     .ok_or(ReferenceError::SizeOverflow("padded tokens"))?;
-                let n = padded
-                    .checked_mul(c)
-                    .and_then(|v| v.checked_mul(4))
+                let n = packed_group_scale_words(t, c)?
+                    .checked_mul(4)
                     .ok_or(ReferenceError::SizeOverflow("packed scale bytes"))?;
                 let mut out = vec![0u8; n];
                 for r in 0..t {
@@ -273,16 +275,17 @@ mod tests {
 
     #[test]
     fn packed_scale_image_is_column_major_padded() {
-        // Logical [T = 2, C = 2] words -> padded rows 4, column-major.
+        // Logical [T = 2, C = 2] words -> column stride 4, column-major; the last
+        // column has T = 2 words only (2 + 1 * 4 = 6 words).
         let mut t = Tensor::from_i64(DType::I32, vec![2, 2], vec![1, 2, 3, 4]).unwrap();
         t.storage = Storage::PackedUe8m0Scales;
         let b = t.physical_bytes().unwrap();
-        assert_eq!(b.len(), 32);
+        assert_eq!(b.len(), 24);
         let words: Vec<i32> = b
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
-        assert_eq!(words, vec![1, 3, 0, 0, 2, 4, 0, 0]);
+        assert_eq!(words, vec![1, 3, 0, 0, 2, 4]);
     }
 
     #[test]

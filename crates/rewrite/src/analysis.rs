@@ -134,15 +134,18 @@ impl FxAnalysis {
             QKind::None => (None, None),
             QKind::Fp8Static => (fp8, None),
             QKind::Fp8PerToken => (fp8, self.with_last(x, Some(1), DType::F32)),
-            QKind::Fp8Group { group_size, packed } => {
+            QKind::Fp8Group {
+                group_size,
+                scale_layout,
+            } => {
                 if group_size == 0 || h % group_size != 0 {
                     return (None, None);
                 }
                 let groups = h / group_size;
-                let scales = if packed {
-                    self.with_last(x, Some(groups.div_ceil(4)), DType::I32)
-                } else {
+                let scales = if scale_layout.f32_storage() {
                     self.with_last(x, Some(groups), DType::F32)
+                } else {
+                    self.with_last(x, Some(groups.div_ceil(4)), DType::I32)
                 };
                 (fp8, scales)
             }

@@ -76,12 +76,12 @@ pub enum QKind {
     Fp8Static,
     /// Dynamic per-token FP8.
     Fp8PerToken,
-    /// Per-token-group FP8; `packed` is the packed ue8m0 layout, else f32 row-major.
+    /// Per-token-group FP8 with the IR's scale form (its order breaks ties).
     Fp8Group {
         /// Elements per group.
         group_size: u64,
-        /// Packed ue8m0 scales.
-        packed: bool,
+        /// Scale form (rounding and storage).
+        scale_layout: GroupScaleLayout,
     },
     /// NVFP4; `swizzled` is the 128x4 layout, else linear.
     Nvfp4 {
@@ -102,7 +102,7 @@ impl QKind {
                 scale_layout,
             } => QKind::Fp8Group {
                 group_size,
-                packed: scale_layout == GroupScaleLayout::PackedUe8m0,
+                scale_layout,
             },
             FusedQuant::Nvfp4 { scale_layout } => QKind::Nvfp4 {
                 swizzled: scale_layout == Nvfp4ScaleLayout::Swizzled128x4,
@@ -116,13 +116,12 @@ impl QKind {
             QKind::None => FusedQuant::None,
             QKind::Fp8Static => FusedQuant::Fp8Static,
             QKind::Fp8PerToken => FusedQuant::Fp8PerToken,
-            QKind::Fp8Group { group_size, packed } => FusedQuant::Fp8PerTokenGroup {
+            QKind::Fp8Group {
                 group_size,
-                scale_layout: if packed {
-                    GroupScaleLayout::PackedUe8m0
-                } else {
-                    GroupScaleLayout::F32RowMajor
-                },
+                scale_layout,
+            } => FusedQuant::Fp8PerTokenGroup {
+                group_size,
+                scale_layout,
             },
             QKind::Nvfp4 { swizzled } => FusedQuant::Nvfp4 {
                 scale_layout: if swizzled {

@@ -32,6 +32,7 @@ fn family_quant_epilogues() {
         ("quant_fp8_static", Quant::Fp8Static, h200()),
         ("quant_fp8_per_token", Quant::Fp8PerToken, h200()),
         ("quant_fp8_group", Quant::Fp8Group, h200()),
+        ("quant_fp8_group_f32_ue8m0", Quant::Fp8GroupF32Ue8m0, h200()),
         ("quant_nvfp4", Quant::Nvfp4, b200()),
     ] {
         let st = Stack {

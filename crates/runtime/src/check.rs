@@ -4,7 +4,7 @@
 //! bandwidth figures divide by. Everything here runs (and is tested) on the CPU; the
 //! binary only adds the launches.
 //!
-//! What "correct" means for a kernel (arfuse rounding contract v1,
+//! What "correct" means for a kernel (arfuse rounding contract v2,
 //! `arfuse_reference::contract`):
 //! - the all-reduce output and `residual_out`: bit-exact;
 //! - `norm_out`: within [`norm_tolerance_ulp`] of the contract (the kernels sum the
@@ -20,7 +20,7 @@
 use crate::error::{Error, Result};
 use crate::variants::{Dtype, Epilogue, KernelKind, Quant, Strategy, Variant};
 use arfuse_reference::contract;
-use arfuse_reference::numerics::quant::{self as rq, GroupScaleLayout, GroupScales};
+use arfuse_reference::numerics::quant::{self as rq, GroupScales};
 use arfuse_reference::numerics::FloatFormat;
 use arfuse_reference::ReferenceError;
 use half::{bf16, f16};
@@ -145,7 +145,7 @@ impl Case {
             )));
         }
         let q = self.epilogue.quant;
-        if matches!(q, Quant::Fp8GroupPacked | Quant::Fp8GroupF32) && self.hidden % 128 != 0 {
+        if q.is_group() && self.hidden % 128 != 0 {
             return Err(Error::Invalid(format!(
                 "per-token-group FP8 needs H % 128 == 0, H = {}",
                 self.hidden
@@ -199,11 +199,10 @@ impl Case {
             Quant::None => (0, 0),
             Quant::Fp8Static => (th, 0),
             Quant::Fp8PerToken => (th, 4 * t),
-            Quant::Fp8GroupPacked => (
+            Quant::Fp8Group(layout) => (
                 th,
-                rq::packed_group_scale_bytes(t, h, 128).map_err(reference)?,
+                rq::group_scale_bytes(t, h, 128, layout).map_err(reference)?,
             ),
-            Quant::Fp8GroupF32 => (th, 4 * t * (h / 128)),
             Quant::Nvfp4Swizzled => (
                 rq::nvfp4_data_bytes(t, h).map_err(reference)?,
                 rq::nvfp4_scale_bytes(t, h, rq::Nvfp4ScaleLayout::Swizzled128x4)
@@ -470,21 +469,9 @@ pub fn quant_bytes(case: &Case, y: &[f32], scale_in: f32) -> Result<(Vec<u8>, Ve
             let (codes, scales) = rq::dynamic_per_token_fp8_quant(y, t, h).map_err(reference)?;
             (codes, scales.iter().flat_map(|s| s.to_le_bytes()).collect())
         }
-        Quant::Fp8GroupPacked | Quant::Fp8GroupF32 => {
-            let layout = if case.epilogue.quant == Quant::Fp8GroupPacked {
-                GroupScaleLayout::PackedUe8m0
-            } else {
-                GroupScaleLayout::F32RowMajor
-            };
-            let g = rq::per_token_group_fp8_quant(
-                y,
-                t,
-                h,
-                rq::FP8_GROUP_SIZE,
-                layout,
-                contract::group_scale_rounding(layout),
-            )
-            .map_err(reference)?;
+        Quant::Fp8Group(layout) => {
+            let g = rq::per_token_group_fp8_quant(y, t, h, rq::FP8_GROUP_SIZE, layout)
+                .map_err(reference)?;
             let scales = match g.scales {
                 GroupScales::PackedUe8m0 { words, .. } => {
                     words.iter().flat_map(|w| w.to_le_bytes()).collect()
@@ -830,6 +817,7 @@ pub fn bytes_moved(case: &Case) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arfuse_ir::GroupScaleLayout;
 
     fn case(epilogue: Epilogue, dtype: Dtype, tokens: u32) -> Case {
         Case {
@@ -863,11 +851,11 @@ mod tests {
     fn the_full_matrix_has_every_pattern_dtype_world_and_token_count() {
         let with = all_cases(4096, true);
         let without = all_cases(4096, false);
-        // 15 epilogues for 16-bit types (all-reduce only, residual on/off x 7 quant
-        // forms), 11 for f32 (no NVFP4); x 2 strategies x 3 W x 7 T (arfuse's Lamport
+        // 17 epilogues for 16-bit types (all-reduce only, residual on/off x 8 quant
+        // forms), 13 for f32 (no NVFP4); x 2 strategies x 3 W x 7 T (arfuse's Lamport
         // two-shot runs T < W as well).
-        assert_eq!(with.len(), (15 + 15 + 11) * 2 * 3 * 7);
-        assert_eq!(without.len(), (11 + 11 + 11) * 2 * 3 * 7);
+        assert_eq!(with.len(), (17 + 17 + 13) * 2 * 3 * 7);
+        assert_eq!(without.len(), (13 + 13 + 13) * 2 * 3 * 7);
         assert!(without.iter().all(|c| !c.epilogue.quant.needs_sm100()));
         assert!(with
             .iter()
@@ -875,7 +863,7 @@ mod tests {
         // H = 2880 (gpt-oss) is not a multiple of 128: no group quant cases.
         assert!(all_cases(2880, true)
             .iter()
-            .all(|c| !matches!(c.epilogue.quant, Quant::Fp8GroupPacked | Quant::Fp8GroupF32)));
+            .all(|c| !c.epilogue.quant.is_group()));
         // Shapes no kernel takes give no cases; tiny ones give no panic.
         assert!(all_cases(65536, true).is_empty());
         assert!(all_cases(8, true)
@@ -901,9 +889,15 @@ mod tests {
             (3584, 3584, 0, 0)
         );
         assert_eq!(c(Quant::Fp8PerToken, 7).scale, 28);
-        // Packed UE8M0: 2 groups -> 1 word column x round_up(7, 4) = 8 tokens.
-        assert_eq!(c(Quant::Fp8GroupPacked, 7).scale, 32);
-        assert_eq!(c(Quant::Fp8GroupF32, 7).scale, 7 * 2 * 4);
+        // Packed UE8M0, H = 256: 2 groups -> 1 word column of T = 7 words (vLLM's
+        // allocation, T + (C - 1) * round_up(T, 4)); the f32 forms 7 x 2 floats.
+        let g = |l| Quant::Fp8Group(l);
+        assert_eq!(c(g(GroupScaleLayout::PackedUe8m0), 7).scale, 28);
+        assert_eq!(c(g(GroupScaleLayout::F32RowMajor), 7).scale, 7 * 2 * 4);
+        assert_eq!(c(g(GroupScaleLayout::F32RowMajorUe8m0), 7).scale, 7 * 2 * 4);
+        let mut wide = case(e(g(GroupScaleLayout::PackedUe8m0)), Dtype::Bf16, 7);
+        wide.hidden = 640;
+        assert_eq!(wide.output_bytes().unwrap().scale, (7 + 8) * 4);
         // NVFP4 swizzled: round_up(7, 128) x round_up(16, 4) bytes.
         assert_eq!(c(Quant::Nvfp4Swizzled, 7).scale, 128 * 16);
         assert_eq!(c(Quant::Nvfp4Linear, 7).scale, 7 * 16);
@@ -915,7 +909,11 @@ mod tests {
         assert!(case(e(Quant::Nvfp4Linear), Dtype::F32, 1)
             .output_bytes()
             .is_err());
-        let mut bad = case(e(Quant::Fp8GroupF32), Dtype::Bf16, 1);
+        let mut bad = case(
+            e(Quant::Fp8Group(GroupScaleLayout::F32RowMajor)),
+            Dtype::Bf16,
+            1,
+        );
         bad.hidden = 192;
         assert!(bad.validate().is_err());
     }

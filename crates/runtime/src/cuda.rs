@@ -881,7 +881,7 @@ pub fn launch_local(gpu: &mut Gpu, call: &FusedCall, hidden: u32) -> Result<()> 
 }
 
 /// Launches the virtual-rank all-reduce of the unfused path: for every rank r,
-/// `params.out[r] = round_T(sum over q in rank order of params.x[q])` (contract v1
+/// `params.out[r] = round_T(sum over q in rank order of params.x[q])` (contract v2
 /// clause 1), `tokens` tokens of `hidden` elements. Needs no workspace.
 ///
 /// # Errors

@@ -28,7 +28,6 @@
 //! - [`nvrtc`]: finding and calling NVRTC (PyPI wheel, CUDA toolkit, or system).
 //! - [`protocol`]: host model of the one-shot / two-shot synchronisation protocols
 //!   (Rust threads as ranks, same layouts, sentinels and counters as the kernels).
-//! - [`layout`]: quant output byte sizes, with checked arithmetic (the workspace layout is `arfuse_policy::ArfuseLayout`).
 //! - [`check`]: the device-independent half of the GPU check (cases, inputs, expected
 //!   outputs from arfuse-reference's contract, comparison).
 //!
@@ -38,7 +37,6 @@
 pub mod check;
 pub mod cuda;
 pub mod error;
-pub mod layout;
 pub mod node;
 pub mod nvrtc;
 pub mod protocol;

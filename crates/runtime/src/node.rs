@@ -15,10 +15,7 @@
 use crate::error::{Error, Result};
 use crate::variants::{self, Dtype, Epilogue, KernelKind, Quant, Strategy, Variant};
 use crate::workspace::Backend;
-use arfuse_ir::{
-    DType, FusedAllReduceNorm, FusedOutput, FusedQuant, Graph, GroupScaleLayout, Nvfp4ScaleLayout,
-    Op,
-};
+use arfuse_ir::{DType, FusedAllReduceNorm, FusedOutput, FusedQuant, Graph, Nvfp4ScaleLayout, Op};
 use arfuse_policy::{ArfuseLayout, Workspace};
 
 /// How one call of the node runs.
@@ -99,10 +96,7 @@ pub fn quant_of(q: FusedQuant, node: &str) -> Result<Quant> {
                     "node {node}: per-token-group FP8: {why}"
                 )));
             }
-            match scale_layout {
-                GroupScaleLayout::PackedUe8m0 => Quant::Fp8GroupPacked,
-                GroupScaleLayout::F32RowMajor => Quant::Fp8GroupF32,
-            }
+            Quant::Fp8Group(scale_layout)
         }
         FusedQuant::Nvfp4 { scale_layout } => match scale_layout {
             Nvfp4ScaleLayout::Swizzled128x4 => Quant::Nvfp4Swizzled,
@@ -192,7 +186,7 @@ impl NodeKernels {
         // its first launch (which may be inside a capture).
         crate::cuda::block_size(hidden, dt)
             .map_err(|e| Error::Unsupported(format!("node {node}: hidden size {hidden}: {e}")))?;
-        let group = matches!(quant, Quant::Fp8GroupPacked | Quant::Fp8GroupF32);
+        let group = quant.is_group();
         if (group && u64::from(hidden) % arfuse_policy::FP8_GROUP_SIZE != 0)
             || (quant.needs_sm100() && hidden % 16 != 0)
         {
@@ -403,7 +397,7 @@ impl NodeKernels {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arfuse_ir::{DispatchRange, FusedPlan};
+    use arfuse_ir::{DispatchRange, FusedPlan, GroupScaleLayout};
 
     fn range(lo: u64, hi: u64, s: arfuse_ir::Strategy) -> DispatchRange {
         DispatchRange {
@@ -540,6 +534,26 @@ mod tests {
         };
         let e = NodeKernels::new("q", &grp, DType::Bf16, 2880, DType::Bf16, 8).unwrap_err();
         assert!(e.to_string().contains("multiple of 128"), "{e}");
+    }
+
+    #[test]
+    fn every_group_scale_form_maps_to_its_kernel() {
+        // The IR's form is carried into the kernel variant unchanged (one definition).
+        for layout in GroupScaleLayout::ALL {
+            let q = FusedQuant::Fp8PerTokenGroup {
+                group_size: 128,
+                scale_layout: layout,
+            };
+            assert_eq!(quant_of(q, "n").unwrap(), Quant::Fp8Group(layout));
+            let mut a = seed();
+            a.quant = q;
+            let k = NodeKernels::new("g", &a, DType::Bf16, 6144, DType::Bf16, 8).unwrap();
+            assert_eq!(k.epilogue.quant, Quant::Fp8Group(layout));
+        }
+        assert_eq!(
+            Quant::Fp8Group(GroupScaleLayout::F32RowMajorUe8m0).name(),
+            "fp8grp_f32_ue8m0"
+        );
     }
 
     #[test]

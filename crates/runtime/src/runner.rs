@@ -39,10 +39,11 @@ pub struct NodeTensors {
     /// Quant data per rank.
     pub quant_out: RankTensor,
     /// Quant scales per rank, in their physical layout, padding included (larger than
-    /// the IR's logical scale shape): packed UE8M0 `round_up(T, 4) * ceil(H / 512) * 4`
-    /// bytes, swizzled NVFP4 `round_up(T, 128) * round_up(H / 16, 4)` bytes
-    /// (`arfuse_reference::numerics::quant::{packed_group_scale_bytes,
-    /// nvfp4_scale_bytes}`; `check::Case::output_bytes` gives every output's size).
+    /// the IR's logical scale shape): packed UE8M0 `(T + (ceil(H / 512) - 1) *
+    /// round_up(T, 4)) * 4` bytes (vLLM's allocation; the kernels write nothing past
+    /// it), swizzled NVFP4 `round_up(T, 128) * round_up(H / 16, 4)` bytes
+    /// (`arfuse_reference::numerics::quant::{group_scale_bytes, nvfp4_scale_bytes}`;
+    /// `check::Case::output_bytes` gives every output's size).
     pub scale_out: RankTensor,
     /// RMSNorm weight address.
     pub gamma: u64,

@@ -7,20 +7,21 @@
 //!   [`all_epilogues`] (all-reduce only; residual add or none, then RMSNorm with
 //!   `weight_bias`, then no quant or one of the FP8 / NVFP4 quant forms), keeping only
 //!   the epilogues whose quant accepts the dtype ([`Quant::supports`]: NVFP4 is for
-//!   16-bit activations). That is 2 x 4 x (15 + 15 + 11) = 328 variants.
+//!   16-bit activations). That is 2 x 4 x (17 + 17 + 13) = 376 variants.
 //! - local kernels (`arf_local`, the unfused path after the all-reduce), for every
 //!   dtype: every norm epilogue of [`all_epilogues`] (residual or none, RMSNorm, any
-//!   quant the dtype supports) and every quant alone: 14 + 14 + 10 norm epilogues plus
-//!   6 + 6 + 4 quant-only = 54 variants.
+//!   quant the dtype supports) and every quant alone: 16 + 16 + 12 norm epilogues plus
+//!   7 + 7 + 5 quant-only = 63 variants.
 //! - the virtual-rank all-reduce of the unfused path (`arf_virtual_allreduce`, W
 //!   logical ranks in one device memory), for every W and dtype: 12 variants.
 //!
 //! Which outputs are live (residual_out, norm_out, quant, scales) is a run-time
 //! choice (a null pointer is dead), so "any subset of live outputs" needs no variant
 //! of its own. NVFP4 variants are built for sm_100a only ([`Variant::archs`]), every
-//! other variant for sm_90a and sm_100a: 712 NVRTC compilations in all, which
+//! other variant for sm_90a and sm_100a: 826 NVRTC compilations in all, which
 //! `tests/kernels_compile.rs` runs (two threads) and checks for zero spills.
 
+use arfuse_ir::GroupScaleLayout;
 use std::fmt;
 
 /// Source of `kernels/arfuse_common.cuh` (included by the other two).
@@ -103,11 +104,12 @@ pub enum Quant {
     Fp8Static,
     /// Dynamic per-token FP8, fp32 scales `[T, 1]`.
     Fp8PerToken,
-    /// Per-token-group FP8 (group 128), ue8m0 scales packed 4 per int32, column-major,
-    /// token dim padded to a multiple of 4 (padding zeroed).
-    Fp8GroupPacked,
-    /// Per-token-group FP8 (group 128), fp32 scales `[T, H/128]` row-major.
-    Fp8GroupF32,
+    /// Per-token-group FP8 (group 128) in one of the IR's scale forms (the one
+    /// definition: [`GroupScaleLayout`]): fp32 `[T, H/128]` row-major unrounded, the
+    /// same with power-of-two values, or ue8m0 packed 4 per int32, column-major with
+    /// a column stride of `round_up(T, 4)` words (`T + (ceil(H/512) - 1) *
+    /// round_up(T, 4)` words, vLLM's allocation).
+    Fp8Group(GroupScaleLayout),
     /// NVFP4 (SM100+), scales in the swizzled 128x4 layout.
     Nvfp4Swizzled,
     /// NVFP4 (SM100+), scales row-major `[T, H/16]`.
@@ -116,24 +118,27 @@ pub enum Quant {
 
 impl Quant {
     /// Every quant kind including `None`.
-    pub const ALL: [Quant; 7] = [
+    pub const ALL: [Quant; 8] = [
         Quant::None,
         Quant::Fp8Static,
         Quant::Fp8PerToken,
-        Quant::Fp8GroupPacked,
-        Quant::Fp8GroupF32,
+        Quant::Fp8Group(GroupScaleLayout::PackedUe8m0),
+        Quant::Fp8Group(GroupScaleLayout::F32RowMajor),
+        Quant::Fp8Group(GroupScaleLayout::F32RowMajorUe8m0),
         Quant::Nvfp4Swizzled,
         Quant::Nvfp4Linear,
     ];
+    /// The kernels' `ARF_QUANT` value (`kernels/arfuse_common.cuh`, `ARF_Q_*`).
     fn define(self) -> u32 {
         match self {
             Quant::None => 0,
             Quant::Fp8Static => 1,
             Quant::Fp8PerToken => 2,
-            Quant::Fp8GroupPacked => 3,
-            Quant::Fp8GroupF32 => 4,
+            Quant::Fp8Group(GroupScaleLayout::PackedUe8m0) => 3,
+            Quant::Fp8Group(GroupScaleLayout::F32RowMajor) => 4,
             Quant::Nvfp4Swizzled => 5,
             Quant::Nvfp4Linear => 6,
+            Quant::Fp8Group(GroupScaleLayout::F32RowMajorUe8m0) => 7,
         }
     }
     /// Short name used in variant names.
@@ -142,11 +147,16 @@ impl Quant {
             Quant::None => "",
             Quant::Fp8Static => "fp8s",
             Quant::Fp8PerToken => "fp8tok",
-            Quant::Fp8GroupPacked => "fp8grp_ue8m0",
-            Quant::Fp8GroupF32 => "fp8grp_f32",
+            Quant::Fp8Group(GroupScaleLayout::PackedUe8m0) => "fp8grp_ue8m0",
+            Quant::Fp8Group(GroupScaleLayout::F32RowMajor) => "fp8grp_f32",
+            Quant::Fp8Group(GroupScaleLayout::F32RowMajorUe8m0) => "fp8grp_f32_ue8m0",
             Quant::Nvfp4Swizzled => "nvfp4_swz",
             Quant::Nvfp4Linear => "nvfp4_lin",
         }
+    }
+    /// Whether this is a per-token-group FP8 form (group 128, H % 128 == 0).
+    pub fn is_group(self) -> bool {
+        matches!(self, Quant::Fp8Group(_))
     }
     /// Whether the quant needs SM100 or later (`cvt ... e2m1x2`).
     pub fn needs_sm100(self) -> bool {
@@ -375,7 +385,7 @@ impl Variant {
             format!("--gpu-architecture={}", arch.name()),
             "--std=c++17".to_string(),
             "-default-device".to_string(),
-            // Contract v1: no fused multiply-add (the defaults already give IEEE
+            // Contract v2: no fused multiply-add (the defaults already give IEEE
             // division and square root and keep subnormals).
             "--fmad=false".to_string(),
         ];
@@ -551,7 +561,7 @@ mod tests {
     #[test]
     fn matrix_is_the_full_product_of_strategy_world_dtype_and_epilogue() {
         let all = all();
-        assert_eq!(all_epilogues().len(), 15);
+        assert_eq!(all_epilogues().len(), 17);
         let mut fused = 0;
         for s in [Strategy::OneShot, Strategy::TwoShot] {
             for w in WORLD_SIZES {
@@ -572,14 +582,14 @@ mod tests {
                 }
             }
         }
-        assert_eq!(fused, 2 * 4 * (15 + 15 + 11));
+        assert_eq!(fused, 2 * 4 * (17 + 17 + 13));
         let n_fused = all
             .iter()
             .filter(|v| matches!(v.kind, KernelKind::Fused { .. }))
             .count();
         assert_eq!(n_fused, fused, "no fused variant outside the product");
         let n_local = all.iter().filter(|v| v.kind == KernelKind::Local).count();
-        assert_eq!(n_local, (14 + 6) + (14 + 6) + (10 + 4));
+        assert_eq!(n_local, (16 + 7) + (16 + 7) + (12 + 5));
         // Every norm epilogue the pass can emit has a local kernel (the unfused path).
         for d in Dtype::ALL {
             for e in all_epilogues().into_iter().filter(|e| e.norm) {
@@ -596,7 +606,7 @@ mod tests {
             .count();
         assert_eq!(n_var, 4 * 3);
         let compiles: usize = all.iter().map(|v| v.archs().len()).sum();
-        assert_eq!(compiles, 712);
+        assert_eq!(compiles, 826);
     }
 
     #[test]

@@ -19,9 +19,14 @@ use crate::error::{ReferenceError, Result};
 /// (vLLM's `min_scaling_factor`), the f32 nearest to 1/229376.
 pub const DYNAMIC_FP8_MIN_SCALE: f32 = 1.0 / (512.0 * 448.0);
 
-/// Lower bound of the per-token-group FP8 scale before the power-of-two
-/// rounding: `max(amax / 448, 1e-10)` (domain.md section 1).
+/// The per-token-group FP8 floor (vLLM's `eps` argument, 1e-10 as f32): the
+/// group's amax is raised to it before the division by 448, and a UE8M0 scale is
+/// raised to it again before its power-of-two rounding (contract v2 clause 4).
 pub const GROUP_FP8_MIN_SCALE: f32 = 1e-10;
+
+/// `1 / 6` rounded to f32 (0x3E2AAAAB): the constant FlashInfer's fused NVFP4 kernel
+/// multiplies the block amax by (`RECIPROCAL_6` in `cvt_warp_fp16_to_fp4`).
+pub const NVFP4_RECIPROCAL_6: f32 = 1.0 / 6.0;
 
 /// Group size of DeepSeek-style per-token-group FP8 quantisation.
 pub const FP8_GROUP_SIZE: usize = 128;
@@ -59,10 +64,12 @@ fn amax(values: &[f32]) -> f32 {
     values.iter().fold(0.0f32, |m, v| m.max(v.abs()))
 }
 
-/// Static (per-tensor) FP8: `q = e4m3_satfinite(y / scale)`, where `scale`
-/// is the dequant scale (the single element of a 1-element fp32 tensor).
-/// The division is a correctly rounded f32 division (contract v1: a kernel
-/// that multiplies by a precomputed reciprocal must state it).
+/// Static (per-tensor) FP8 (contract v2): `inv = 1 / scale` (one correctly
+/// rounded f32 division), `q = e4m3_satfinite(y * inv)`, where `scale` is the
+/// dequant scale (the single element of a 1-element fp32 tensor). This is the
+/// order of vLLM's `static_scaled_fp8_quant` and of FlashInfer's fused kernel
+/// (patterns 2/4); `y / scale` differs from it in about 1 code in 40,000 on the
+/// golden vectors.
 ///
 /// Output: e4m3 codes, same length and order as `y`.
 /// Errors: `scale` not finite or not > 0.
@@ -72,7 +79,8 @@ pub fn static_fp8_quant(y: &[f32], scale: f32) -> Result<Vec<u8>> {
             "static FP8 scale must be finite and > 0, got {scale}"
         )));
     }
-    Ok(y.iter().map(|&v| e4m3_satfinite(v / scale)).collect())
+    let inv = 1.0 / scale;
+    Ok(y.iter().map(|&v| e4m3_satfinite(v * inv)).collect())
 }
 
 /// Dynamic per-token FP8 (FlashInfer patterns 10/11):
@@ -100,38 +108,33 @@ pub fn dynamic_per_token_fp8_quant(
     Ok((codes, scales))
 }
 
-/// How the per-token-group FP8 scales are stored (the IR's enum):
+/// The form of the per-token-group FP8 scales (the IR's enum, the one
+/// definition; its scale values are given by [`group_fp8_scale`]):
+/// - `F32RowMajor`: fp32 `[T, G]` row-major, `G = H / group_size`, unrounded.
+/// - `F32RowMajorUe8m0`: the same storage, power-of-two values.
 /// - `PackedUe8m0`: DeepGEMM's packed layout (FlashInfer patterns 8/9): UE8M0
 ///   codes, four consecutive groups of a token per little-endian int32 (group
-///   `4j + k` in byte `k` of word column `j`); the `[padded_tokens, ceil(G/4)]`
-///   int32 matrix is stored column-major, `padded_tokens = round_up(T, 4)`;
-///   padding rows and padding bytes are zero. Requires power-of-two scales.
-/// - `F32RowMajor`: plain fp32 `[T, G]` row-major, `G = H / group_size`.
+///   `4j + k` in byte `k` of word column `j`); word column `j` starts at word
+///   `j * round_up(T, 4)`; the tensor has [`packed_group_scale_words`] words
+///   (the last column only T rows, as vLLM allocates it); padding rows of the
+///   other columns and unused bytes are zero.
 pub use arfuse_ir::GroupScaleLayout;
-
-/// Whether the per-token-group scale is rounded up to a power of two.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum GroupScaleRounding {
-    /// `scale = ue8m0_round_up(max(amax / 448, 1e-10))` (DeepGEMM / domain.md).
-    PowerOfTwo,
-    /// `scale = max(amax / 448, 1e-10)` (only with [`GroupScaleLayout::F32RowMajor`]).
-    Exact,
-}
 
 /// Scales produced by [`per_token_group_fp8_quant`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum GroupScales {
-    /// See [`GroupScaleLayout::PackedUe8m0`]: `words.len() == padded_tokens * packed_cols`,
-    /// word of (token t, word column j) at index `j * padded_tokens + t`.
+    /// See [`GroupScaleLayout::PackedUe8m0`]: `words.len() ==
+    /// packed_group_scale_words(T, packed_cols)`, word of (token t, word column j)
+    /// at index `j * padded_tokens + t`.
     PackedUe8m0 {
         /// The int32 words (as u32 bit patterns).
         words: Vec<u32>,
-        /// `round_up(T, 4)`.
+        /// `round_up(T, 4)`: the column stride in words.
         padded_tokens: usize,
         /// `ceil(G / 4)`.
         packed_cols: usize,
     },
-    /// `[T, G]` row-major fp32.
+    /// `[T, G]` row-major fp32 (both f32 forms).
     Fp32 {
         /// The scales.
         values: Vec<f32>,
@@ -164,25 +167,91 @@ pub fn packed_group_scale_position(
     Ok((idx, group % 4))
 }
 
-/// Bytes of the packed UE8M0 scale tensor: `round_up(T, 4) * ceil(G / 4) * 4`
-/// with `G = hidden / group_size`.
+/// Words of the packed UE8M0 scale tensor of `tokens` tokens and `packed_cols =
+/// ceil(G / 4)` word columns: `T + (C - 1) * round_up(T, 4)` (0 when T or C is 0).
+///
+/// This is the storage of the `[T, C]` int32 tensor with strides `(1,
+/// round_up(T, 4))` that vLLM's `per_token_group_quant_fp8_packed_for_deepgemm`
+/// allocates (`torch.empty_strided`) and its packed kernel writes (its
+/// `num_scale_elems`); FlashInfer's fused kernel (patterns 8/9) writes the same
+/// words. It is up to 3 words less than `round_up(T, 4) * C` when `T % 4 != 0`:
+/// the last column has no padding rows.
+pub fn packed_group_scale_words(tokens: usize, packed_cols: usize) -> Result<usize> {
+    if tokens == 0 || packed_cols == 0 {
+        return Ok(0);
+    }
+    round_up_usize(tokens, 4)?
+        .checked_mul(packed_cols - 1)
+        .and_then(|v| v.checked_add(tokens))
+        .ok_or(ReferenceError::SizeOverflow("packed group scale words"))
+}
+
+/// Bytes of the packed UE8M0 scale tensor: `4 * packed_group_scale_words(T,
+/// ceil(G / 4))` with `G = hidden / group_size`. Worked: T = 5, H = 640,
+/// group 128 (G = 5, C = 2): 5 + 8 = 13 words, 52 bytes.
 pub fn packed_group_scale_bytes(tokens: u64, hidden: u64, group_size: u64) -> Result<u64> {
     if group_size == 0 || hidden % group_size != 0 {
         return Err(ReferenceError::InvalidShape(format!(
             "hidden {hidden} is not a multiple of the group size {group_size}"
         )));
     }
-    let groups = hidden / group_size;
-    round_up_u64(tokens, 4)?
-        .checked_mul(groups.div_ceil(4))
-        .and_then(|v| v.checked_mul(4))
-        .ok_or(ReferenceError::SizeOverflow("packed group scale bytes"))
+    let overflow = ReferenceError::SizeOverflow("packed group scale bytes");
+    let tokens = usize::try_from(tokens).map_err(|_| overflow.clone())?;
+    let cols = usize::try_from((hidden / group_size).div_ceil(4)).map_err(|_| overflow.clone())?;
+    u64::try_from(packed_group_scale_words(tokens, cols)?)
+        .ok()
+        .and_then(|w| w.checked_mul(4))
+        .ok_or(overflow)
+}
+
+/// Bytes of the scale tensor of any per-token-group form: the packed bytes
+/// ([`packed_group_scale_bytes`]), or `T * G * 4` for the two f32 forms.
+pub fn group_scale_bytes(
+    tokens: u64,
+    hidden: u64,
+    group_size: u64,
+    layout: GroupScaleLayout,
+) -> Result<u64> {
+    if layout.f32_storage() {
+        if group_size == 0 || hidden % group_size != 0 {
+            return Err(ReferenceError::InvalidShape(format!(
+                "hidden {hidden} is not a multiple of the group size {group_size}"
+            )));
+        }
+        tokens
+            .checked_mul(hidden / group_size)
+            .and_then(|v| v.checked_mul(4))
+            .ok_or(ReferenceError::SizeOverflow("group scale bytes"))
+    } else {
+        packed_group_scale_bytes(tokens, hidden, group_size)
+    }
+}
+
+/// The scale of one per-token-group FP8 group (contract v2, clause 4) for the
+/// form `layout`:
+/// - f32 form: `max(amax, 1e-10) / 448` (vLLM's `per_token_group_quant_8bit`
+///   kernels with `scale_ue8m0 = false`, its Triton kernel and
+///   `native_per_token_group_quant_fp8`: the floor is applied to amax);
+/// - UE8M0 forms: `s = max(max(amax, 1e-10) / 448, 1e-10)` rounded UP to a power
+///   of two ([`ue8m0_round_up`]; vLLM's register kernels bump the f32 exponent
+///   when the mantissa is not zero, FlashInfer's `compute_ue8m0_scale` the same).
+///
+/// Returns the scale and its UE8M0 code (0 for the f32 form).
+pub fn group_fp8_scale(block: &[f32], layout: GroupScaleLayout) -> (f32, u8) {
+    let raw = amax(block).max(GROUP_FP8_MIN_SCALE) / E4M3_MAX;
+    if layout.power_of_two_scales() {
+        let code = ue8m0_round_up(raw.max(GROUP_FP8_MIN_SCALE));
+        (ue8m0_to_f32(code), code)
+    } else {
+        (raw, 0)
+    }
 }
 
 /// Per-token-group FP8 (DeepSeek-style block quant, FlashInfer patterns
 /// 8/9): for each token and each group of `group_size` consecutive
-/// elements, `scale = max(amax / 448, 1e-10)` (rounded up to a power of two
-/// for [`GroupScaleRounding::PowerOfTwo`]), `q = e4m3(clamp(y / scale, -448, 448))`.
+/// elements, `scale` from [`group_fp8_scale`] and
+/// `q = e4m3(clamp(y / scale, -448, 448))` (for a power-of-two scale this is
+/// the same value as vLLM's `y * (1 / scale)`).
 ///
 /// Input `y`: `[tokens, hidden]` row-major, `hidden % group_size == 0`.
 pub fn per_token_group_fp8_quant(
@@ -191,7 +260,6 @@ pub fn per_token_group_fp8_quant(
     hidden: usize,
     group_size: usize,
     layout: GroupScaleLayout,
-    rounding: GroupScaleRounding,
 ) -> Result<GroupQuant> {
     check_matrix(y, tokens, hidden, "per-token-group FP8")?;
     if group_size == 0 || hidden % group_size != 0 {
@@ -199,25 +267,13 @@ pub fn per_token_group_fp8_quant(
             "per-token-group FP8: hidden {hidden} is not a multiple of the group size {group_size}"
         )));
     }
-    if layout == GroupScaleLayout::PackedUe8m0 && rounding != GroupScaleRounding::PowerOfTwo {
-        return Err(ReferenceError::InvalidParameter(
-            "the packed UE8M0 scale layout needs power-of-two scales".into(),
-        ));
-    }
     let groups = hidden / group_size;
     let mut data = Vec::with_capacity(y.len());
     // Scales as (value, ue8m0 code) in [T, G] row-major order first.
     let mut scale_vals = Vec::with_capacity(tokens * groups);
     let mut scale_codes = Vec::with_capacity(tokens * groups);
     for block in y.chunks_exact(group_size) {
-        let raw = (amax(block) / E4M3_MAX).max(GROUP_FP8_MIN_SCALE);
-        let (scale, code) = match rounding {
-            GroupScaleRounding::PowerOfTwo => {
-                let c = ue8m0_round_up(raw);
-                (ue8m0_to_f32(c), c)
-            }
-            GroupScaleRounding::Exact => (raw, 0),
-        };
+        let (scale, code) = group_fp8_scale(block, layout);
         scale_vals.push(scale);
         scale_codes.push(code);
         data.extend(
@@ -227,17 +283,14 @@ pub fn per_token_group_fp8_quant(
         );
     }
     let scales = match layout {
-        GroupScaleLayout::F32RowMajor => GroupScales::Fp32 {
+        GroupScaleLayout::F32RowMajor | GroupScaleLayout::F32RowMajorUe8m0 => GroupScales::Fp32 {
             values: scale_vals,
             groups,
         },
         GroupScaleLayout::PackedUe8m0 => {
             let padded_tokens = round_up_usize(tokens, 4)?;
             let packed_cols = groups.div_ceil(4);
-            let n = padded_tokens
-                .checked_mul(packed_cols)
-                .ok_or(ReferenceError::SizeOverflow("packed group scale words"))?;
-            let mut words = vec![0u32; n];
+            let mut words = vec![0u32; packed_group_scale_words(tokens, packed_cols)?];
             for t in 0..tokens {
                 for j in 0..packed_cols {
                     let mut bytes = [0u8; 4];
@@ -357,19 +410,31 @@ pub struct Nvfp4Quant {
     pub scales: Vec<u8>,
 }
 
-/// The scale factor of one NVFP4 block: `SF = e4m3_satfinite((global_scale *
-/// amax) / 6)`, the product and quotient in f32, left to right. Returns the
-/// e4m3 code.
+/// The scale factor of one NVFP4 block (contract v2): `SF =
+/// e4m3_satfinite(global_scale * (amax * f32(1 / 6)))`, two f32 products in that
+/// order, as FlashInfer's fused kernel (`cvt_warp_fp16_to_fp4`,
+/// [`NVFP4_RECIPROCAL_6`]). Returns the e4m3 code.
 pub fn nvfp4_block_scale(block: &[f32], global_scale: f32) -> u8 {
-    e4m3_satfinite(global_scale * amax(block) / 6.0)
+    e4m3_satfinite(global_scale * (amax(block) * NVFP4_RECIPROCAL_6))
+}
+
+/// The factor every element of an NVFP4 block is multiplied by before its e2m1
+/// rounding (contract v2): `global_scale / f32(SF)`, one f32 division, or 0 when
+/// `SF` is zero (FlashInfer's fused kernel's `outputScale`).
+pub fn nvfp4_output_scale(sf_code: u8, global_scale: f32) -> f32 {
+    let sf = e4m3_to_f32(sf_code);
+    if sf == 0.0 {
+        0.0
+    } else {
+        global_scale / sf
+    }
 }
 
 /// NVFP4 block quant (SM100+; FlashInfer patterns 3/5): blocks of 16
-/// consecutive elements of a token; `SF = e4m3((global_scale * amax) / 6)`;
-/// each element becomes `e2m1_satfinite((y * global_scale) / float(SF))`
-/// (f32, left to right; when `float(SF) == 0` the element is
-/// `e2m1(y * global_scale * 0.0)`, a signed zero). `global_scale`
-/// multiplies (it is not inverted).
+/// consecutive elements of a token; `SF` from [`nvfp4_block_scale`]; each
+/// element becomes `e2m1_satfinite(y * nvfp4_output_scale(SF))` (a zero with
+/// the sign of `y` when `SF == 0`). `global_scale` multiplies (it is not
+/// inverted).
 ///
 /// Input `y`: `[tokens, hidden]` row-major, `hidden % 16 == 0`.
 /// Errors: bad shape; `global_scale` not finite or not > 0.
@@ -396,14 +461,11 @@ pub fn nvfp4_quant(
     for (t, row) in y.chunks_exact(hidden).enumerate() {
         for (c, block) in row.chunks_exact(NVFP4_BLOCK).enumerate() {
             let sf_code = nvfp4_block_scale(block, global_scale);
-            let sf = e4m3_to_f32(sf_code);
+            let os = nvfp4_output_scale(sf_code, global_scale);
             let off = nvfp4_scale_offset(t as u64, c as u64, tokens as u64, hidden as u64, layout)?;
             // off < scale_bytes by construction of the layout.
             scales[off as usize] = sf_code;
-            codes.extend(block.iter().map(|&v| {
-                let x = v * global_scale;
-                e2m1_from_f32(if sf == 0.0 { x * 0.0 } else { x / sf })
-            }));
+            codes.extend(block.iter().map(|&v| e2m1_from_f32(v * os)));
         }
         debug_assert_eq!(cols * NVFP4_BLOCK, hidden);
     }
@@ -541,6 +603,20 @@ mod tests {
         assert_eq!(q.scales, vec![0]);
         assert_eq!(q.data[0], 0x80);
 
+        // FlashInfer's order on a tie: SF code 0x1f (0.1171875); y = -0.146484375 is
+        // exactly -1.25 * SF, but y * (1 / SF) = -1.2500001 rounds to -1.5 (code 0xB),
+        // where y / SF would be the tie -1.25 and round to even, -1.0.
+        let mut t = vec![0.0f32; 16];
+        t[0] = 0.703_125; // 6 * SF
+        t[1] = -75.0 / 512.0; // -0.146484375
+        let q = nvfp4_quant(&t, 1, 16, 1.0, Nvfp4ScaleLayout::Linear).unwrap();
+        assert_eq!(q.scales, vec![0x1f]);
+        assert_eq!(q.data[0], 0xB7);
+        assert_eq!(nvfp4_output_scale(0x1f, 1.0), 1.0 / 0.117_187_5);
+        assert_eq!(e2m1_from_f32(t[1] / 0.117_187_5), 0xA);
+        assert_eq!(NVFP4_RECIPROCAL_6.to_bits(), 0x3E2A_AAAB);
+        assert_eq!(nvfp4_output_scale(0, 3.0), 0.0);
+
         assert!(nvfp4_quant(&y, 1, 32, 0.0, Nvfp4ScaleLayout::Linear).is_err());
         assert!(nvfp4_quant(&y, 1, 32, f32::NAN, Nvfp4ScaleLayout::Linear).is_err());
         assert!(nvfp4_quant(&y, 3, 16, 1.0, Nvfp4ScaleLayout::Linear).is_err());
@@ -567,6 +643,13 @@ mod tests {
     fn static_fp8_values() {
         let q = static_fp8_quant(&[1.0, 300.0, -300.0, -0.0, f32::NAN], 0.5).unwrap();
         assert_eq!(q, vec![0x40, 0x7E, 0xFE, 0x80, E4M3_NAN]);
+        // The reciprocal is rounded before the product (vLLM, FlashInfer): with scale
+        // 3.7, y = -0.05419921875 (-111 / 2048, a bf16 value) gives y * f32(1/3.7) just
+        // inside the e4m3 midpoint -0.0146484375 between codes 0x87 and 0x88 (so 0x87),
+        // where y / 3.7 rounds to the midpoint itself and ties to even (0x88).
+        let y = -111.0f32 / 2048.0;
+        assert_eq!(static_fp8_quant(&[y], 3.7).unwrap(), vec![0x87]);
+        assert_eq!(e4m3_satfinite(y / 3.7), 0x88);
         assert!(static_fp8_quant(&[1.0], 0.0).is_err());
         assert!(static_fp8_quant(&[1.0], f32::INFINITY).is_err());
     }
@@ -593,15 +676,7 @@ mod tests {
         y[129] = -0.5; // -> -128 = 0xF0
         y[256] = 3.0; // t1 g0: 3/448 -> 2^-7 (code 120); q = 384 = 0x7C
                       // t1 g1 all zero: 1e-10 -> 2^-33 (code 94)
-        let g = per_token_group_fp8_quant(
-            &y,
-            2,
-            256,
-            128,
-            GroupScaleLayout::PackedUe8m0,
-            GroupScaleRounding::PowerOfTwo,
-        )
-        .unwrap();
+        let g = per_token_group_fp8_quant(&y, 2, 256, 128, GroupScaleLayout::PackedUe8m0).unwrap();
         assert_eq!(g.data[0], 0x7E);
         assert_eq!(g.data[128], 0x78);
         assert_eq!(g.data[129], 0xF0);
@@ -612,20 +687,14 @@ mod tests {
                 padded_tokens,
                 packed_cols,
             } => {
+                // One word column: only T = 2 words (vLLM's allocation), no padding rows.
                 assert_eq!((*padded_tokens, *packed_cols), (4, 1));
-                assert_eq!(words, &vec![127 | 119 << 8, 120 | 94 << 8, 0, 0]);
+                assert_eq!(words, &vec![127 | 119 << 8, 120 | 94 << 8]);
             }
             other => panic!("unexpected {other:?}"),
         }
-        let f = per_token_group_fp8_quant(
-            &y,
-            2,
-            256,
-            128,
-            GroupScaleLayout::F32RowMajor,
-            GroupScaleRounding::PowerOfTwo,
-        )
-        .unwrap();
+        let f =
+            per_token_group_fp8_quant(&y, 2, 256, 128, GroupScaleLayout::F32RowMajorUe8m0).unwrap();
         assert_eq!(f.data, g.data);
         assert_eq!(
             f.scales,
@@ -634,40 +703,19 @@ mod tests {
                 groups: 2
             }
         );
-        let e = per_token_group_fp8_quant(
-            &y,
-            2,
-            256,
-            128,
-            GroupScaleLayout::F32RowMajor,
-            GroupScaleRounding::Exact,
-        )
-        .unwrap();
+        let e = per_token_group_fp8_quant(&y, 2, 256, 128, GroupScaleLayout::F32RowMajor).unwrap();
+        // The all-zero group: max(0, 1e-10) / 448 (the floor applies to amax, as vLLM's
+        // kernels), not 1e-10.
+        let zero_scale = 1e-10f32 / 448.0;
+        assert_eq!(zero_scale.to_bits(), 0x2A7B_5123);
         assert_eq!(
             e.scales,
             GroupScales::Fp32 {
-                values: vec![1.0, 1.0 / 448.0, 3.0 / 448.0, 1e-10],
+                values: vec![1.0, 1.0 / 448.0, 3.0 / 448.0, zero_scale],
                 groups: 2
             }
         );
-        assert!(per_token_group_fp8_quant(
-            &y,
-            2,
-            256,
-            128,
-            GroupScaleLayout::PackedUe8m0,
-            GroupScaleRounding::Exact
-        )
-        .is_err());
-        assert!(per_token_group_fp8_quant(
-            &y,
-            4,
-            128,
-            96,
-            GroupScaleLayout::F32RowMajor,
-            GroupScaleRounding::Exact
-        )
-        .is_err());
+        assert!(per_token_group_fp8_quant(&y, 4, 128, 96, GroupScaleLayout::F32RowMajor).is_err());
     }
 
     #[test]
@@ -676,26 +724,35 @@ mod tests {
         assert_eq!(packed_group_scale_position(4, 4, 5).unwrap(), (8 + 4, 0));
         assert_eq!(packed_group_scale_position(0, 3, 5).unwrap(), (0, 3));
         assert_eq!(packed_group_scale_position(2, 1, 5).unwrap(), (2, 1));
-        assert_eq!(packed_group_scale_bytes(5, 640, 128).unwrap(), 8 * 2 * 4);
-        assert_eq!(packed_group_scale_bytes(1, 7168, 128).unwrap(), 4 * 14 * 4);
+        // vLLM's allocation: T + (C - 1) * round_up(T, 4) words.
+        assert_eq!(packed_group_scale_bytes(5, 640, 128).unwrap(), (5 + 8) * 4);
+        assert_eq!(
+            packed_group_scale_bytes(1, 7168, 128).unwrap(),
+            (1 + 13 * 4) * 4
+        );
+        assert_eq!(packed_group_scale_bytes(8, 7168, 128).unwrap(), 8 * 14 * 4);
+        assert_eq!(packed_group_scale_bytes(0, 7168, 128).unwrap(), 0);
+        assert_eq!(packed_group_scale_words(7, 1).unwrap(), 7);
+        assert_eq!(packed_group_scale_words(7, 3).unwrap(), 7 + 2 * 8);
+        assert_eq!(
+            group_scale_bytes(5, 640, 128, GroupScaleLayout::F32RowMajorUe8m0).unwrap(),
+            5 * 5 * 4
+        );
+        assert_eq!(
+            group_scale_bytes(5, 640, 128, GroupScaleLayout::PackedUe8m0).unwrap(),
+            52
+        );
+        assert!(group_scale_bytes(5, 600, 128, GroupScaleLayout::F32RowMajor).is_err());
         assert!(packed_group_scale_bytes(1, 100, 128).is_err());
         assert!(packed_group_scale_bytes(u64::MAX, 1024, 128).is_err());
 
         // Padding of a full quant: T = 5, H = 640.
         let y: Vec<f32> = (0..5 * 640).map(|i| (i % 7) as f32 - 3.0).collect();
-        let g = per_token_group_fp8_quant(
-            &y,
-            5,
-            640,
-            128,
-            GroupScaleLayout::PackedUe8m0,
-            GroupScaleRounding::PowerOfTwo,
-        )
-        .unwrap();
+        let g = per_token_group_fp8_quant(&y, 5, 640, 128, GroupScaleLayout::PackedUe8m0).unwrap();
         let GroupScales::PackedUe8m0 { words, .. } = g.scales else {
             panic!("layout")
         };
-        assert_eq!(words.len(), 16);
+        assert_eq!(words.len(), 13);
         // amax 3 -> 3/448 -> 2^-7 = code 120 everywhere.
         let full = u32::from_le_bytes([120; 4]);
         for t in 0..5 {
@@ -706,9 +763,7 @@ mod tests {
                 "word col 1 row {t}: group 4 only, padding bytes zero"
             );
         }
-        for t in 5..8 {
-            assert_eq!(words[t], 0);
-            assert_eq!(words[8 + t], 0);
-        }
+        // Padding rows exist in the first column only.
+        assert_eq!(&words[5..8], &[0, 0, 0]);
     }
 }

@@ -147,7 +147,7 @@ pub fn quant_types(x: &TensorType, q: FusedQuant) -> Option<(TensorType, Option<
         } => {
             let g = h / group_size;
             let s = match scale_layout {
-                GroupScaleLayout::F32RowMajor => TensorType {
+                GroupScaleLayout::F32RowMajor | GroupScaleLayout::F32RowMajorUe8m0 => TensorType {
                     dtype: DType::F32,
                     shape: with_last(g),
                 },
@@ -368,25 +368,28 @@ pub fn count_collectives(g: &Graph) -> usize {
 
 /// The quant epilogues the stacks draw from.
 pub fn quant_kinds() -> Vec<FusedQuant> {
-    vec![
+    let groups =
+        GroupScaleLayout::ALL
+            .into_iter()
+            .map(|scale_layout| FusedQuant::Fp8PerTokenGroup {
+                group_size: 128,
+                scale_layout,
+            });
+    let mut kinds = vec![
         FusedQuant::None,
         FusedQuant::Fp8Static,
         FusedQuant::Fp8PerToken,
-        FusedQuant::Fp8PerTokenGroup {
-            group_size: 128,
-            scale_layout: GroupScaleLayout::PackedUe8m0,
-        },
-        FusedQuant::Fp8PerTokenGroup {
-            group_size: 128,
-            scale_layout: GroupScaleLayout::F32RowMajor,
-        },
+    ];
+    kinds.extend(groups);
+    kinds.extend([
         FusedQuant::Nvfp4 {
             scale_layout: Nvfp4ScaleLayout::Swizzled128x4,
         },
         FusedQuant::Nvfp4 {
             scale_layout: Nvfp4ScaleLayout::Linear,
         },
-    ]
+    ]);
+    kinds
 }
 
 /// Configuration of the small real-shaped decoder of the model test.

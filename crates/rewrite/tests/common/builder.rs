@@ -26,6 +26,8 @@ pub enum Quant {
     Fp8Static,
     Fp8PerToken,
     Fp8Group,
+    /// Per-token-group FP8 with f32 power-of-two scales (vLLM's `use_ue8m0=True`).
+    Fp8GroupF32Ue8m0,
     Nvfp4,
 }
 
@@ -306,6 +308,14 @@ impl B {
                     with_last(DType::Fp8E4m3, h),
                     with_last(DType::I32, (h / 128).div_ceil(4)),
                 ],
+            ),
+            Quant::Fp8GroupF32Ue8m0 => (
+                Op::QuantFp8PerTokenGroup {
+                    group_size: 128,
+                    scale_layout: GroupScaleLayout::F32RowMajorUe8m0,
+                },
+                vec![x],
+                vec![with_last(DType::Fp8E4m3, h), with_last(DType::F32, h / 128)],
             ),
             Quant::Nvfp4 => {
                 let gs = self.param(&format!("{id}.global_scale"), ty(DType::F32, &[c(1)]));
