@@ -263,13 +263,13 @@ impl Target {
     pub fn preset(name: &str) -> Result<Target> {
         presets::preset(name).ok_or_else(|| PolicyError::UnknownPreset {
             name: name.to_string(),
-            known: presets::PRESET_NAMES.join(", "),
+            known: presets::names().join(", "),
         })
     }
 
     /// The names [`Target::preset`] accepts.
     pub fn preset_names() -> &'static [&'static str] {
-        presets::PRESET_NAMES
+        presets::names()
     }
 
     /// True when the all-reduce group spans more than one node.
