@@ -812,7 +812,16 @@ fn main() -> std::process::ExitCode {
     }
     match run(&args) {
         Ok(0) => {
-            println!("\ngpu_check: all checks passed");
+            // Say exactly what ran: with --no-correctness nothing was checked.
+            let ran = match (args.no_correctness, args.no_timings) {
+                (false, false) => "all correctness checks passed; timings printed above",
+                (false, true) => "all correctness checks passed (timings skipped)",
+                (true, false) => {
+                    "timings printed above; no correctness check ran (--no-correctness)"
+                }
+                (true, true) => "nothing ran (--no-correctness and --no-timings)",
+            };
+            println!("\ngpu_check: {ran}");
             std::process::ExitCode::SUCCESS
         }
         Ok(n) => {
