@@ -25,7 +25,10 @@
 //         order (the contract sums sequentially: the one allowed difference);
 //         correctly rounded sqrt and division (NVRTC defaults), no FMA (--fmad=false)
 //   y   = round_T((float(h) * r) * (float(gamma) + weight_bias))   (one rounding;
-//         gamma in T, or f32 when p.gamma_f32, the Gemma form 1 + w.float())
+//         gamma in T, or f32 when p.gamma_f32, the Gemma form 1 + w.float()), or
+//         with p.norm_round_twice the Llama order
+//         y = round_T(float(round_T(float(h) * r)) * (float(gamma) + weight_bias))
+//         (the contract's NormRounding::Twice)
 //   quant applied to float(y).
 #pragma once
 
@@ -121,7 +124,7 @@ struct ArfParams {
   float eps;
   float weight_bias;       // 0 or 1 (Gemma-style norm weight stored as an offset)
   int gamma_f32;           // 1: gamma is f32 (Gemma's 1 + w.float()); 0: gamma is T
-  int pad1;
+  int norm_round_twice;    // 1: round h * r to T before the weight multiply (Llama order)
 };
 static_assert(sizeof(ArfParams) == 344, "ArfParams layout changed: update KernelParams in crates/runtime/src/cuda.rs");
 
@@ -452,7 +455,11 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
       arf_unpack(a[v], hf);
       arf_load_gamma(p, idx, gf);
 #pragma unroll
-      for (int i = 0; i < ARF_VEC; ++i) hf[i] = (hf[i] * rstd) * (gf[i] + p.weight_bias);
+      for (int i = 0; i < ARF_VEC; ++i) {
+        float n = hf[i] * rstd;
+        if (p.norm_round_twice) n = arf_bits_to_f32(arf_f32_to_bits(n));
+        hf[i] = n * (gf[i] + p.weight_bias);
+      }
       a[v] = arf_pack(hf);
     }
   }

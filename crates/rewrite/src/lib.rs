@@ -192,6 +192,7 @@ pub fn lower_with(
 
     // Sites: per all-reduce, the first candidate that passes the IR checks.
     let index = site::Index::new(graph, &eg, &conv.value_class);
+    let op_refusals = name_op_refusals(&eg, &index);
     let candidates = index.candidates();
     let nvfp4_ok = plan::nvfp4_ok(target);
     let mut claimed: BTreeSet<u32> = BTreeSet::new();
@@ -402,11 +403,11 @@ pub fn lower_with(
                 .iter()
                 .map(|p| output_name(p.output).into())
                 .collect();
-            if s.decomposed {
+            if s.kind.twice {
                 entry.notes.push(
-                    "decomposed RMSNorm rewritten to the single-rounding fused kernel (arfuse \
-                     rounding contract v1): results may differ by about 1 ulp from the \
-                     two-rounding decomposition"
+                    "the RMSNorm rounds twice as written (Hugging Face's Llama order, \
+                     round_T(round_T(h * r) * w)); the fused node does the same \
+                     (norm_rounding = twice)"
                         .into(),
                 );
             }
@@ -448,6 +449,7 @@ pub fn lower_with(
                 .get(&inst)
                 .map(|r| r.iter().cloned().collect())
                 .unwrap_or_default();
+            reasons.extend(op_refusals.get(&inst).into_iter().flatten().cloned());
             reasons.extend(why_not.remove(&inst).unwrap_or_default());
             if reasons.is_empty() {
                 reasons.push(no_match_reason(graph, inst));
@@ -606,6 +608,9 @@ fn pattern_name(s: &site::Site) -> String {
     if f64::from_bits(s.kind.bias) == 1.0 {
         name.push_str("(gemma)");
     }
+    if s.kind.twice {
+        name.push_str("(round_twice)");
+    }
     if s.kind.quant != QKind::None {
         name.push('+');
         name.push_str(s.kind.quant.name());
@@ -654,6 +659,23 @@ fn site_module(graph: &Graph, s: &site::Site) -> Option<String> {
     s.norm_node
         .and_then(|n| graph.node(NodeId::new(n as usize)).module.clone())
         .or_else(|| graph.node(NodeId::new(s.inst as usize)).module.clone())
+}
+
+/// The refusals logged at an op, by instance, each naming the op's IR node.
+fn name_op_refusals(
+    eg: &analysis::FxGraph,
+    index: &site::Index<'_>,
+) -> BTreeMap<u32, BTreeSet<String>> {
+    let mut out: BTreeMap<u32, BTreeSet<String>> = BTreeMap::new();
+    for (inst, at, why) in &eg.analysis.refusals_at {
+        let at = index
+            .node_of(*at)
+            .unwrap_or_else(|| "an op with no node of its own".into());
+        out.entry(*inst)
+            .or_default()
+            .insert(format!("the norm at {at}: {why}"));
+    }
+    out
 }
 
 /// Why no rule matched an all-reduce: what its output feeds.
