@@ -458,10 +458,17 @@ pub fn lower_with(
         }
         sites.push(entry);
     }
-    let mut warnings = Vec::new();
+    let (unknown_collectives, mut warnings) = unknown_collective_warnings(graph);
     let enabled = target.requested_backend != arfuse_policy::RequestedBackend::Off;
     if enabled && fused_insts.is_empty() && fused_before == 0 {
-        warnings.push(if ars.is_empty() {
+        warnings.push(if ars.is_empty() && !unknown_collectives.is_empty() {
+            format!(
+                "fusion is enabled but the graph has no all-reduce arfuse understands, only \
+                 collective-looking opaque ops ({}): nothing fused, and this is not a result \
+                 to trust",
+                unknown_collectives.join(", ")
+            )
+        } else if ars.is_empty() {
             "fusion is enabled but the graph has no all-reduce: nothing fused".to_string()
         } else {
             format!(
@@ -494,6 +501,7 @@ pub fn lower_with(
         already_fused: fused_before,
         by_pattern,
         sites,
+        unknown_collectives,
         warnings,
         notes,
         runner: runner_report,
@@ -659,6 +667,36 @@ fn site_module(graph: &Graph, s: &site::Site) -> Option<String> {
     s.norm_node
         .and_then(|n| graph.node(NodeId::new(n as usize)).module.clone())
         .or_else(|| graph.node(NodeId::new(s.inst as usize)).module.clone())
+}
+
+/// The opaque ops of `graph` that look like collectives (by target, in graph order)
+/// and one warning for each target, naming it, its node count and its first node.
+fn unknown_collective_warnings(graph: &Graph) -> (Vec<String>, Vec<String>) {
+    let mut seen: Vec<(String, usize, String)> = Vec::new();
+    for (_, n) in graph.nodes() {
+        let Op::Opaque { target, .. } = &n.op else {
+            continue;
+        };
+        if !arfuse_ir::looks_like_collective(target) {
+            continue;
+        }
+        match seen.iter_mut().find(|(t, _, _)| t == target) {
+            Some(e) => e.1 += 1,
+            None => seen.push((target.clone(), 1, n.id.clone())),
+        }
+    }
+    let warnings = seen
+        .iter()
+        .map(|(t, k, first)| {
+            format!(
+                "{k} opaque `{t}` node(s) (first: `{first}`) look like a collective arfuse does \
+                 not understand: the all-reduce sites they stand for are not seen, so sites \
+                 may be missed (name a framework's all-reduce with --all-reduce-op NAME / \
+                 arfuse::import::ImportOptions::all_reduce_ops)"
+            )
+        })
+        .collect();
+    (seen.into_iter().map(|(t, _, _)| t).collect(), warnings)
 }
 
 /// The refusals logged at an op, by instance, each naming the op's IR node.
