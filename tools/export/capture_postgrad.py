@@ -7,7 +7,8 @@ group). Two custom post-grad passes serialize the graph with fx_json: one in
 `post_grad_custom_pre_pass` (inductor's decompositions applied, before its own post-grad
 passes) and one in `post_grad_custom_post_pass` (after them, where vLLM's and SGLang's
 passes run); the second one then stops the compilation (nothing needs to run). Rank 0
-writes OUT/<stem>_L<layers>_tp2_postgrad_<pre|post>.json.gz.
+writes OUT/<stem>_L<layers>_tp2[_<spelling>]_postgrad_<pre|post>.json.gz (the post
+graph only when inductor's own passes changed it).
 
     python tools/export/capture_postgrad.py --configs ir-fixtures/configs --out ir-fixtures/postgrad
 
@@ -34,14 +35,19 @@ import fx_json  # noqa: E402
 import hf_models  # noqa: E402
 
 WORLD = 2
-# (config file, layers): Llama (two-rounding norm), gpt-oss (bf16 weight times f32
-# activations, MoE), Gemma-3 (offset weight, sandwich norms), Qwen3 MoE (per-head q/k
-# norms that are not sites).
+# (config file, layers, all-reduce spelling, hf_models.spelled_all_reduce): Llama
+# (two-rounding norm), gpt-oss (bf16 weight times f32 activations, MoE), Gemma-3
+# (offset weight, sandwich norms), Qwen3 MoE (per-head q/k norms that are not sites),
+# and Llama calling torch.distributed.all_reduce in place (what dynamo and AOT autograd
+# make of it). `_c10d_functional.all_reduce_` in model code is not captured: AOT
+# autograd refuses to functionalize it ("a custom (non-ATen) operator whose output has
+# alias annotations"); torch.export keeps it (export_spellings.py).
 MODELS = [
-    ("meta-llama__Llama-3.1-8B-Instruct.json", 2),
-    ("openai__gpt-oss-120b.json", 2),
-    ("google__gemma-3-1b-it.json", 2),
-    ("Qwen__Qwen3-30B-A3B.json", 2),
+    ("meta-llama__Llama-3.1-8B-Instruct.json", 2, "functional"),
+    ("openai__gpt-oss-120b.json", 2, "functional"),
+    ("google__gemma-3-1b-it.json", 2, "functional"),
+    ("Qwen__Qwen3-30B-A3B.json", 2, "functional"),
+    ("meta-llama__Llama-3.1-8B-Instruct.json", 2, "dist_all_reduce"),
 ]
 
 
@@ -62,13 +68,14 @@ def run(rank: int, args, port: int):
     torch._dynamo.config.specialize_float = True
     ic.fx_graph_cache = False
     group = dist.group.WORLD.group_name
-    for config, layers in MODELS:
+    for config, layers, spelling in MODELS:
         path = os.path.join(args.configs, config)
         stem = hf_models.stem_of(path)
         torch.manual_seed(0)
         model, cfg, _ = hf_models.build(
-            path, layers, WORLD, hf_models.functional_all_reduce(group), device="cpu"
+            path, layers, WORLD, hf_models.spelled_all_reduce(spelling, group), device="cpu"
         )
+        tag = "" if spelling == "functional" else f"_{spelling}"
         names: dict = {}
 
         def backend(gm, example_inputs):
@@ -101,7 +108,7 @@ def run(rank: int, args, port: int):
                         b'"stage":"pre"', b'"stage":"post"'
                     )
                     names[stage] = data
-                    name = f"{stem}_L{layers}_tp{WORLD}_postgrad_{stage}.json.gz"
+                    name = f"{stem}_L{layers}_tp{WORLD}{tag}_postgrad_{stage}.json.gz"
                     out = os.path.join(args.out, name)
                     if same:
                         print(f"{name}: identical to the pre pass graph, not written", flush=True)

@@ -46,26 +46,6 @@ def register_vllm_all_reduce():
     return lib
 
 
-def spellings(group: str):
-    def dist_all_reduce(y):
-        y = y.clone()
-        dist.all_reduce(y)
-        return y
-
-    def inplace_functional(y):
-        torch.ops._c10d_functional.all_reduce_(y, "sum", group)
-        return torch.ops._c10d_functional.wait_tensor(y)
-
-    def vllm_all_reduce(y):
-        return torch.ops.vllm.all_reduce(y, "tp:0")
-
-    return {
-        "dist_all_reduce": dist_all_reduce,
-        "inplace_functional": inplace_functional,
-        "vllm_all_reduce": vllm_all_reduce,
-    }
-
-
 def main():
     from torch._export.serde.serialize import serialize
     from torch.export import Dim
@@ -85,7 +65,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.configs, CONFIG)
     stem = hf_models.stem_of(path)
-    for name, ar in spellings(dist.group.WORLD.group_name).items():
+    group = dist.group.WORLD.group_name
+    for name in ("dist_all_reduce", "inplace_functional", "vllm_all_reduce"):
+        ar = hf_models.spelled_all_reduce(name, group)
         model, _, _ = hf_models.build(path, LAYERS, TP, ar)
         ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
         with torch.no_grad():

@@ -171,6 +171,37 @@ def functional_all_reduce(group: str):
     return ar
 
 
+def spelled_all_reduce(spelling: str, group: str):
+    """The all-reduce written the way other code writes it:
+
+    - `functional`: `_c10d_functional.all_reduce` + `wait_tensor` (the default);
+    - `dist_all_reduce`: `torch.distributed.all_reduce(y)` in place (needs an
+      initialised process group);
+    - `inplace_functional`: `_c10d_functional.all_reduce_` + `wait_tensor`;
+    - `vllm_all_reduce`: `torch.ops.vllm.all_reduce(y, "tp:0")` (register it first).
+    """
+    import torch.distributed as dist
+
+    def dist_all_reduce(y):
+        y = y.clone()
+        dist.all_reduce(y)
+        return y
+
+    def inplace_functional(y):
+        torch.ops._c10d_functional.all_reduce_(y, "sum", group)
+        return torch.ops._c10d_functional.wait_tensor(y)
+
+    def vllm_all_reduce(y):
+        return torch.ops.vllm.all_reduce(y, "tp:0")
+
+    return {
+        "functional": functional_all_reduce(group),
+        "dist_all_reduce": dist_all_reduce,
+        "inplace_functional": inplace_functional,
+        "vllm_all_reduce": vllm_all_reduce,
+    }[spelling]
+
+
 def token_multiple(cfg) -> int:
     """The token counts a model traces for without specialising: Mamba2's chunked
     scan pads the sequence to a multiple of its chunk size, so Nemotron-H's dynamic T
