@@ -753,12 +753,16 @@ mod tests {
     fn assumed_world_size_note_only_without_recorded_tp() {
         let root = workspace_root();
         let target = Target::preset("b300-x4").unwrap();
-        let exported =
-            read_graph(&root.join("ir-fixtures/exported/gemma3_1b_L2_tp2.exported_program.json"))
-                .unwrap();
+        let none = arfuse::import::ImportOptions::default();
+        let exported = read_graph(
+            &root.join("ir-fixtures/exported/gemma3_1b_L2_tp2.exported_program.json"),
+            &none,
+        )
+        .unwrap();
         let note = assumed_world_size_note(&exported, &target, "b300-x4").unwrap();
         assert!(note.contains("b300-x4's world_size 4"), "{note}");
-        let corpus = read_graph(&root.join("ir-fixtures/models/gemma3_1b_tp4.json")).unwrap();
+        let corpus =
+            read_graph(&root.join("ir-fixtures/models/gemma3_1b_tp4.json"), &none).unwrap();
         assert_eq!(corpus.recorded_world_size(), Some(4));
         assert_eq!(assumed_world_size_note(&corpus, &target, "b300-x4"), None);
     }
