@@ -802,7 +802,12 @@ impl<'p> Builder<'p> {
         outs: &[(TensorType, bool)],
     ) -> Lowering {
         if let Some(sum_out) = self.folds.divisions.get(&i) {
-            if let Some(b) = self.tensors.get(sum_out) {
+            // Only when the sum did become a mean (it stays opaque if it failed to map).
+            let mean = self
+                .tensors
+                .get(sum_out)
+                .filter(|b| matches!(self.g.node(b.value.node).op, Op::Mean { .. }));
+            if let Some(b) = mean {
                 self.notes.count(
                     1,
                     format!("{target} (a division of a sum by its element count, now a mean)"),
@@ -880,7 +885,9 @@ impl<'p> Builder<'p> {
             .unwrap_or_else(|| format!("{target}_{i}"));
         match lowering {
             Lowering::Forward(v) => {
-                if !self.folds.divisions.contains_key(&i) {
+                let folded = self.folds.divisions.contains_key(&i)
+                    && matches!(self.g.node(v.node).op, Op::Mean { .. });
+                if !folded {
                     self.notes.count(1, target.to_string());
                 }
                 let is_bool = outs.first().map(|o| o.1).unwrap_or(false);
