@@ -26,7 +26,10 @@
 //         order (the contract sums sequentially: the one allowed difference);
 //         correctly rounded sqrt and division (NVRTC defaults), no FMA (--fmad=false)
 //   y   = round_T((float(h) * r) * (float(gamma) + weight_bias))   (one rounding;
-//         gamma in T, or f32 when p.gamma_f32, the Gemma form 1 + w.float())
+//         gamma in T, or f32 when p.gamma_f32, the Gemma form 1 + w.float()), or
+//         with p.norm_round_twice the Llama order
+//         y = round_T(float(round_T(float(h) * r)) * (float(gamma) + weight_bias))
+//         (the contract's NormRounding::Twice)
 //   quant applied to float(y), in the operation order of contract v2 clause 4 (see the
 //   quant part of arf_epilogue; crates/reference/src/contract.rs names the sources).
 #pragma once
@@ -117,8 +120,10 @@ struct ArfParams {
   float eps;
   float weight_bias;       // 0 or 1 (Gemma-style norm weight stored as an offset)
   int gamma_f32;           // 1: gamma is f32 (Gemma's 1 + w.float()); 0: gamma is T
+  int norm_round_twice;    // 1: round h * r to T before the weight multiply (Llama order)
+  int pad;                 // keeps the size a multiple of 8
 };
-static_assert(sizeof(ArfParams) == 304, "ArfParams layout changed: update KernelParams in crates/runtime/src/cuda.rs");
+static_assert(sizeof(ArfParams) == 312, "ArfParams layout changed: update KernelParams in crates/runtime/src/cuda.rs");
 
 // ---------------------------------------------------------------- conversions
 __device__ __forceinline__ float arf_bits_to_f32(u32 b) {
@@ -459,7 +464,11 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
       arf_unpack(a[v], hf);
       arf_load_gamma(p, idx, gf);
 #pragma unroll
-      for (int i = 0; i < ARF_VEC; ++i) hf[i] = (hf[i] * rstd) * (gf[i] + p.weight_bias);
+      for (int i = 0; i < ARF_VEC; ++i) {
+        float n = hf[i] * rstd;
+        if (p.norm_round_twice) n = arf_bits_to_f32(arf_f32_to_bits(n));
+        hf[i] = n * (gf[i] + p.weight_bias);
+      }
       a[v] = arf_pack(hf);
     }
   }

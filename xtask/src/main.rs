@@ -1,6 +1,6 @@
 //! `cargo xtask`: the project's commands for people.
 //!
-//! - `cargo xtask lower [GRAPH|DIR] [--target PRESET|FILE] [--out FILE] [--report table|json] [--dot FILE] [--group NAME] [--shared-hidden H]`
+//! - `cargo xtask lower [GRAPH|DIR] [--target PRESET|FILE] [--out FILE] [--report table|json] [--dot FILE] [--group NAME] [--shared-hidden H] [--all-reduce-op NAME[=GROUP]]`
 //! - `cargo xtask test [CARGO TEST ARGS]`
 //! - `cargo xtask gpu-check [--build-only] [-- GPU_CHECK ARGS]`
 //!
@@ -61,6 +61,11 @@ enum Command {
         /// speculative-decoding draft); repeatable. The workspace is sized for the widest.
         #[arg(long = "shared-hidden", value_name = "H")]
         shared_hidden: Vec<u64>,
+        /// A framework's own all-reduce op to import as a sum all-reduce (repeatable),
+        /// e.g. `vllm.all_reduce`; `=GROUP` gives its process group when the op has no
+        /// `group_name` argument (torch.export / FX graphs only).
+        #[arg(long = "all-reduce-op", value_name = "NAME[=GROUP]")]
+        all_reduce_ops: Vec<arfuse::import::CustomAllReduce>,
         /// List the target presets and exit.
         #[arg(long)]
         list_targets: bool,
@@ -96,6 +101,7 @@ fn main() -> ExitCode {
             dot,
             group,
             shared_hidden,
+            all_reduce_ops,
             list_targets,
         } => {
             if list_targets {
@@ -104,7 +110,18 @@ fn main() -> ExitCode {
                 }
                 return ExitCode::SUCCESS;
             }
-            lower_cmd(&root, path, target, out, report, dot, group, shared_hidden)
+            let import = arfuse::import::ImportOptions { all_reduce_ops };
+            lower_cmd(
+                &root,
+                path,
+                target,
+                out,
+                report,
+                dot,
+                group,
+                shared_hidden,
+                &import,
+            )
         }
         Command::GpuCheck { build_only, args } => gpu_check(&root, build_only, &args),
         Command::Test { args } => test_cmd(&root, &args),
@@ -229,7 +246,7 @@ fn assumed_world_size_note(graph: &Graph, target: &Target, target_name: &str) ->
     ))
 }
 
-fn read_graph(path: &Path) -> Result<Graph> {
+fn read_graph(path: &Path, import: &arfuse::import::ImportOptions) -> Result<Graph> {
     use std::io::Read;
     let meta = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
     if !meta.is_file() {
@@ -251,10 +268,13 @@ fn read_graph(path: &Path) -> Result<Graph> {
     if bytes.len() as u64 > limit {
         bail!("{} is more than the {limit} byte limit", path.display());
     }
-    let imported =
-        arfuse::import::load_any(&bytes).with_context(|| format!("loading {}", path.display()))?;
+    let imported = arfuse::import::load_any_with(&bytes, import)
+        .with_context(|| format!("loading {}", path.display()))?;
     for note in &imported.notes {
-        eprintln!("note: {}: {note}", path.display());
+        match note.strip_prefix("warning: ") {
+            Some(w) => eprintln!("warning: {}: {w}", path.display()),
+            None => eprintln!("note: {}: {note}", path.display()),
+        }
     }
     Ok(imported.graph)
 }
@@ -368,6 +388,7 @@ fn lower_cmd(
     dot: Option<PathBuf>,
     group: Option<String>,
     shared_hidden: Vec<u64>,
+    import: &arfuse::import::ImportOptions,
 ) -> Result<ExitCode> {
     let default_graph = path.is_none();
     let path = path.unwrap_or_else(|| root.join(DEFAULT_GRAPH));
@@ -498,7 +519,7 @@ fn lower_cmd(
     for ((input, target_spec), out_path) in jobs.iter().zip(&out_paths) {
         let (target, target_name) = load_target(target_spec)?;
         if loaded.as_ref().map(|(p, _)| p) != Some(input) {
-            match read_graph(input) {
+            match read_graph(input, import) {
                 Ok(g) => loaded = Some((input.clone(), g)),
                 Err(e) => {
                     eprintln!("error: {e:#}");
@@ -542,6 +563,20 @@ fn lower_cmd(
             }
         };
         let elapsed = start.elapsed();
+        // Only collectives arfuse does not understand: not a success, even with nothing
+        // to write wrong.
+        let r = &lowered.report;
+        if r.all_reduces_seen == 0 && r.already_fused == 0 && !r.unknown_collectives.is_empty() {
+            eprintln!(
+                "error: {}: no all-reduce arfuse understands, only collective-looking ops it \
+                 keeps opaque ({}); if they are all-reduces, name them with --all-reduce-op \
+                 NAME[=GROUP]",
+                input.display(),
+                r.unknown_collectives.join(", ")
+            );
+            failed += 1;
+            continue;
+        }
         match report {
             ReportFormat::Table => {
                 println!(
@@ -718,12 +753,16 @@ mod tests {
     fn assumed_world_size_note_only_without_recorded_tp() {
         let root = workspace_root();
         let target = Target::preset("b300-x4").unwrap();
-        let exported =
-            read_graph(&root.join("ir-fixtures/exported/gemma3_1b_L2_tp2.exported_program.json"))
-                .unwrap();
+        let none = arfuse::import::ImportOptions::default();
+        let exported = read_graph(
+            &root.join("ir-fixtures/exported/gemma3_1b_L2_tp2.exported_program.json"),
+            &none,
+        )
+        .unwrap();
         let note = assumed_world_size_note(&exported, &target, "b300-x4").unwrap();
         assert!(note.contains("b300-x4's world_size 4"), "{note}");
-        let corpus = read_graph(&root.join("ir-fixtures/models/gemma3_1b_tp4.json")).unwrap();
+        let corpus =
+            read_graph(&root.join("ir-fixtures/models/gemma3_1b_tp4.json"), &none).unwrap();
         assert_eq!(corpus.recorded_world_size(), Some(4));
         assert_eq!(assumed_world_size_note(&corpus, &target, "b300-x4"), None);
     }

@@ -111,6 +111,7 @@ impl Io {
                 hidden,
                 weight_bias: 0,
                 gamma_f32: false,
+                norm_round_twice: false,
             };
             if let Ok(b) = c.output_bytes() {
                 big.out = big.out.max(b.out);
@@ -191,6 +192,7 @@ fn params(io: &Io, case: &Case, live: Liveness) -> anyhow::Result<KernelParams> 
         eps: check::EPS as f32,
         weight_bias: case.weight_bias as f32,
         gamma_f32: i32::from(case.gamma_f32),
+        norm_round_twice: i32::from(case.norm_round_twice),
         timeout_ns: cuda::DEFAULT_TIMEOUT_NS,
         ..KernelParams::default()
     })
@@ -640,6 +642,7 @@ fn timings(gpu: &mut Gpu, args: &Args) -> anyhow::Result<()> {
                     hidden,
                     weight_bias: 0,
                     gamma_f32: false,
+                    norm_round_twice: false,
                 };
                 let inputs = check::make_inputs(&case, 1)?;
                 upload_inputs(gpu, &io, &inputs)?;

@@ -43,6 +43,9 @@ fn attrs(quant: FusedQuant, hidden: u32) -> anyhow::Result<FusedAllReduceNorm> {
         group: "tp".into(),
         eps: check::EPS,
         weight_bias: 0.0,
+        // The Llama order, so the runner's fused and unfused paths run the
+        // two-rounding epilogue (the case matrix runs both forms directly).
+        norm_rounding: arfuse_ir::NormRounding::Twice,
         residual: true,
         quant,
         outputs,
@@ -140,6 +143,7 @@ pub fn run(hidden: u32, replays: u32) -> anyhow::Result<usize> {
             hidden,
             weight_bias: 0,
             gamma_f32: false,
+            norm_round_twice: true,
         };
         let b = big.output_bytes()?;
         let gpu = runner.gpu();

@@ -94,6 +94,12 @@ pub enum ImportError {
         /// What is wrong.
         message: String,
     },
+    /// A gzip stream that does not decompress, or holds something other than JSON.
+    #[error("gzip: {message}")]
+    Gzip {
+        /// What is wrong.
+        message: String,
+    },
     /// The `.pt2` zip archive is unreadable or holds no program.
     #[error(".pt2 archive: {message}")]
     Archive {

@@ -6,10 +6,12 @@
 //!   [`Graph::from_json_slice`];
 //! - torch.export's serialized `ExportedProgram` (schema major version 8), either as
 //!   the bare JSON or inside the `.pt2` zip archive that `torch.export.save` writes
-//!   (see [`torch_export`] and `docs/torch-export.md`).
+//!   (see [`torch_export`] and `docs/torch-export.md`), and the same schema written by
+//!   a torch.compile pass for a post-grad FX graph (`docs/fx-graph-format.md`).
 //!
-//! [`detect`] tells the formats apart from the bytes alone; [`load_any`] detects and
-//! imports. Every failure is an [`ImportError`] naming the node, tensor or position it
+//! Either JSON may be gzip-compressed (`.json.gz`). [`detect`] tells the formats apart
+//! from the bytes alone; [`load_any`] detects and imports; [`load_any_with`] takes
+//! [`ImportOptions`] (a framework's own all-reduce ops). Every failure is an [`ImportError`] naming the node, tensor or position it
 //! concerns; no input makes the importer panic, and memory is bounded by
 //! [`MAX_FILE_BYTES`] and the limits in [`torch_export`].
 //!
@@ -23,9 +25,11 @@
 //! ```
 
 mod error;
+mod options;
 pub mod torch_export;
 
 pub use error::ImportError;
+pub use options::{CustomAllReduce, CustomAllReduceParseError, ImportOptions};
 
 use arfuse_ir::{Graph, Op};
 use std::collections::BTreeSet;
@@ -47,6 +51,8 @@ pub enum Format {
     TorchExportJson,
     /// A zip archive, as `torch.export.save` writes (`.pt2`).
     TorchExportPt2,
+    /// A gzip stream (`.json.gz`): one of the JSON formats, compressed.
+    Gzip,
     /// None of the above.
     Unknown,
 }
@@ -83,7 +89,8 @@ impl Imported {
 
 /// Tells the format of `bytes` without parsing all of them.
 ///
-/// A zip local-file or end-of-archive signature means [`Format::TorchExportPt2`]. A
+/// A zip local-file or end-of-archive signature means [`Format::TorchExportPt2`], the
+/// gzip signature (`1f 8b`) [`Format::Gzip`]. A
 /// JSON object (after optional whitespace and UTF-8 byte-order mark) is arfuse JSON
 /// when a `"format"` key with the value `"arfuse-graph"` comes before any
 /// `"graph_module"` or `"schema_version"` key within the first
@@ -92,6 +99,9 @@ impl Imported {
 pub fn detect(bytes: &[u8]) -> Format {
     if bytes.starts_with(b"PK\x03\x04") || bytes.starts_with(b"PK\x05\x06") {
         return Format::TorchExportPt2;
+    }
+    if bytes.starts_with(GZIP_MAGIC) {
+        return Format::Gzip;
     }
     let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
     let start = body.iter().position(|b| !b.is_ascii_whitespace());
@@ -144,24 +154,71 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
+/// Detects the format of `bytes` and imports it, with [`ImportOptions::default`].
+///
+/// Errors: see [`load_any_with`].
+pub fn load_any(bytes: &[u8]) -> Result<Imported, ImportError> {
+    load_any_with(bytes, &ImportOptions::default())
+}
+
 /// Detects the format of `bytes` and imports it.
 ///
 /// arfuse JSON goes to [`Graph::from_json_slice`]; torch.export JSON and `.pt2`
-/// archives go to [`torch_export::import`]. Errors: [`ImportError::TooLarge`] above
-/// [`MAX_FILE_BYTES`], [`ImportError::UnknownFormat`] for anything else, and the
-/// errors of the chosen front end.
-pub fn load_any(bytes: &[u8]) -> Result<Imported, ImportError> {
+/// archives go to [`torch_export::import_with`] with `options`; a gzip stream is
+/// decompressed (at most [`MAX_FILE_BYTES`]) and its content detected again (it may not
+/// be another gzip stream or a zip archive). Errors: [`ImportError::TooLarge`] above
+/// [`MAX_FILE_BYTES`] (compressed or not), [`ImportError::Gzip`] for a corrupt stream,
+/// [`ImportError::UnknownFormat`] for anything else, and the errors of the chosen front
+/// end.
+pub fn load_any_with(bytes: &[u8], options: &ImportOptions) -> Result<Imported, ImportError> {
     check_size("the file", bytes.len())?;
+    match detect(bytes) {
+        Format::Gzip => {
+            let inner = gunzip(bytes)?;
+            match detect(&inner) {
+                Format::Gzip | Format::TorchExportPt2 => Err(ImportError::Gzip {
+                    message: "the decompressed content is itself compressed or an archive; \
+                              arfuse reads one gzip layer around a JSON graph"
+                        .into(),
+                }),
+                _ => load_plain(&inner, options),
+            }
+        }
+        _ => load_plain(bytes, options),
+    }
+}
+
+fn load_plain(bytes: &[u8], options: &ImportOptions) -> Result<Imported, ImportError> {
     match detect(bytes) {
         Format::ArfuseJson => Ok(Imported::from_graph(
             Graph::from_json_slice(bytes)?,
             Vec::new(),
         )),
-        Format::TorchExportJson | Format::TorchExportPt2 => torch_export::import(bytes),
-        Format::Unknown => Err(ImportError::UnknownFormat {
+        Format::TorchExportJson | Format::TorchExportPt2 => {
+            torch_export::import_with(bytes, options)
+        }
+        Format::Gzip | Format::Unknown => Err(ImportError::UnknownFormat {
             hint: unknown_hint(bytes),
         }),
     }
+}
+
+/// The gzip signature.
+const GZIP_MAGIC: &[u8] = b"\x1f\x8b";
+
+/// The content of a gzip stream, read up to [`MAX_FILE_BYTES`] + 1 bytes so that a
+/// small file that inflates without bound is refused, not held in memory.
+fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, ImportError> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(bytes)
+        .take(MAX_FILE_BYTES as u64 + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| ImportError::Gzip {
+            message: e.to_string(),
+        })?;
+    check_size("the decompressed file (read so far)", out.len())?;
+    Ok(out)
 }
 
 pub(crate) fn check_size(what: &str, size: usize) -> Result<(), ImportError> {
@@ -185,7 +242,7 @@ fn unknown_hint(bytes: &[u8]) -> String {
         Some(_) => {
             let head: Vec<String> = body.iter().take(8).map(|b| format!("{b:02x}")).collect();
             format!(
-                "expected arfuse graph JSON, torch.export JSON or a .pt2 zip archive; the file starts with bytes {}",
+                "expected arfuse graph JSON, torch.export JSON (optionally gzip-compressed) or a .pt2 zip archive; the file starts with bytes {}",
                 head.join(" ")
             )
         }

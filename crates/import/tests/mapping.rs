@@ -134,14 +134,15 @@ fn linear_with_bias_rms_norm_and_scalars() {
                 ],
                 "m.layer.norm",
             ),
-            // alpha != 1 stays opaque; alpha == 1 maps.
+            // alpha 3 (not a power of two: torch fuses the multiply-add) stays opaque;
+            // alpha == 1 maps.
             node(
                 "s",
                 "aten.add.Tensor",
                 vec![
                     arg("self", t("x")),
                     arg("other", t("n")),
-                    arg("alpha", int(2)),
+                    arg("alpha", int(3)),
                 ],
                 "m.layer",
             ),
@@ -203,7 +204,7 @@ fn linear_with_bias_rms_norm_and_scalars() {
     insta::assert_snapshot!("linear_rms_norm_scalars", text);
     let notes = notes.join("\n");
     assert!(
-        notes.contains("aten.add.Tensor opaque: alpha != 1"),
+        notes.contains("aten.add.Tensor opaque: alpha 3 is not a power of two"),
         "{notes}"
     );
     assert!(notes.contains("forwarded 1 aten.to.dtype"), "{notes}");

@@ -43,8 +43,9 @@ pub use graph::{
 };
 pub use json::{FORMAT_TAG, FORMAT_VERSION, MAX_INPUT_BYTES};
 pub use op::{
-    Backend, DispatchRange, FusedAllReduceNorm, FusedOutput, FusedPlan, FusedQuant,
-    GroupScaleLayout, InputKind, Nvfp4ScaleLayout, Op, ReduceOp, Strategy,
+    looks_like_collective, Backend, DispatchRange, FusedAllReduceNorm, FusedOutput, FusedPlan,
+    FusedQuant, GroupScaleLayout, InputKind, NormRounding, Nvfp4ScaleLayout, Op, ReduceOp,
+    Strategy,
 };
 pub use shape::{is_symbol_name, Dim, DimParseError, Shape, SymbolRange, Symbols, TensorType};
 pub use text::{canonical_text, to_dot};

@@ -154,6 +154,78 @@ pub enum FusedQuant {
     },
 }
 
+/// Where a fused node's RMSNorm rounds to the activation dtype T (domain.md section 1:
+/// the sources differ, and the graph a node replaces fixes which one it must follow).
+///
+/// With `h` the residual sum, `r = rsqrt(mean(h^2) + eps)` and `g` the weight (all in
+/// f32):
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum NormRounding {
+    /// `y = round_T((h * r) * (g + weight_bias))`: the weight applied in f32, one
+    /// rounding (Gemma's `(x * (1 + w.float())).type_as(x)`, gpt-oss' and
+    /// Nemotron-H's `(w * x_f32).to(T)`, FlashInfer's fused kernel).
+    #[default]
+    Once,
+    /// `y = round_T(round_T(h * r) * (g + weight_bias))`: the normalised value rounded
+    /// to T before the weight multiply (Hugging Face's Llama form
+    /// `w * x_normed.to(T)`).
+    Twice,
+}
+
+impl NormRounding {
+    /// True for the default, [`NormRounding::Once`] (not written in JSON).
+    pub fn is_once(&self) -> bool {
+        *self == NormRounding::Once
+    }
+
+    /// The name as written in JSON and reports (`once`, `twice`).
+    pub fn name(self) -> &'static str {
+        match self {
+            NormRounding::Once => "once",
+            NormRounding::Twice => "twice",
+        }
+    }
+}
+
+/// Whether an op target (as torch names it, with or without `torch.ops.`) looks like a
+/// collective: any op of the `c10d`, `_c10d_functional` or `c10d_functional`
+/// namespaces, or an op of another namespace whose name contains `all_reduce`,
+/// `allreduce`, `all_gather`, `allgather`, `reduce_scatter`, `reducescatter`,
+/// `all_to_all`, `alltoall`, `broadcast`, `collective` or `nccl` (case-insensitive).
+/// `aten` and `prims` ops never do (`aten.broadcast_tensors` is not a collective).
+///
+/// Used to warn when such an op is kept opaque: the all-reduce sites it stands for are
+/// then not seen.
+pub fn looks_like_collective(target: &str) -> bool {
+    let t = target.strip_prefix("torch.ops.").unwrap_or(target);
+    let lower = t.to_ascii_lowercase();
+    let namespace = lower.split('.').next().unwrap_or("");
+    if matches!(namespace, "aten" | "prims") || !lower.contains('.') {
+        return false;
+    }
+    if matches!(namespace, "c10d" | "_c10d_functional" | "c10d_functional") {
+        return true;
+    }
+    const FRAGMENTS: &[&str] = &[
+        "all_reduce",
+        "allreduce",
+        "all_gather",
+        "allgather",
+        "reduce_scatter",
+        "reducescatter",
+        "all_to_all",
+        "alltoall",
+        "broadcast",
+        "collective",
+        "nccl",
+    ];
+    let rest = &lower[namespace.len()..];
+    FRAGMENTS.iter().any(|f| rest.contains(f))
+}
+
 /// One output a fused node can write (domain.md section 1: write only live outputs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -267,6 +339,10 @@ pub struct FusedAllReduceNorm {
     /// Added to the weight before scaling: 0, or 1 for Gemma-style offset weights.
     #[serde(default)]
     pub weight_bias: f64,
+    /// Where the RMSNorm rounds to the activation dtype (default `once`, omitted from
+    /// JSON when it is).
+    #[serde(default, skip_serializing_if = "NormRounding::is_once")]
+    pub norm_rounding: NormRounding,
     /// Whether a residual input is added after the all-reduce.
     pub residual: bool,
     /// Quantisation epilogue.
@@ -507,6 +583,46 @@ mod tests {
             Op::from_name_attrs("add", &obj(json!({}))).unwrap(),
             Op::Add
         );
+    }
+
+    #[test]
+    fn collective_names() {
+        for yes in [
+            "c10d.allreduce_.default",
+            "torch.ops._c10d_functional.all_gather_into_tensor.default",
+            "vllm.all_reduce.default",
+            "sglang.custom_allreduce",
+            "trtllm.allreduce.default",
+            "my_ext.nccl_allgather",
+            "_c10d_functional.wait_tensor.default",
+        ] {
+            assert!(looks_like_collective(yes), "{yes}");
+        }
+        for no in [
+            "aten.broadcast_tensors.default",
+            "prims.broadcast_in_dim.default",
+            "aten.add.Tensor",
+            "vllm.rms_norm.default",
+            "all_reduce",
+        ] {
+            assert!(!looks_like_collective(no), "{no}");
+        }
+    }
+
+    #[test]
+    fn norm_rounding_defaults_to_once_and_is_omitted() {
+        let attrs = json!({"group": "tp", "eps": 1e-6, "residual": true,
+                           "quant": {"kind": "none"}, "outputs": ["norm"]});
+        let op = Op::from_name_attrs("fused_allreduce_norm", &obj(attrs.clone())).unwrap();
+        let Op::FusedAllreduceNorm(f) = &op else {
+            panic!("{op:?}")
+        };
+        assert_eq!(f.norm_rounding, NormRounding::Once);
+        assert!(!op.attrs_json().contains_key("norm_rounding"));
+        let mut twice = attrs;
+        twice["norm_rounding"] = json!("twice");
+        let op = Op::from_name_attrs("fused_allreduce_norm", &obj(twice)).unwrap();
+        assert_eq!(op.attrs_json()["norm_rounding"], "twice");
     }
 
     #[test]

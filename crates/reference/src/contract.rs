@@ -31,10 +31,19 @@
 //!    accumulated in f32 sequentially (i = 0, 1, ..., H-1; each square
 //!    rounded to f32, then added); `r = 1 / sqrt(ss / H + eps)` in f32
 //!    (`ss / H` one division, `+ eps` with `eps` the f32 nearest to the f64
-//!    attribute, a correctly rounded `sqrt`, one division);
-//!    `y_i = round_T((f32(h_i) * r) * (f32(gamma_i) + weight_bias))`: ONE
-//!    rounding to T, as FlashInfer's fused kernel. `gamma` is T, or f32 for
-//!    the Gemma form (`weight_bias = 1`). [`rms_norm`].
+//!    attribute, a correctly rounded `sqrt`, one division); then, by the
+//!    node's [`NormRounding`] (domain.md section 1: the sources differ, and a
+//!    rewrite must keep the one its graph spells):
+//!    - `once` (the weight applied in f32, one rounding, as FlashInfer's fused
+//!      kernel, Gemma's `(x * (1 + w.float())).type_as(x)` and gpt-oss'
+//!      `(w * x_f32).to(T)`): `y_i = round_T((f32(h_i) * r) * (f32(gamma_i) +
+//!      weight_bias))`;
+//!    - `twice` (Hugging Face's Llama order `w * x_normed.to(T)`): `n_i =
+//!      round_T(f32(h_i) * r)`, `y_i = round_T(f32(n_i) * (f32(gamma_i) +
+//!      weight_bias))`.
+//!
+//!    `gamma` is T, or f32 (Gemma's `1 + w.float()`, `weight_bias = 1`).
+//!    [`rms_norm_with`]; [`rms_norm`] is the `once` form.
 //!    Kernels reduce `ss` with a tree (arfuse's kernels then use a correctly
 //!    rounded `sqrt` and division): the contract allows their `norm_out` of a
 //!    16-bit T to differ from this reference by at most
@@ -146,16 +155,16 @@
 //! f64 attributes (`eps`, constants) enter as the nearest f32 (`eps`) or in
 //! one rounding to T ([`FloatFormat::round_f64`]).
 //!
-//! The IR's `rms_norm` and `fused_add_rms_norm` ops have this single-rounding
-//! semantics too, so an explicit chain (all_reduce, add, rms_norm, quant) and
-//! the fused node are bit-exact on the CPU. A *decomposed* norm (cast to f32,
-//! pow 2, mean keepdim, add eps, rsqrt, mul, cast back to T, mul by the T
-//! weight) rounds twice (`round_T(round_T(h * r) * gamma)`); rewriting it into
-//! `rms_norm` changes results by at most about 1 ulp of T
-//! ([`DECOMPOSED_NORM_TOLERANCE_ULP`]); `check_equivalent` applies that
-//! tolerance (see [`crate::equiv`]). The Gemma decomposition
-//! (`(h * r) * (1 + f32(w))` in f32, one cast back) rounds once and is
-//! bit-exact.
+//! The IR's `rms_norm` and `fused_add_rms_norm` ops have the `once`
+//! semantics, and the fused node the rounding its `norm_rounding` names, so an
+//! explicit chain (all_reduce, add, rms_norm, quant) and the fused node are
+//! bit-exact on the CPU. A *decomposed* norm is exact too when it is fused
+//! with the rounding it spells: the Llama decomposition (cast to f32, pow 2,
+//! mean keepdim, add eps, rsqrt, mul, cast back to T, mul by the T weight)
+//! is `twice`, the Gemma one (`(h * r) * (1 + f32(w))` in f32, one cast back)
+//! and gpt-oss' (`(f32(w) * (h * r))`, one cast back) are `once`; the two
+//! forms differ by up to about 1 ulp of T (domain.md section 1), which
+//! `check_equivalent` would report as a mismatch.
 
 use crate::error::{ReferenceError, Result};
 use crate::numerics::quant::{
@@ -174,10 +183,9 @@ pub const CONTRACT_NAME: &str = "arfuse rounding contract v2";
 /// The all-reduce output and `residual_out` allow none.
 pub const KERNEL_NORM_TOLERANCE_ULP: u64 = 1;
 
-/// Largest difference, in ulp of T, between a decomposed two-rounding
-/// RMSNorm and the single-rounding `rms_norm` it is rewritten into
-/// (domain.md section 1: "at most about 1 ulp").
-pub const DECOMPOSED_NORM_TOLERANCE_ULP: u64 = 1;
+/// Where RMSNorm rounds to T (clause 3): the IR's definition, re-exported so
+/// that the kernels' host side names it from the contract.
+pub use arfuse_ir::NormRounding;
 
 /// Clause 1: the all-reduce of one tensor over `W = ranks.len()` ranks.
 ///
@@ -242,16 +250,33 @@ pub fn rms_inv(h: &[f32], eps: f32) -> f32 {
     1.0 / (ss / h.len() as f32 + eps).sqrt()
 }
 
-/// Clause 3: RMSNorm of `h` (`[tokens, hidden]` row-major, `hidden =
+/// Clause 3, `once`: RMSNorm of `h` (`[tokens, hidden]` row-major, `hidden =
 /// gamma.len()`), `y_i = round_T((h_i * r) * (gamma_i + weight_bias))`.
 ///
-/// `gamma` holds the weight values (T or f32). Errors on a shape mismatch,
-/// an empty hidden dim, or `eps` not finite and > 0.
+/// Errors: see [`rms_norm_with`].
 pub fn rms_norm(
     h: &[f32],
     gamma: &[f32],
     eps: f64,
     weight_bias: f64,
+    t: FloatFormat,
+) -> Result<Vec<f32>> {
+    rms_norm_with(h, gamma, eps, weight_bias, NormRounding::Once, t)
+}
+
+/// Clause 3: RMSNorm of `h` (`[tokens, hidden]` row-major, `hidden =
+/// gamma.len()`) with the rounding `rounding` names: `once`,
+/// `y_i = round_T((h_i * r) * (gamma_i + weight_bias))`; `twice`,
+/// `y_i = round_T(round_T(h_i * r) * (gamma_i + weight_bias))`.
+///
+/// `gamma` holds the weight values (T or f32). Errors on a shape mismatch,
+/// an empty hidden dim, or `eps` not finite and > 0.
+pub fn rms_norm_with(
+    h: &[f32],
+    gamma: &[f32],
+    eps: f64,
+    weight_bias: f64,
+    rounding: NormRounding,
     t: FloatFormat,
 ) -> Result<Vec<f32>> {
     let hidden = gamma.len();
@@ -273,13 +298,17 @@ pub fn rms_norm(
     }
     let eps = eps_f32(eps);
     let wb = weight_bias as f32;
+    let normed = |x: f32, r: f32| match rounding {
+        NormRounding::Once => x * r,
+        NormRounding::Twice => t.round(x * r),
+    };
     let mut out = Vec::with_capacity(h.len());
     for row in h.chunks_exact(hidden) {
         let r = rms_inv(row, eps);
         out.extend(
             row.iter()
                 .zip(gamma)
-                .map(|(&x, &g)| t.round((x * r) * (g + wb))),
+                .map(|(&x, &g)| t.round(normed(x, r) * (g + wb))),
         );
     }
     Ok(out)
@@ -410,6 +439,8 @@ pub struct FusedParams {
     pub eps: f64,
     /// 0, or 1 for Gemma-style offset weights.
     pub weight_bias: f64,
+    /// Where the RMSNorm rounds to T (clause 3).
+    pub norm_rounding: NormRounding,
     /// Quant epilogue.
     pub epilogue: Epilogue,
 }
@@ -429,7 +460,14 @@ pub fn fused_allreduce_norm(
         Some(r) => residual_add(&a, r, params.t)?,
         None => a,
     };
-    let y = rms_norm(&h, gamma, params.eps, params.weight_bias, params.t)?;
+    let y = rms_norm_with(
+        &h,
+        gamma,
+        params.eps,
+        params.weight_bias,
+        params.norm_rounding,
+        params.t,
+    )?;
     let hidden = gamma.len();
     let tokens = y.len() / hidden;
     let quant = apply_epilogue(&y, tokens, hidden, params.epilogue)?;
@@ -526,9 +564,9 @@ mod tests {
     }
 
     #[test]
-    fn single_rounding_differs_from_double_rounding_somewhere() {
-        // The decomposed (two-rounding) norm differs from the contract by at most 1 ulp,
-        // and does differ for some inputs.
+    fn twice_rounds_the_normalised_value_first_and_differs_from_once() {
+        // `twice` is the Llama decomposition, element for element; `once` differs from
+        // it by at most 1 ulp, and does differ for some inputs.
         let mut differs = 0;
         for k in 0..2000u32 {
             let h: Vec<f32> = (0..8)
@@ -537,16 +575,25 @@ mod tests {
             let gamma: Vec<f32> = (0..8)
                 .map(|i| BF.round(0.5 + ((k + i) as f32 * 0.11).cos()))
                 .collect();
-            let one = rms_norm(&h, &gamma, 1e-5, 0.0, BF).unwrap();
+            let once = rms_norm(&h, &gamma, 1e-5, 0.0, BF).unwrap();
+            let twice = rms_norm_with(&h, &gamma, 1e-5, 0.0, NormRounding::Twice, BF).unwrap();
             let r = rms_inv(&h, eps_f32(1e-5));
             for i in 0..8 {
-                let two = BF.round(BF.round(h[i] * r) * gamma[i]);
-                let d = BF.ulp_distance(one[i], two);
-                assert!(d <= DECOMPOSED_NORM_TOLERANCE_ULP, "k {k} i {i}: {d} ulp");
+                let llama = BF.round(BF.round(h[i] * r) * gamma[i]);
+                assert_eq!(twice[i].to_bits(), llama.to_bits(), "k {k} i {i}");
+                let d = BF.ulp_distance(once[i], twice[i]);
+                assert!(d <= 1, "k {k} i {i}: {d} ulp");
                 differs += usize::from(d > 0);
             }
         }
         assert!(differs > 0);
+        // f32 activations: the first rounding is exact, the forms agree.
+        let h = [3.0f32, 4.0];
+        let f = FloatFormat::F32;
+        assert_eq!(
+            rms_norm_with(&h, &[0.7, 1.3], 1e-6, 0.0, NormRounding::Twice, f).unwrap(),
+            rms_norm(&h, &[0.7, 1.3], 1e-6, 0.0, f).unwrap()
+        );
     }
 
     #[test]
@@ -557,6 +604,7 @@ mod tests {
             t: BF,
             eps: 1e-6,
             weight_bias: 0.0,
+            norm_rounding: NormRounding::Once,
             epilogue: Epilogue::Fp8Static { scale: 0.5 },
         };
         let out = fused_allreduce_norm(&[&x0, &x1], None, &[1.0, 1.0], p).unwrap();

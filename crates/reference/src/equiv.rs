@@ -4,33 +4,16 @@
 //! [`check_equivalent`] runs both graphs on the same seeded random inputs
 //! (matched by input node id; the lowered graph keeps the original ids) for
 //! each token count, on W virtual ranks, and compares the graph outputs in
-//! order, on every rank. Each output gets a [`Tolerance`]:
+//! order, on every rank, bit for bit (NaN equals NaN).
 //!
-//! - **Bit-exact** unless a rewritten decomposed RMSNorm is upstream of it.
-//!   The contract promises this: the fused node, `rms_norm`,
-//!   `fused_add_rms_norm`, the all-reduce and the quant ops all evaluate
-//!   through the same [`crate::contract`] clauses, so fusing an explicit chain
-//!   changes no bit.
-//! - **1 ulp** (in the output's own format: ulp of T, or one e4m3 / e2m1 /
-//!   ue8m0 code) for outputs reached from a rewritten decomposed norm only
-//!   through the norm's tail (`mul`, `to_dtype`, `reshape`) and quant ops. The
-//!   decomposed norm rounds twice (`round_T(round_T(h*r) * gamma)`), the
-//!   contract once; the difference of one norm element is at most 1 ulp of T
-//!   (domain.md section 1), which moves a quantised value by at most one code
-//!   (e4m3 and e2m1 rounding boundaries are more than 2^-6 apart relatively).
-//!   The f32 scales derived from `amax` (per-token and f32 per-group) get a
-//!   relative bound of one ulp of T instead (`amax` moves by at most 1 ulp of
-//!   T, the scale is `amax / 448`).
-//! - **Normwise relative** (a heuristic, not a contract promise) for outputs
-//!   that a rewritten decomposed norm reaches through other ops (matmul,
-//!   add, all-reduce, another norm): a 1-ulp difference is mixed with other
-//!   data and no element-wise bound exists; the check asks
-//!   `max |a - b| <= rel * max |expected|` per rank, with `rel` 8 ulp of the
-//!   output's format for floats, 2^-2 for fp8 and 1.0 for fp4 / ue8m0 codes.
-//!
-//! A decomposed norm is recognised by its `rsqrt` node: an `rsqrt` of the
-//! original graph that the lowered graph no longer has (by id, op and
-//! inputs) marks a rewritten decomposed norm.
+//! Every rewrite arfuse makes is exact under the contract: the fused node,
+//! `rms_norm`, `fused_add_rms_norm`, the all-reduce and the quant ops all
+//! evaluate through the same [`crate::contract`] clauses, and a decomposed
+//! RMSNorm is fused with the rounding it spells (clause 3: `twice` for the
+//! Llama order, `once` for the weight applied in f32). A lowered graph whose
+//! fused node rounds differently from the chain it replaced differs by up to
+//! about 1 ulp of T somewhere, and is reported as not equivalent, with the
+//! largest difference per output ([`OutputComparison::max_ulp`]).
 
 use crate::error::{ReferenceError, Result};
 use crate::eval::{bind_tokens, evaluate, random_inputs};
@@ -38,51 +21,8 @@ use crate::numerics::fp4::e2m1_code_distance;
 use crate::numerics::fp8::{e4m3_code_distance, e4m3_satfinite};
 use crate::numerics::ue8m0::{ue8m0_round_up, ue8m0_to_f32};
 use crate::tensor::{float_format, Storage, Tensor, TensorData};
-use arfuse_ir::{DType, Graph, NodeId, Op};
+use arfuse_ir::{DType, Graph, Op};
 use std::fmt;
-
-/// How closely one output must match.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Tolerance {
-    /// Every element bit-identical (NaN equals NaN).
-    BitExact,
-    /// Element-wise, at most `max_ulp` steps in the output's own format.
-    Ulp {
-        /// Allowed steps.
-        max_ulp: u64,
-        /// Why this output is not bit-exact.
-        reason: &'static str,
-    },
-    /// Element-wise `|a - b| <= rel * max(|a|, |b|)`.
-    Relative {
-        /// Relative bound.
-        rel: f64,
-        /// Why.
-        reason: &'static str,
-    },
-    /// Per rank `max |a - b| <= rel * max |expected|` (heuristic).
-    Normwise {
-        /// Relative bound against the largest expected magnitude.
-        rel: f64,
-        /// Why.
-        reason: &'static str,
-    },
-}
-
-const WHY_DECOMPOSED: &str = "a rewritten decomposed RMSNorm rounds twice, the contract once: at most 1 ulp of T per norm element, at most one code after quantisation";
-const WHY_DERIVED_SCALE: &str = "scale = amax / 448 where amax comes from a rewritten decomposed RMSNorm and moves by at most 1 ulp of T";
-const WHY_PROPAGATED: &str = "a rewritten decomposed RMSNorm upstream is mixed with other data (matmul, add, all-reduce, norm): no element-wise bound; heuristic normwise bound";
-
-impl fmt::Display for Tolerance {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Tolerance::BitExact => f.write_str("bit-exact"),
-            Tolerance::Ulp { max_ulp, .. } => write!(f, "<= {max_ulp} ulp"),
-            Tolerance::Relative { rel, .. } => write!(f, "relative <= {rel:.3e}"),
-            Tolerance::Normwise { rel, .. } => write!(f, "normwise <= {rel:.3e}"),
-        }
-    }
-}
 
 /// The comparison of one graph output at one token count, over all ranks.
 #[derive(Debug, Clone, PartialEq)]
@@ -105,9 +45,7 @@ pub struct OutputComparison {
     pub max_ulp: u64,
     /// Largest absolute difference of the decoded values.
     pub max_abs_diff: f64,
-    /// The tolerance applied.
-    pub tolerance: Tolerance,
-    /// Whether the output is within its tolerance.
+    /// Whether every element is bit-identical on every rank.
     pub passed: bool,
 }
 
@@ -134,7 +72,7 @@ pub struct EquivalenceReport {
 }
 
 impl EquivalenceReport {
-    /// True when every output at every token count is within its tolerance.
+    /// True when every output at every token count is bit-exact.
     pub fn is_equivalent(&self) -> bool {
         self.per_tokens
             .iter()
@@ -180,7 +118,7 @@ impl fmt::Display for EquivalenceReport {
             for o in &t.outputs {
                 writeln!(
                     f,
-                    "T={:<6} out{:<3} {:<28} {:<10} {:?} max_ulp={} mismatches={}/{} tol={} {}",
+                    "T={:<6} out{:<3} {:<28} {:<10} {:?} max_ulp={} mismatches={}/{} {}",
                     t.tokens,
                     o.index,
                     o.producer,
@@ -193,7 +131,6 @@ impl fmt::Display for EquivalenceReport {
                     },
                     o.bit_mismatches,
                     o.elements,
-                    o.tolerance,
                     if o.passed { "ok" } else { "FAIL" }
                 )?;
             }
@@ -239,110 +176,6 @@ pub fn equivalence_token_counts(world_size: u32, max_fused_tokens: u64) -> Resul
     Ok(v)
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Taint {
-    Clean,
-    Near,
-    Far,
-}
-
-/// Tolerance of each graph output, from where rewritten decomposed norms sit.
-fn output_tolerances(original: &Graph, lowered: &Graph) -> Vec<Tolerance> {
-    let n = original.len();
-    let mut taint = vec![Taint::Clean; n];
-    let same_inputs = |a: &arfuse_ir::Node, b: &arfuse_ir::Node| {
-        a.inputs.len() == b.inputs.len()
-            && a.inputs.iter().zip(&b.inputs).all(|(x, y)| {
-                x.output == y.output && original.node(x.node).id == lowered.node(y.node).id
-            })
-    };
-    for (id, node) in original.nodes() {
-        let inherited = node
-            .inputs
-            .iter()
-            .map(|v| taint[v.node.index()])
-            .max()
-            .unwrap_or(Taint::Clean);
-        let rewritten_rsqrt = matches!(node.op, Op::Rsqrt)
-            && match lowered.find(&node.id) {
-                None => true,
-                Some(l) => {
-                    let ln = lowered.node(l);
-                    ln.op != node.op || !same_inputs(node, ln)
-                }
-            };
-        taint[id.index()] = if rewritten_rsqrt {
-            Taint::Near.max(inherited)
-        } else if inherited == Taint::Near {
-            let tail = matches!(
-                node.op,
-                Op::Mul
-                    | Op::ToDtype { .. }
-                    | Op::Reshape
-                    | Op::QuantFp8Static
-                    | Op::QuantFp8PerToken
-                    | Op::QuantFp8PerTokenGroup { .. }
-                    | Op::QuantNvfp4 { .. }
-            );
-            if tail {
-                Taint::Near
-            } else {
-                Taint::Far
-            }
-        } else {
-            inherited
-        };
-    }
-    original
-        .outputs()
-        .iter()
-        .map(|v| {
-            let node = original.node(v.node);
-            let dtype = node.outputs.get(v.output as usize).map(|t| t.dtype);
-            match taint[v.node.index()] {
-                Taint::Clean => Tolerance::BitExact,
-                Taint::Near => {
-                    let derived_scale = v.output == 1
-                        && matches!(
-                            node.op,
-                            Op::QuantFp8PerToken
-                                | Op::QuantFp8PerTokenGroup {
-                                    scale_layout: arfuse_ir::GroupScaleLayout::F32RowMajor,
-                                    ..
-                                }
-                        );
-                    if derived_scale {
-                        let t = input_float_mantissa(original, v.node).unwrap_or(7);
-                        Tolerance::Relative {
-                            rel: 2f64.powi(-(t as i32)) * 1.01,
-                            reason: WHY_DERIVED_SCALE,
-                        }
-                    } else {
-                        Tolerance::Ulp {
-                            max_ulp: crate::contract::DECOMPOSED_NORM_TOLERANCE_ULP,
-                            reason: WHY_DECOMPOSED,
-                        }
-                    }
-                }
-                Taint::Far => Tolerance::Normwise {
-                    rel: match dtype.and_then(float_format) {
-                        Some(f) => 8.0 * 2f64.powi(-(f.mantissa_bits() as i32)),
-                        None if dtype == Some(DType::Fp8E4m3) => 0.25,
-                        None => 1.0,
-                    },
-                    reason: WHY_PROPAGATED,
-                },
-            }
-        })
-        .collect()
-}
-
-/// Mantissa bits of the float dtype of input 0 of `node`.
-fn input_float_mantissa(g: &Graph, node: NodeId) -> Option<u32> {
-    let v = *g.node(node).inputs.first()?;
-    float_format(g.value_type(v)?.dtype).map(|f| f.mantissa_bits())
-}
-
 fn check_comparable(original: &Graph, lowered: &Graph) -> Result<()> {
     let (oo, lo) = (original.outputs(), lowered.outputs());
     if oo.len() != lo.len() {
@@ -384,7 +217,7 @@ fn check_comparable(original: &Graph, lowered: &Graph) -> Result<()> {
 
 /// Runs `original` and `lowered` on the same random inputs for every T of
 /// `token_counts` over `world_size` virtual ranks and compares their outputs
-/// in order (see the module doc for the tolerances and their reasons).
+/// in order, bit for bit (see the module doc).
 ///
 /// Inputs are sampled from the original graph ([`random_inputs`], seed
 /// `seed` mixed with T) and given to the lowered graph by node id.
@@ -412,7 +245,6 @@ pub fn check_equivalent(
         .validate()
         .map_err(|p| ReferenceError::Ir(format!("lowered graph: {p}")))?;
     check_comparable(original, lowered)?;
-    let tolerances = output_tolerances(original, lowered);
     let mut per_tokens = Vec::with_capacity(token_counts.len());
     for &t in token_counts {
         let bo = bind_tokens(original, t)?;
@@ -422,16 +254,10 @@ pub fn check_equivalent(
         let eo = evaluate(original, world_size, &bo, &inputs)?;
         let el = evaluate(lowered, world_size, &bl, &inputs)?;
         let mut outputs = Vec::with_capacity(eo.outputs.len());
-        for (i, ((ro, rl), tol)) in eo
-            .outputs
-            .iter()
-            .zip(&el.outputs)
-            .zip(&tolerances)
-            .enumerate()
-        {
+        for (i, (ro, rl)) in eo.outputs.iter().zip(&el.outputs).enumerate() {
             let v = original.outputs()[i];
             let producer = original.value_ref(v);
-            outputs.push(compare_output(i, producer, ro, rl, *tol)?);
+            outputs.push(compare_output(i, producer, ro, rl)?);
         }
         per_tokens.push(TokenReport { tokens: t, outputs });
     }
@@ -515,7 +341,6 @@ fn compare_output(
     producer: String,
     expected: &[Tensor],
     got: &[Tensor],
-    tolerance: Tolerance,
 ) -> Result<OutputComparison> {
     let first = expected
         .first()
@@ -529,7 +354,6 @@ fn compare_output(
         bit_mismatches: 0,
         max_ulp: 0,
         max_abs_diff: 0.0,
-        tolerance,
         passed: true,
     };
     if expected.len() != got.len() {
@@ -551,50 +375,17 @@ fn compare_output(
                 cmp.max_ulp = cmp.max_ulp.max(element_steps(e, i, g));
             }
         }
-        let (de, dg) = (decoded(e), decoded(g));
-        let mut max_ref = 0.0f64;
-        let mut rel_ok = true;
-        for (&x, &y) in de.iter().zip(&dg) {
-            let d = if x.is_nan() && y.is_nan() {
+        for (&x, &y) in decoded(e).iter().zip(&decoded(g)) {
+            let d = if x == y || (x.is_nan() && y.is_nan()) {
                 0.0
             } else if x.is_nan() || y.is_nan() {
                 f64::INFINITY
-            } else if x == y {
-                0.0
             } else {
                 (x - y).abs()
             };
             cmp.max_abs_diff = cmp.max_abs_diff.max(d);
-            if x.is_finite() {
-                max_ref = max_ref.max(x.abs());
-            }
-            if let Tolerance::Relative { rel, .. } = tolerance {
-                rel_ok &= d <= rel * x.abs().max(y.abs());
-            }
         }
-        let rank_ok = match tolerance {
-            Tolerance::BitExact => cmp.bit_mismatches == 0,
-            Tolerance::Ulp { max_ulp, .. } => cmp.max_ulp <= max_ulp,
-            Tolerance::Relative { .. } => rel_ok,
-            Tolerance::Normwise { rel, .. } => {
-                let local = de
-                    .iter()
-                    .zip(&dg)
-                    .map(|(&x, &y)| {
-                        if x == y || (x.is_nan() && y.is_nan()) {
-                            0.0
-                        } else {
-                            (x - y).abs()
-                        }
-                    })
-                    .fold(
-                        0.0f64,
-                        |m, d| if d.is_nan() { f64::INFINITY } else { m.max(d) },
-                    );
-                local <= rel * max_ref
-            }
-        };
-        cmp.passed &= rank_ok;
     }
+    cmp.passed = cmp.bit_mismatches == 0;
     Ok(cmp)
 }

@@ -16,7 +16,8 @@
 //!   (out-of-range becomes NaN, as PyTorch's cast) -- the quant ops saturate;
 //!   float to integer truncates toward zero (NaN or out of range is an error);
 //! - `rms_norm`, `fused_add_rms_norm`, the quant ops and
-//!   `fused_allreduce_norm` follow [`crate::contract`] exactly;
+//!   `fused_allreduce_norm` follow [`crate::contract`] exactly (the fused
+//!   node with the RMSNorm rounding its `norm_rounding` names);
 //! - `opaque` is an error naming the node.
 //!
 //! Memory is bounded: no tensor may exceed [`MAX_TENSOR_ELEMENTS`] elements
@@ -1081,7 +1082,7 @@ fn fused(n: &Node, f: &arfuse_ir::FusedAllReduceNorm, ins: &[&[Tensor]], w: usiz
             a.clone()
         };
         let gamma = f32s(&ins[wi][r]).map_err(e)?;
-        let y = contract::rms_norm(&h, gamma, f.eps, f.weight_bias, fmt)
+        let y = contract::rms_norm_with(&h, gamma, f.eps, f.weight_bias, f.norm_rounding, fmt)
             .map_err(|er| e(er.to_string()))?;
         let wants_quant = f
             .outputs

@@ -49,7 +49,6 @@ pub mod tensor;
 pub use contract::CONTRACT_NAME;
 pub use equiv::{
     check_equivalent, equivalence_token_counts, EquivalenceReport, OutputComparison, TokenReport,
-    Tolerance,
 };
 pub use error::{ReferenceError, Result};
 pub use eval::{bind_tokens, evaluate, random_inputs, Bindings, Evaluation, RankInputs};

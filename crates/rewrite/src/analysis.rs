@@ -70,6 +70,9 @@ pub(crate) struct FxAnalysis {
     pub group: String,
     /// Why a rule refused a match, by all-reduce instance (deduplicated, ordered).
     pub refusals: BTreeMap<u32, BTreeSet<String>>,
+    /// Refusals at an op (instance, class of the op, why), named by the IR node of the
+    /// class once the e-graph is saturated ([`FxAnalysis::refuse_at`]).
+    pub refusals_at: BTreeSet<(u32, Id, String)>,
 }
 
 impl FxAnalysis {
@@ -105,6 +108,12 @@ impl FxAnalysis {
     /// Records why a rule refused a match of `inst`.
     pub fn refuse(&mut self, inst: u32, why: String) {
         self.refusals.entry(inst).or_default().insert(why);
+    }
+
+    /// Records why a rule refused a match of `inst` at the op of class `at`; the
+    /// report names that op's IR node.
+    pub fn refuse_at(&mut self, inst: u32, at: Id, why: String) {
+        self.refusals_at.insert((inst, at, why));
     }
 
     fn with_last(&mut self, ty: Ty, last: Option<u64>, dtype: DType) -> Option<Ty> {

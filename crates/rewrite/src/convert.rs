@@ -159,6 +159,7 @@ fn norm_leaf(eps: f64, bias: f64) -> Leaf {
     Leaf::Norm {
         eps: eps.to_bits(),
         bias: bias.to_bits(),
+        twice: false,
     }
 }
 

@@ -8,7 +8,7 @@
 
 use crate::error::LowerError;
 use crate::site::{Input, Site};
-use arfuse_ir::op::{FusedAllReduceNorm, FusedOutput, FusedPlan};
+use arfuse_ir::op::{FusedAllReduceNorm, FusedOutput, FusedPlan, NormRounding};
 use arfuse_ir::{Graph, Node, NodeId, Op, TensorType, Value};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
@@ -126,6 +126,11 @@ pub(crate) fn emit(g: &Graph, sites: &[Emit<'_>]) -> Result<(Graph, Vec<String>)
                 group: e.group.clone(),
                 eps: f64::from_bits(s.kind.eps),
                 weight_bias: f64::from_bits(s.kind.bias),
+                norm_rounding: if s.kind.twice {
+                    NormRounding::Twice
+                } else {
+                    NormRounding::Once
+                },
                 residual: s.kind.residual,
                 quant: s.kind.quant.to_ir(),
                 outputs,

@@ -137,6 +137,7 @@ mod tests {
                 quant: QKind::Fp8PerToken,
                 eps: 1e-6f64.to_bits(),
                 bias: 0,
+                twice: false,
             }),
         );
         let i = leaf(&mut eg, Leaf::Inst(9));
@@ -169,6 +170,7 @@ mod tests {
             Leaf::Norm {
                 eps: 1e-6f64.to_bits(),
                 bias: 0,
+                twice: false,
             },
         );
         let y = eg.add(Fx::RmsNorm([nl, h, w]));

@@ -166,6 +166,9 @@ pub struct FKind {
     pub eps: u64,
     /// Weight bias (0 or 1), as f64 bits.
     pub bias: u64,
+    /// The RMSNorm rounds the normalised value to T before the weight multiply
+    /// (`NormRounding::Twice`, Hugging Face's Llama order).
+    pub twice: bool,
 }
 
 /// A leaf: an opaque IR value or an attribute.
@@ -179,12 +182,15 @@ pub enum Leaf {
     DType(DType),
     /// An interned shape (index into [`crate::analysis::FxAnalysis`]'s shape table).
     Shape(u32),
-    /// RMSNorm attributes: eps and weight_bias as f64 bits.
+    /// RMSNorm attributes: eps and weight_bias as f64 bits, and whether it rounds
+    /// twice (the Llama order; see `arfuse_ir::NormRounding`).
     Norm {
         /// eps bits.
         eps: u64,
         /// weight_bias bits.
         bias: u64,
+        /// Rounds to T before the weight multiply.
+        twice: bool,
     },
     /// A `pow` exponent, as f64 bits.
     Exp(u64),
@@ -207,22 +213,24 @@ impl fmt::Display for Leaf {
             Leaf::Inst(n) => write!(f, "inst{n}"),
             Leaf::DType(d) => write!(f, "{d}"),
             Leaf::Shape(s) => write!(f, "shape{s}"),
-            Leaf::Norm { eps, bias } => write!(
+            Leaf::Norm { eps, bias, twice } => write!(
                 f,
-                "norm(eps={},bias={})",
+                "norm(eps={},bias={}{})",
                 f64::from_bits(*eps),
-                f64::from_bits(*bias)
+                f64::from_bits(*bias),
+                if *twice { ",twice" } else { "" }
             ),
             Leaf::Exp(e) => write!(f, "exp{}", f64::from_bits(*e)),
             Leaf::MeanLast => f.write_str("mean_last"),
             Leaf::Quant(q) => write!(f, "q:{}", q.name()),
             Leaf::Fused(k) => write!(
                 f,
-                "fused(res={},q={},eps={},bias={})",
+                "fused(res={},q={},eps={},bias={}{})",
                 k.residual,
                 k.quant.name(),
                 f64::from_bits(k.eps),
-                f64::from_bits(k.bias)
+                f64::from_bits(k.bias),
+                if k.twice { ",twice" } else { "" }
             ),
             Leaf::Port(p) => write!(f, "@{p}"),
             Leaf::None => f.write_str("none"),

@@ -192,6 +192,7 @@ pub fn lower_with(
 
     // Sites: per all-reduce, the first candidate that passes the IR checks.
     let index = site::Index::new(graph, &eg, &conv.value_class);
+    let op_refusals = name_op_refusals(&eg, &index);
     let candidates = index.candidates();
     let nvfp4_ok = plan::nvfp4_ok(target);
     let mut claimed: BTreeSet<u32> = BTreeSet::new();
@@ -405,11 +406,11 @@ pub fn lower_with(
                 .iter()
                 .map(|p| output_name(p.output).into())
                 .collect();
-            if s.decomposed {
+            if s.kind.twice {
                 entry.notes.push(
-                    "decomposed RMSNorm rewritten to the single-rounding fused kernel (arfuse \
-                     rounding contract v1): results may differ by about 1 ulp from the \
-                     two-rounding decomposition"
+                    "the RMSNorm rounds twice as written (Hugging Face's Llama order, \
+                     round_T(round_T(h * r) * w)); the fused node does the same \
+                     (norm_rounding = twice)"
                         .into(),
                 );
             }
@@ -451,6 +452,7 @@ pub fn lower_with(
                 .get(&inst)
                 .map(|r| r.iter().cloned().collect())
                 .unwrap_or_default();
+            reasons.extend(op_refusals.get(&inst).into_iter().flatten().cloned());
             reasons.extend(why_not.remove(&inst).unwrap_or_default());
             if reasons.is_empty() {
                 reasons.push(no_match_reason(graph, inst));
@@ -459,10 +461,17 @@ pub fn lower_with(
         }
         sites.push(entry);
     }
-    let mut warnings = Vec::new();
+    let (unknown_collectives, mut warnings) = unknown_collective_warnings(graph);
     let enabled = target.requested_backend != arfuse_policy::RequestedBackend::Off;
     if enabled && fused_insts.is_empty() && fused_before == 0 {
-        warnings.push(if ars.is_empty() {
+        warnings.push(if ars.is_empty() && !unknown_collectives.is_empty() {
+            format!(
+                "fusion is enabled but the graph has no all-reduce arfuse understands, only \
+                 collective-looking opaque ops ({}): nothing fused, and this is not a result \
+                 to trust",
+                unknown_collectives.join(", ")
+            )
+        } else if ars.is_empty() {
             "fusion is enabled but the graph has no all-reduce: nothing fused".to_string()
         } else {
             format!(
@@ -496,6 +505,7 @@ pub fn lower_with(
         already_fused: fused_before,
         by_pattern,
         sites,
+        unknown_collectives,
         warnings,
         notes,
         runner: runner_report,
@@ -603,6 +613,9 @@ fn pattern_name(s: &site::Site) -> String {
     if f64::from_bits(s.kind.bias) == 1.0 {
         name.push_str("(gemma)");
     }
+    if s.kind.twice {
+        name.push_str("(round_twice)");
+    }
     if s.kind.quant != QKind::None {
         name.push('+');
         name.push_str(s.kind.quant.name());
@@ -651,6 +664,53 @@ fn site_module(graph: &Graph, s: &site::Site) -> Option<String> {
     s.norm_node
         .and_then(|n| graph.node(NodeId::new(n as usize)).module.clone())
         .or_else(|| graph.node(NodeId::new(s.inst as usize)).module.clone())
+}
+
+/// The opaque ops of `graph` that look like collectives (by target, in graph order)
+/// and one warning for each target, naming it, its node count and its first node.
+fn unknown_collective_warnings(graph: &Graph) -> (Vec<String>, Vec<String>) {
+    let mut seen: Vec<(String, usize, String)> = Vec::new();
+    for (_, n) in graph.nodes() {
+        let Op::Opaque { target, .. } = &n.op else {
+            continue;
+        };
+        if !arfuse_ir::looks_like_collective(target) {
+            continue;
+        }
+        match seen.iter_mut().find(|(t, _, _)| t == target) {
+            Some(e) => e.1 += 1,
+            None => seen.push((target.clone(), 1, n.id.clone())),
+        }
+    }
+    let warnings = seen
+        .iter()
+        .map(|(t, k, first)| {
+            format!(
+                "{k} opaque `{t}` node(s) (first: `{first}`) look like a collective arfuse does \
+                 not understand: the all-reduce sites they stand for are not seen, so sites \
+                 may be missed (name a framework's all-reduce with --all-reduce-op NAME / \
+                 arfuse::import::ImportOptions::all_reduce_ops)"
+            )
+        })
+        .collect();
+    (seen.into_iter().map(|(t, _, _)| t).collect(), warnings)
+}
+
+/// The refusals logged at an op, by instance, each naming the op's IR node.
+fn name_op_refusals(
+    eg: &analysis::FxGraph,
+    index: &site::Index<'_>,
+) -> BTreeMap<u32, BTreeSet<String>> {
+    let mut out: BTreeMap<u32, BTreeSet<String>> = BTreeMap::new();
+    for (inst, at, why) in &eg.analysis.refusals_at {
+        let at = index
+            .node_of(*at)
+            .unwrap_or_else(|| "an op with no node of its own".into());
+        out.entry(*inst)
+            .or_default()
+            .insert(format!("the norm at {at}: {why}"));
+    }
+    out
 }
 
 /// Why no rule matched an all-reduce: what its output feeds.

@@ -159,6 +159,10 @@ pub struct Report {
     pub by_pattern: BTreeMap<String, PatternCount>,
     /// One entry per all-reduce, in graph order.
     pub sites: Vec<SiteReport>,
+    /// Opaque ops whose target looks like a collective
+    /// (`arfuse_ir::looks_like_collective`): arfuse does not see the all-reduces they
+    /// may be, so sites may be missed. Each target once, in order; also in `warnings`.
+    pub unknown_collectives: Vec<String>,
     /// Warnings (nothing fused while fusion is enabled, a dtype mismatch, ...).
     pub warnings: Vec<String>,
     /// Notes that apply to the whole graph.

@@ -58,8 +58,6 @@ pub(crate) struct Site {
     pub ports: Vec<Port>,
     /// The IR node of the norm (for the module), when one exists in the region.
     pub norm_node: Option<u32>,
-    /// Whether the norm was written decomposed (two roundings in HF's Llama order).
-    pub decomposed: bool,
     /// x's type.
     pub x_ty: TensorType,
     /// DAG costs: (fused, unfused), each node counted once.
@@ -426,7 +424,6 @@ impl<'a> Index<'a> {
                 Op::RmsNorm { .. } | Op::FusedAddRmsNorm { .. }
             )
         });
-        let decomposed = norm_node.is_none();
         let norm_node = norm_node.or_else(|| {
             ports
                 .iter()
@@ -450,10 +447,16 @@ impl<'a> Index<'a> {
             region,
             ports,
             norm_node,
-            decomposed,
             x_ty,
             cost,
         })
+    }
+
+    /// The IR node a class stands for, as "`id` (op)", when the class holds an IR value.
+    pub fn node_of(&self, c: Id) -> Option<String> {
+        let v = self.values_in.get(&self.eg.find(c))?.first()?;
+        let n = self.g.node(v.node);
+        Some(format!("`{}` ({})", n.id, n.op.name()))
     }
 
     fn is_wait_node(&self, n: u32) -> bool {

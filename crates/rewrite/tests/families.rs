@@ -65,7 +65,7 @@ fn family_gemma_and_views() {
 }
 
 #[test]
-fn decomposed_norm_fuses_exactly_like_rms_norm() {
+fn decomposed_llama_norm_fuses_like_rms_norm_but_rounds_twice() {
     for layers in [1, 3] {
         let a = Stack {
             layers,
@@ -80,13 +80,31 @@ fn decomposed_norm_fuses_exactly_like_rms_norm() {
         .build();
         let la = lowered(&a, &h200());
         let ld = lowered(&d, &h200());
-        assert_eq!(la.graph.canonical_text(), ld.graph.canonical_text());
+        // The same fused nodes, except that the decomposition's two roundings are kept.
+        let text = ld.graph.canonical_text();
+        assert_eq!(
+            text.matches("\"norm_rounding\":\"twice\",").count(),
+            2 * layers + 1
+        );
+        assert_eq!(
+            text.replace("\"norm_rounding\":\"twice\",", ""),
+            la.graph.canonical_text()
+        );
         assert!(ld.report.sites.iter().all(|s| s.fused));
         assert!(ld
             .report
             .sites
             .iter()
-            .all(|s| s.notes.iter().any(|n| n.contains("1 ulp"))));
+            .all(|s| s.notes.iter().any(|n| n.contains("rounds twice"))
+                && s.pattern
+                    .as_deref()
+                    .is_some_and(|p| p.ends_with("(round_twice)"))));
+        assert!(la.report.sites.iter().all(|s| s.notes.is_empty()));
+        for (_, n) in ld.graph.nodes() {
+            if let Op::FusedAllreduceNorm(f) = &n.op {
+                assert_eq!(f.norm_rounding, arfuse_ir::NormRounding::Twice, "{}", n.id);
+            }
+        }
     }
 }
 

@@ -22,7 +22,7 @@ fn report_of_a_quantised_stack() {
 }
 
 #[test]
-fn report_of_a_decomposed_stack_notes_the_rounding_once() {
+fn report_of_a_decomposed_stack_notes_the_two_roundings_once() {
     let g = Stack {
         layers: 2,
         norm: NormForm::Decomposed,
@@ -32,9 +32,9 @@ fn report_of_a_decomposed_stack_notes_the_rounding_once() {
     .build();
     let l = lowered(&g, &h200());
     let text = l.report.to_string();
-    assert_eq!(text.matches("1 ulp").count(), 1, "{text}");
+    assert_eq!(text.matches("rounds twice").count(), 1, "{text}");
     assert!(
-        text.contains("note (5 sites): decomposed RMSNorm"),
+        text.contains("note (5 sites): the RMSNorm rounds twice as written"),
         "{text}"
     );
     insta::assert_snapshot!("report_decomposed_stack", text);

@@ -23,6 +23,7 @@ fn main() {
             hidden: 4096,
             weight_bias: 0,
             gamma_f32: false,
+            norm_round_twice: false,
         };
         let t = Instant::now();
         let inputs = check::make_inputs(&c, 1).expect("inputs");

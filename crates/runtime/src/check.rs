@@ -102,6 +102,9 @@ pub struct Case {
     /// The RMSNorm weight is f32 (the Gemma form `1 + w.float()`), not the activation
     /// dtype.
     pub gamma_f32: bool,
+    /// The RMSNorm rounds `h * r` to the activation dtype before the weight multiply
+    /// (`NormRounding::Twice`, the Llama order).
+    pub norm_round_twice: bool,
 }
 
 impl Case {
@@ -171,6 +174,9 @@ impl Case {
         }
         if self.gamma_f32 && !self.epilogue.norm {
             return Err(Error::Invalid("an f32 weight needs an RMSNorm".into()));
+        }
+        if self.norm_round_twice && !self.epilogue.norm {
+            return Err(Error::Invalid("a norm rounding needs an RMSNorm".into()));
         }
         Ok(())
     }
@@ -265,9 +271,13 @@ pub fn cases_for_tokens(hidden: u32, nvfp4: bool, token_counts: &[u32]) -> Vec<C
                             hidden,
                             // The Gemma form (offset weight in f32) on the
                             // residual-free norms, so both weight forms run with
-                            // every quant.
+                            // every quant; the two-rounding Llama order on the
+                            // two-shot residual norms, so both roundings do too.
                             weight_bias: u32::from(epilogue.norm && !epilogue.residual),
                             gamma_f32: epilogue.norm && !epilogue.residual,
+                            norm_round_twice: epilogue.norm
+                                && epilogue.residual
+                                && strategy == Strategy::TwoShot,
                         };
                         if c.validate().is_ok() {
                             out.push(c);
@@ -540,8 +550,14 @@ pub fn expected(case: &Case, inputs: &Inputs) -> Result<Vec<RankOutputs>> {
         } else {
             a.clone()
         };
-        let y = contract::rms_norm(&h, &gamma, EPS, f64::from(case.weight_bias), fmt)
-            .map_err(reference)?;
+        let rounding = if case.norm_round_twice {
+            contract::NormRounding::Twice
+        } else {
+            contract::NormRounding::Once
+        };
+        let y =
+            contract::rms_norm_with(&h, &gamma, EPS, f64::from(case.weight_bias), rounding, fmt)
+                .map_err(reference)?;
         let (quant, scale) = quant_bytes(case, &y, inputs.scale_in)?;
         Ok(RankOutputs {
             out: encode(case.dtype, &y),
@@ -829,6 +845,7 @@ mod tests {
             hidden: 256,
             weight_bias: 0,
             gamma_f32: false,
+            norm_round_twice: false,
         }
     }
 
@@ -860,6 +877,15 @@ mod tests {
         assert!(with
             .iter()
             .any(|c| c.epilogue.norm && !c.epilogue.residual && c.weight_bias == 1));
+        // Both RMSNorm roundings run with every quant form on the residual norms.
+        for q in [Quant::None, Quant::Fp8PerToken, Quant::Nvfp4Swizzled] {
+            for twice in [false, true] {
+                assert!(with.iter().any(|c| c.epilogue.residual
+                    && c.epilogue.norm
+                    && c.epilogue.quant == q
+                    && c.norm_round_twice == twice));
+            }
+        }
         // H = 2880 (gpt-oss) is not a multiple of 128: no group quant cases.
         assert!(all_cases(2880, true)
             .iter()
@@ -976,6 +1002,42 @@ mod tests {
         let e = expected(&ar, &make_inputs(&ar, 2).unwrap()).unwrap();
         assert!(e.windows(2).all(|w| w[0] == w[1]));
         assert!(e[0].residual_out.is_empty());
+    }
+
+    #[test]
+    fn expected_norm_follows_the_case_rounding() {
+        // The two-rounding case is the Llama decomposition element for element, and
+        // differs from the one-rounding case somewhere.
+        let once = case(Epilogue::RES_NORM, Dtype::Bf16, 8);
+        let twice = Case {
+            norm_round_twice: true,
+            ..once
+        };
+        let inp = make_inputs(&once, 7).unwrap();
+        let (eo, et) = (
+            expected(&once, &inp).unwrap(),
+            expected(&twice, &inp).unwrap(),
+        );
+        let h = decode(Dtype::Bf16, &et[0].residual_out);
+        let g = decode(Dtype::Bf16, &inp.gamma);
+        let y = decode(Dtype::Bf16, &et[0].out);
+        let bf = FloatFormat::Bf16;
+        let hidden = once.hidden as usize;
+        let r = contract::rms_inv(&h[..hidden], contract::eps_f32(EPS));
+        for i in 0..hidden {
+            assert_eq!(
+                y[i].to_bits(),
+                bf.round(bf.round(h[i] * r) * g[i]).to_bits()
+            );
+        }
+        assert_eq!(eo[0].residual_out, et[0].residual_out);
+        assert_ne!(eo[0].out, et[0].out);
+        assert!(Case {
+            epilogue: Epilogue::AR_ONLY,
+            ..twice
+        }
+        .validate()
+        .is_err());
     }
 
     #[test]

@@ -177,9 +177,15 @@ pub struct KernelParams {
     /// 1 when `gamma` is f32 (the Gemma form `1 + w.float()` with 16-bit activations),
     /// 0 when it has the activation dtype. `ArfParams::gamma_f32`.
     pub gamma_f32: i32,
+    /// 1 when the RMSNorm rounds `h * r` to the activation dtype before the weight
+    /// multiply (`NormRounding::Twice`, the Llama order), 0 for one rounding.
+    /// `ArfParams::norm_round_twice`.
+    pub norm_round_twice: i32,
+    /// Padding (the size stays a multiple of 8).
+    pub pad: i32,
 }
 
-const _: () = assert!(std::mem::size_of::<KernelParams>() == 304);
+const _: () = assert!(std::mem::size_of::<KernelParams>() == 312);
 
 impl KernelParams {
     /// Fills the workspace fields from a layout and the base of rank 0's slice

@@ -51,6 +51,9 @@ pub struct NodeKernels {
     /// The RMSNorm weight is f32 (the Gemma form `1 + w.float()` with 16-bit
     /// activations), not the activation dtype.
     pub gamma_f32: bool,
+    /// The RMSNorm rounds `h * r` to the activation dtype before the weight multiply
+    /// (the node's `norm_rounding` is `twice`: the contract's clause 3).
+    pub norm_round_twice: bool,
     /// Outputs the node writes (the others are passed as null pointers).
     pub outputs: Vec<FusedOutput>,
     /// The plan's backend, in the runtime's terms.
@@ -268,6 +271,7 @@ impl NodeKernels {
             eps,
             weight_bias: weight_bias as f32,
             gamma_f32: weight_dtype == DType::F32,
+            norm_round_twice: attrs.norm_rounding == arfuse_ir::NormRounding::Twice,
             outputs: attrs.outputs.clone(),
             backend,
             workspace,
@@ -416,6 +420,7 @@ mod tests {
             group: "tp".into(),
             eps: 1e-5,
             weight_bias: 0.0,
+            norm_rounding: arfuse_ir::NormRounding::Once,
             residual: true,
             quant: FusedQuant::None,
             outputs: vec![FusedOutput::Norm, FusedOutput::Residual],

@@ -329,6 +329,7 @@ fn base_params(k: &NodeKernels, t: &NodeTensors) -> KernelParams {
         eps: k.eps,
         weight_bias: k.weight_bias,
         gamma_f32: i32::from(k.gamma_f32),
+        norm_round_twice: i32::from(k.norm_round_twice),
         timeout_ns: cuda::DEFAULT_TIMEOUT_NS,
         ..KernelParams::default()
     }
@@ -419,6 +420,7 @@ mod tests {
             group: "tp".into(),
             eps: 1e-6,
             weight_bias: 0.0,
+            norm_rounding: arfuse_ir::NormRounding::Once,
             residual: true,
             quant: FusedQuant::None,
             outputs: vec![FusedOutput::Norm, FusedOutput::Residual],

@@ -42,9 +42,10 @@ pub mod symbolic;
 
 pub use archive::MAX_ARCHIVE_MEMBERS;
 
-use crate::{check_size, Format, ImportError, Imported};
+use crate::{check_size, Format, ImportError, ImportOptions, Imported};
 use arfuse_ir::{
-    DType, Dim, Graph, InputKind, Node, NodeId, Op, SymbolRange, TensorType, Value, MAX_ID_LEN,
+    looks_like_collective, DType, Dim, Graph, InputKind, Node, NodeId, Op, SymbolRange, TensorType,
+    Value, MAX_ID_LEN,
 };
 use schema::{Header, NamedArg, Program, RawNode, TensorMeta};
 use serde_json::{json, Value as Json};
@@ -77,8 +78,16 @@ pub const CHECK_TARGETS: &[&str] = &[
     "aten._functional_sym_constrain_range_for_size.default",
 ];
 
-/// Imports a torch.export ExportedProgram: the bare JSON, or a `.pt2` zip archive
-/// holding it (which archive member is read: `docs/torch-export.md`).
+/// Imports a torch.export ExportedProgram with [`ImportOptions::default`].
+///
+/// Errors: see [`import_with`].
+pub fn import(bytes: &[u8]) -> Result<Imported, ImportError> {
+    import_with(bytes, &ImportOptions::default())
+}
+
+/// Imports a torch.export ExportedProgram (or a post-grad FX graph in the same schema,
+/// `docs/fx-graph-format.md`): the bare JSON, or a `.pt2` zip archive holding it (which
+/// archive member is read: `docs/torch-export.md`).
 ///
 /// Errors: size limits, [`ImportError::Archive`], [`ImportError::Json`] (a truncated
 /// file), [`ImportError::SchemaVersion`] for a major version other than
@@ -86,7 +95,7 @@ pub const CHECK_TARGETS: &[&str] = &[
 /// for a node naming a tensor nothing produced, [`ImportError::UnsupportedDtype`],
 /// [`ImportError::Dimension`], and [`ImportError::Invalid`] if the result does not
 /// validate.
-pub fn import(bytes: &[u8]) -> Result<Imported, ImportError> {
+pub fn import_with(bytes: &[u8], options: &ImportOptions) -> Result<Imported, ImportError> {
     check_size("the file", bytes.len())?;
     let from_archive;
     let json_bytes: &[u8] = if crate::detect(bytes) == Format::TorchExportPt2 {
@@ -102,7 +111,7 @@ pub fn import(bytes: &[u8]) -> Result<Imported, ImportError> {
     let header: Header = serde_json::from_str(text).map_err(ImportError::json)?;
     let version = check_version(header.schema_version.as_ref())?;
     let program: Program = serde_json::from_str(text).map_err(ImportError::json)?;
-    Builder::new(&program, version)?.build(&program)
+    Builder::new(&program, version, options)?.build(&program)
 }
 
 fn check_version(v: Option<&Json>) -> Result<String, ImportError> {
@@ -191,6 +200,7 @@ impl Notes {
                 1 => format!("forwarded {n} {what} (identity: users read its input)"),
                 2 => format!("skipped {n} {what} node(s) computing symbolic sizes only"),
                 3 => format!("typed {n} bool tensor(s) as u8 (only opaque ops use them)"),
+                5 => format!("warning: {what} ({n} node(s))"),
                 _ => format!("kept {n} {what}"),
             })
             .collect();
@@ -211,6 +221,16 @@ struct Builder<'p> {
     fresh: HashMap<String, String>,
     prefix: Vec<String>,
     notes: Notes,
+    opts: &'p ImportOptions,
+    folds: Folds,
+}
+
+/// `sum` + division pairs that become one `mean` ([`ops::sum_divisor`]): the sums (node
+/// indices) and, for each division, the sum output it forwards.
+#[derive(Default)]
+struct Folds {
+    sums: HashSet<usize>,
+    divisions: HashMap<usize, String>,
 }
 
 /// Location text for a node: `nodes[12] (linear_3)`.
@@ -333,7 +353,11 @@ fn range_value(v: Option<&Json>) -> Option<u64> {
 }
 
 impl<'p> Builder<'p> {
-    fn new(p: &'p Program, version: String) -> Result<Builder<'p>, ImportError> {
+    fn new(
+        p: &'p Program,
+        version: String,
+        opts: &'p ImportOptions,
+    ) -> Result<Builder<'p>, ImportError> {
         let graph = &p.graph_module.graph;
         let mut g = Graph::new();
         let mut notes = Notes::default();
@@ -410,7 +434,83 @@ impl<'p> Builder<'p> {
             fresh: HashMap::new(),
             prefix,
             notes,
+            opts,
+            folds: Folds::default(),
         })
+    }
+
+    /// Finds every `aten.sum.dim_IntList` whose only reader (checks aside) is an
+    /// `aten.div.Tensor` by the number of summed elements ([`ops::sum_divisor`]).
+    fn find_folds(&self, nodes: &[RawNode]) -> Folds {
+        let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (i, n) in nodes.iter().enumerate() {
+            if CHECK_TARGETS.contains(&short_target(&n.target)) {
+                continue;
+            }
+            for a in &n.inputs {
+                for_each_tensor(&a.arg, &mut |t| {
+                    if let Some((k, _)) = self.meta.get_key_value(t) {
+                        readers.entry(k).or_default().push(i);
+                    }
+                });
+            }
+        }
+        let mut folds = Folds::default();
+        for (i, n) in nodes.iter().enumerate() {
+            if short_target(&n.target) != "aten.sum.dim_IntList" {
+                continue;
+            }
+            let (Some(x), Some(out)) = (
+                arg(n, "self").and_then(tensor_of),
+                n.outputs.first().and_then(tensor_of),
+            ) else {
+                continue;
+            };
+            let [d] = readers.get(out).map(Vec::as_slice).unwrap_or_default() else {
+                continue;
+            };
+            let div = &nodes[*d];
+            let divisor = arg(div, "other").and_then(|a| {
+                a.get("as_int")
+                    .and_then(Json::as_f64)
+                    .or_else(|| a.get("as_float").and_then(Json::as_f64))
+            });
+            if short_target(&div.target) != "aten.div.Tensor"
+                || arg(div, "self").and_then(tensor_of) != Some(out)
+                || !is_absent(arg(div, "rounding_mode"))
+            {
+                continue;
+            }
+            let types = self.plain_type(x).zip(self.plain_type(out));
+            let Some(count) = types.and_then(|(tx, to)| ops::sum_divisor(&n.inputs, &tx, &to))
+            else {
+                continue;
+            };
+            if divisor == Some(count as f64) {
+                folds.sums.insert(i);
+                folds.divisions.insert(*d, out.to_string());
+            }
+        }
+        folds
+    }
+
+    /// The type of a tensor from its metadata alone (no symbols created, no notes),
+    /// when its sizes are constants or plain symbols.
+    fn plain_type(&self, tensor: &str) -> Option<TensorType> {
+        let m = self.meta.get(tensor)?;
+        let (dtype, is_bool) = scalar_type(m.dtype).ok()?;
+        if is_bool {
+            return None;
+        }
+        let dims = m
+            .sizes
+            .iter()
+            .map(|s| match s.get("as_int").and_then(Json::as_u64) {
+                Some(n) => Some(Dim::constant(n)),
+                None => Some(Dim::symbol("_")),
+            })
+            .collect::<Option<Vec<Dim>>>()?;
+        Some(TensorType::new(dtype, dims))
     }
 
     /// A module path with the wrapper prefix removed (`None` when nothing is left).
@@ -585,6 +685,7 @@ impl<'p> Builder<'p> {
                 },
             );
         }
+        self.folds = self.find_folds(&graph.nodes.0);
         for (i, node) in graph.nodes.0.iter().enumerate() {
             self.node(i, node)?;
         }
@@ -623,6 +724,8 @@ impl<'p> Builder<'p> {
         name
     }
 
+    /// Imports one torch node: resolves its tensors, plans its lowering, adds the IR
+    /// nodes and binds its outputs (and, for an in-place op, the tensor it mutates).
     fn node(&mut self, i: usize, n: &'p RawNode) -> Result<(), ImportError> {
         let target = short_target(&n.target);
         let loc = node_loc(i, n);
@@ -639,11 +742,29 @@ impl<'p> Builder<'p> {
             }
             return Ok(());
         }
-        if out_names.is_empty() && other_outputs > 0 {
+        if out_names.is_empty() && other_outputs > 0 && !looks_like_collective(target) {
             self.notes.count(2, target.to_string());
             return Ok(());
         }
-        // Tensor arguments, resolved.
+        let ins = self.node_inputs(n, &loc)?;
+        let mut outs = Vec::with_capacity(out_names.len());
+        for t in &out_names {
+            if self.tensors.contains_key(*t) || self.dropped.contains(*t) {
+                return Err(ImportError::malformed(
+                    loc,
+                    format!("tensor {t:?} is produced twice"),
+                ));
+            }
+            outs.push(self.tensor_type(t, &loc)?);
+        }
+        let lowering = self.plan_node(i, target, n, &ins, &outs);
+        let made = self.apply(i, n, target, lowering, &out_names, &outs)?;
+        self.rebind_mutated(target, n, &made);
+        Ok(())
+    }
+
+    /// The tensor arguments of `n`, resolved, in argument order.
+    fn node_inputs(&self, n: &RawNode, loc: &str) -> Result<Vec<Bound>, ImportError> {
         let mut ins: Vec<Bound> = Vec::new();
         let mut missing = None;
         for a in &n.inputs {
@@ -657,48 +778,57 @@ impl<'p> Builder<'p> {
                 }
             });
         }
-        if let Some(t) = missing {
-            if self.dropped.contains(&t) {
-                return Err(ImportError::MissingTensor {
-                    node: loc,
-                    tensor: format!("{t} (the output of a dropped check)"),
-                });
-            }
-            return Err(ImportError::MissingTensor {
-                node: loc,
+        match missing {
+            None => Ok(ins),
+            Some(t) if self.dropped.contains(&t) => Err(ImportError::MissingTensor {
+                node: loc.to_string(),
+                tensor: format!("{t} (the output of a dropped check)"),
+            }),
+            Some(t) => Err(ImportError::MissingTensor {
+                node: loc.to_string(),
                 tensor: t,
-            });
+            }),
         }
-        let mut outs = Vec::with_capacity(out_names.len());
-        for t in &out_names {
-            if self.tensors.contains_key(*t) || self.dropped.contains(*t) {
-                return Err(ImportError::malformed(
-                    loc,
-                    format!("tensor {t:?} is produced twice"),
-                ));
-            }
-            outs.push(self.tensor_type(t, &loc)?);
-        }
-        let module = n
-            .metadata
-            .get("nn_module_stack")
-            .and_then(Json::as_str)
-            .and_then(innermost_module)
-            .and_then(|m| self.strip_module(m));
-        let name = n
-            .name
-            .clone()
-            .or_else(|| out_names.first().map(|s| s.to_string()))
-            .unwrap_or_else(|| format!("{target}_{i}"));
+    }
 
+    /// How node `i` lowers: the mapped plan when it type-checks, else `opaque` (with the
+    /// reason noted, and a warning when the target looks like a collective).
+    fn plan_node(
+        &mut self,
+        i: usize,
+        target: &str,
+        n: &RawNode,
+        ins: &[Bound],
+        outs: &[(TensorType, bool)],
+    ) -> Lowering {
+        if let Some(sum_out) = self.folds.divisions.get(&i) {
+            // Only when the sum did become a mean (it stays opaque if it failed to map).
+            let mean = self
+                .tensors
+                .get(sum_out)
+                .filter(|b| matches!(self.g.node(b.value.node).op, Op::Mean { .. }));
+            if let Some(b) = mean {
+                self.notes.count(
+                    1,
+                    format!("{target} (a division of a sum by its element count, now a mean)"),
+                );
+                return Lowering::Forward(b.value);
+            }
+        }
         let view = ops::NodeView {
             target,
             args: &n.inputs,
-            ins: &ins,
-            outs: &outs,
+            ins,
+            outs,
             g: &self.g,
+            opts: self.opts,
         };
-        let lowering = match ops::lower(&view) {
+        let planned = if self.folds.sums.contains(&i) {
+            ops::mean_of_sum(&view)
+        } else {
+            ops::lower(&view)
+        };
+        let lowering = match planned {
             Ok(l) => match self.check(&l) {
                 Ok(()) => Some(l),
                 Err(why) => {
@@ -716,23 +846,60 @@ impl<'p> Builder<'p> {
                 None
             }
         };
-        let lowering = match lowering {
-            Some(l) => l,
-            None => Lowering::Nodes(vec![self.opaque(target, &n.inputs, &ins, &outs)]),
-        };
+        lowering.unwrap_or_else(|| {
+            if looks_like_collective(target) {
+                self.notes.count(
+                    5,
+                    format!(
+                        "{target}: looks like a collective but is not an all-reduce arfuse \
+                         understands; kept opaque, so the sites it stands for may be missed \
+                         (a framework's all-reduce can be named with --all-reduce-op NAME)"
+                    ),
+                );
+            }
+            Lowering::Nodes(vec![self.opaque(target, &n.inputs, ins, outs)])
+        })
+    }
+
+    /// Adds the planned nodes of torch node `i` and binds its output tensors; returns
+    /// the values its outputs now are.
+    fn apply(
+        &mut self,
+        i: usize,
+        n: &RawNode,
+        target: &str,
+        lowering: Lowering,
+        out_names: &[&str],
+        outs: &[(TensorType, bool)],
+    ) -> Result<Vec<Value>, ImportError> {
+        let module = n
+            .metadata
+            .get("nn_module_stack")
+            .and_then(Json::as_str)
+            .and_then(innermost_module)
+            .and_then(|m| self.strip_module(m));
+        let name = n
+            .name
+            .clone()
+            .or_else(|| out_names.first().map(|s| s.to_string()))
+            .unwrap_or_else(|| format!("{target}_{i}"));
         match lowering {
             Lowering::Forward(v) => {
-                self.notes.count(1, target.to_string());
+                let folded = self.folds.divisions.contains_key(&i)
+                    && matches!(self.g.node(v.node).op, Op::Mean { .. });
+                if !folded {
+                    self.notes.count(1, target.to_string());
+                }
                 let is_bool = outs.first().map(|o| o.1).unwrap_or(false);
                 if let Some(t) = out_names.first() {
                     self.tensors
                         .insert(t.to_string(), Bound { value: v, is_bool });
                 }
+                Ok(vec![v])
             }
             Lowering::Nodes(nodes) => {
                 let mut made: Vec<NodeId> = Vec::with_capacity(nodes.len());
-                let count = nodes.len();
-                for (k, pn) in nodes.into_iter().enumerate() {
+                for pn in nodes {
                     let id = match pn.suffix {
                         Some(s) => self.unique_id(&format!("{}_{s}", sanitize_id(&name))),
                         None => self.unique_id(&name),
@@ -753,21 +920,53 @@ impl<'p> Builder<'p> {
                         module: module.clone(),
                     })?;
                     made.push(nid);
-                    if k + 1 == count {
-                        for (j, t) in out_names.iter().enumerate() {
-                            self.tensors.insert(
-                                t.to_string(),
-                                Bound {
-                                    value: Value::new(nid, j as u32),
-                                    is_bool: outs[j].1,
-                                },
-                            );
-                        }
-                    }
                 }
+                let Some(&last) = made.last() else {
+                    return Ok(Vec::new());
+                };
+                let mut values = Vec::with_capacity(out_names.len());
+                for (j, t) in out_names.iter().enumerate() {
+                    let value = Value::new(last, j as u32);
+                    self.tensors.insert(
+                        t.to_string(),
+                        Bound {
+                            value,
+                            is_bool: outs[j].1,
+                        },
+                    );
+                    values.push(value);
+                }
+                Ok(values)
             }
         }
-        Ok(())
+    }
+
+    /// After an in-place op, later readers of the tensors of its first argument read
+    /// its outputs (torch's graphs run in order, so a mutation is seen by every node
+    /// after it). Output `k` stands for the `k`-th mutated tensor when the types agree.
+    fn rebind_mutated(&mut self, target: &str, n: &RawNode, made: &[Value]) {
+        if !ops::mutates_first_argument(target) {
+            return;
+        }
+        let Some(first) = n.inputs.first() else {
+            return;
+        };
+        let mut mutated: Vec<String> = Vec::new();
+        for_each_tensor(&first.arg, &mut |t| mutated.push(t.to_string()));
+        for (k, name) in mutated.iter().enumerate() {
+            let (Some(old), Some(&new)) = (self.tensors.get(name).copied(), made.get(k)) else {
+                continue;
+            };
+            if self.g.value_type(old.value) == self.g.value_type(new) {
+                self.tensors.insert(
+                    name.clone(),
+                    Bound {
+                        value: new,
+                        is_bool: old.is_bool,
+                    },
+                );
+            }
+        }
     }
 
     /// Type-checks a lowering with the IR's own validator, on a scratch graph holding
@@ -956,6 +1155,23 @@ impl<'p> Builder<'p> {
             },
         }
     }
+}
+
+/// An optional argument that is absent or `None`.
+fn is_absent(a: Option<&Json>) -> bool {
+    a.map_or(true, |a| a.get("as_none").is_some())
+}
+
+/// The tensor name of an `as_tensor` argument or output.
+fn tensor_of(a: &Json) -> Option<&str> {
+    a.get("as_tensor")
+        .and_then(|t| t.get("name"))
+        .and_then(Json::as_str)
+}
+
+/// A node's argument by name.
+fn arg<'n>(n: &'n RawNode, name: &str) -> Option<&'n Json> {
+    n.inputs.iter().find(|a| a.name == name).map(|a| &a.arg)
 }
 
 fn truncate(s: &str, n: usize) -> String {

@@ -1,12 +1,22 @@
-//! The mapping of ATen and functional-collective targets onto IR ops.
+//! The mapping of ATen, prims and collective targets onto IR ops.
 //!
 //! [`lower`] returns the planned IR nodes for one torch node, `Err(None)` for a target
 //! that is simply not modelled (it becomes `opaque`) and `Err(Some(why))` for a
 //! modelled target whose arguments do not fit the IR op (it becomes `opaque`, and the
 //! reason is noted). The caller type-checks every plan with the IR validator.
+//!
+//! The same table serves torch.export graphs and the post-grad graphs a torch.compile
+//! pass serializes (`docs/fx-graph-format.md`): `prims.convert_element_type` is a cast,
+//! `aten._unsafe_view` a view, `aten.sum.dim_IntList` followed by a division by the
+//! element count a `mean` (paired by the builder, [`mean_of_sum`]), and element-wise
+//! ops follow torch's type promotion ([`promote`]). Collectives: [`collective`].
+
+mod collective;
+mod promote;
 
 use super::{Bound, Lowering, PIn, PNode};
-use arfuse_ir::{Graph, Op, ReduceOp, TensorType, Value};
+use crate::ImportOptions;
+use arfuse_ir::{Graph, Op, TensorType, Value};
 use serde_json::Value as Json;
 
 use super::schema::NamedArg;
@@ -23,6 +33,8 @@ pub(super) struct NodeView<'a> {
     pub outs: &'a [(TensorType, bool)],
     /// The graph built so far.
     pub g: &'a Graph,
+    /// The import options (custom all-reduce ops).
+    pub opts: &'a ImportOptions,
 }
 
 type Plan = Result<Lowering, Option<String>>;
@@ -40,6 +52,7 @@ const IDENTITY: &[&str] = &[
 
 /// Casts: the output dtype comes from the output's metadata.
 const CASTS: &[&str] = &[
+    "prims.convert_element_type.default",
     "aten.to.dtype",
     "aten.to.dtype_layout",
     "aten.to.device",
@@ -87,6 +100,20 @@ impl NodeView<'_> {
                 };
             }
             k += n;
+        }
+        None
+    }
+
+    /// The first tensor of list argument `name`.
+    fn tensor_in_list(&self, name: &str) -> Option<Bound> {
+        let mut k = 0;
+        for a in self.args {
+            if a.name == name {
+                return (tensors_in(&a.arg) > 0)
+                    .then(|| self.ins.get(k).copied())
+                    .flatten();
+            }
+            k += tensors_in(&a.arg);
         }
         None
     }
@@ -156,6 +183,9 @@ fn node(op: Op, inputs: Vec<PIn>, outputs: Vec<TensorType>) -> PNode {
 /// Plans the IR nodes of one torch node.
 pub(super) fn lower(v: &NodeView<'_>) -> Plan {
     let t = v.target;
+    if let Some(c) = v.opts.custom_all_reduce(t) {
+        return collective::custom(v, c);
+    }
     if IDENTITY.contains(&t) {
         return identity(v);
     }
@@ -166,9 +196,13 @@ pub(super) fn lower(v: &NodeView<'_>) -> Plan {
         return view(v);
     }
     match t {
-        "_c10d_functional.all_reduce.default" => all_reduce(v),
-        "aten.add.Tensor" | "aten.add.Scalar" => binary(v, Op::Add, true),
-        "aten.mul.Tensor" | "aten.mul.Scalar" => binary(v, Op::Mul, false),
+        "_c10d_functional.all_reduce.default"
+        | "_c10d_functional.all_reduce_.default"
+        | "c10d_functional.all_reduce.default" => collective::functional(v),
+        "c10d.allreduce_.default" => collective::c10d_inplace(v),
+        "aten.add.Tensor" | "aten.add.Scalar" => promote::binary(v, promote::Bin::Add),
+        "aten.mul.Tensor" | "aten.mul.Scalar" => promote::binary(v, promote::Bin::Mul),
+        "aten.copy_.default" => copy(v),
         "aten.pow.Tensor_Scalar" => pow(v),
         "aten.mean.dim" => mean(v),
         "aten.rsqrt.default" => unary_float(v, Op::Rsqrt),
@@ -180,11 +214,23 @@ pub(super) fn lower(v: &NodeView<'_>) -> Plan {
     }
 }
 
+/// Whether `target` mutates its first argument in place (ATen's naming: the op name
+/// ends in `_`, `aten.add_.Tensor`, `aten.copy_.default`, `c10d.allreduce_.default`;
+/// dunder names such as `__and__` do not).
+pub(super) fn mutates_first_argument(target: &str) -> bool {
+    let mut parts = target.split('.');
+    let (Some(_ns), Some(name)) = (parts.next(), parts.next()) else {
+        return false;
+    };
+    name.ends_with('_') && !name.starts_with("__")
+}
+
 fn self_tensor(v: &NodeView<'_>) -> Result<(Bound, TensorType), Option<String>> {
     let b = v
         .tensor_arg("self")
         .or_else(|| v.tensor_arg("input"))
         .or_else(|| v.tensor_arg("tensor"))
+        .or_else(|| v.tensor_arg("a"))
         .ok_or_else(|| why("no tensor `self` argument"))?;
     let ty = v.ty(b.value).cloned().ok_or_else(|| why("unknown input"))?;
     Ok((b, ty))
@@ -237,89 +283,37 @@ fn view(v: &NodeView<'_>) -> Plan {
     )]))
 }
 
-fn all_reduce(v: &NodeView<'_>) -> Plan {
-    let (b, ty) = self_tensor(v)?;
+/// `aten.copy_(self, src)`: `self` now holds `src` converted to `self`'s dtype (the
+/// builder rebinds `self` for later readers). A broadcasting copy stays opaque.
+fn copy(v: &NodeView<'_>) -> Plan {
+    let dst = v
+        .tensor_arg("self")
+        .ok_or_else(|| why("no tensor `self` argument"))?;
+    let src = v
+        .tensor_arg("src")
+        .ok_or_else(|| why("no tensor `src` argument"))?;
+    let (dty, sty) = match (v.ty(dst.value), v.ty(src.value)) {
+        (Some(d), Some(s)) => (d.clone(), s.clone()),
+        _ => return Err(why("unknown input")),
+    };
     let out = v.one_out()?;
-    let reduce = v
-        .arg("reduce_op")
-        .and_then(|a| a.get("as_string"))
-        .and_then(Json::as_str)
-        .ok_or_else(|| why("no reduce_op string"))?;
-    if !reduce.eq_ignore_ascii_case("sum") {
-        return Err(why(format!("reduce op {reduce:?} (only sum is modelled)")));
+    if out.0 != dty || dst.is_bool != out.1 {
+        return Err(why(format!("output {} differs from `self` {dty}", out.0)));
     }
-    let group = v
-        .arg("group_name")
-        .and_then(|a| a.get("as_string"))
-        .and_then(Json::as_str)
-        .ok_or_else(|| why("no group_name string"))?;
-    if out.0 != ty {
-        return Err(why("output type differs from input"));
+    if sty.shape != dty.shape {
+        return Err(why(format!("a broadcasting copy of {sty} into {dty}")));
+    }
+    if sty.dtype == dty.dtype && src.is_bool == dst.is_bool {
+        return Ok(Lowering::Forward(src.value));
+    }
+    if src.is_bool || dst.is_bool {
+        return Err(why("a copy from or to bool"));
     }
     Ok(Lowering::Nodes(vec![node(
-        Op::AllReduce {
-            group: group.to_string(),
-            reduce: ReduceOp::Sum,
-        },
-        vec![PIn::Ext(b.value)],
-        vec![out.0.clone()],
+        Op::ToDtype { dtype: dty.dtype },
+        vec![PIn::Ext(src.value)],
+        vec![dty],
     )]))
-}
-
-fn binary(v: &NodeView<'_>, op: Op, has_alpha: bool) -> Plan {
-    if has_alpha {
-        if let Some(a) = v.arg("alpha") {
-            if scalar(a) != Some(1.0) {
-                return Err(why("alpha != 1"));
-            }
-        }
-    }
-    let (b, ty) = self_tensor(v)?;
-    let out = v.one_out()?;
-    if b.is_bool || out.1 {
-        return Err(why("bool operands"));
-    }
-    let other = v.arg("other").ok_or_else(|| why("no `other` argument"))?;
-    if let Some(o) = v.tensor_arg("other") {
-        if o.is_bool {
-            return Err(why("bool operands"));
-        }
-        let oty = v.ty(o.value).ok_or_else(|| why("unknown input"))?;
-        if oty.dtype != ty.dtype {
-            return Err(why(format!(
-                "operands of different dtypes ({} and {}: torch type promotion)",
-                ty.dtype, oty.dtype
-            )));
-        }
-        return Ok(Lowering::Nodes(vec![node(
-            op,
-            vec![PIn::Ext(b.value), PIn::Ext(o.value)],
-            vec![out.0.clone()],
-        )]));
-    }
-    let Some(c) = scalar(other) else {
-        return Err(why("a non-numeric scalar operand"));
-    };
-    if !ty.dtype.is_float() {
-        return Err(why(format!(
-            "a scalar operand with an integer ({}) tensor",
-            ty.dtype
-        )));
-    }
-    let constant = PNode {
-        suffix: Some("scalar"),
-        op: Op::Constant { value: c },
-        inputs: vec![],
-        outputs: vec![TensorType::new(ty.dtype, vec![])],
-    };
-    Ok(Lowering::Nodes(vec![
-        constant,
-        node(
-            op,
-            vec![PIn::Ext(b.value), PIn::Local(0)],
-            vec![out.0.clone()],
-        ),
-    ]))
 }
 
 fn pow(v: &NodeView<'_>) -> Plan {
@@ -334,6 +328,38 @@ fn pow(v: &NodeView<'_>) -> Plan {
         vec![PIn::Ext(b.value)],
         vec![out.0.clone()],
     )]))
+}
+
+/// `aten.sum.dim_IntList(x, dims, keepdim)` whose only reader divides it by the number
+/// of summed elements, both in f32: the IR's `mean` (the f32 sum divided by the count,
+/// one rounding). The builder decides the pairing ([`sum_divisor`]) and forwards the
+/// division to this node.
+pub(super) fn mean_of_sum(v: &NodeView<'_>) -> Plan {
+    mean(v)
+}
+
+/// The divisor a division by the element count of `sum` must use: the product of the
+/// reduced dims of the f32 input, when every one of them is a constant and the sum
+/// keeps f32 (`dtype` absent). `None` when a `sum` cannot become a `mean`.
+pub(super) fn sum_divisor(args: &[NamedArg], input: &TensorType, out: &TensorType) -> Option<u64> {
+    let arg = |n: &str| args.iter().find(|a| a.name == n).map(|a| &a.arg);
+    if input.dtype != arfuse_ir::DType::F32 || out.dtype != input.dtype || !is_none(arg("dtype")) {
+        return None;
+    }
+    let dims = arg("dim")?.get("as_ints")?.as_array()?;
+    let rank = input.shape.rank() as i64;
+    let mut n: u64 = 1;
+    let mut seen = Vec::new();
+    for d in dims {
+        let d = d.as_i64()?;
+        let k = if d < 0 { d + rank } else { d };
+        if k < 0 || k >= rank || seen.contains(&k) {
+            return None;
+        }
+        seen.push(k);
+        n = n.checked_mul(input.shape.dims()[k as usize].as_const()?)?;
+    }
+    (!seen.is_empty()).then_some(n)
 }
 
 fn mean(v: &NodeView<'_>) -> Plan {

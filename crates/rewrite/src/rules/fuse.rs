@@ -170,7 +170,7 @@ fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<
             an.group
         ));
     }
-    let Some(Leaf::Norm { eps, bias }) = eg[n].data.leaf else {
+    let Some(Leaf::Norm { eps, bias, twice }) = eg[n].data.leaf else {
         return Err("internal: norm attributes missing".into());
     };
     let b = f64::from_bits(bias);
@@ -251,6 +251,7 @@ fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<
         quant: QKind::None,
         eps,
         bias,
+        twice,
     })
 }
 

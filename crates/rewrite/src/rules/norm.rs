@@ -6,23 +6,24 @@
 //! - `decomposed-rms-norm-*` match the decomposition torch emits (domain.md §2):
 //!   `xf = to_dtype(f32, x)`; `ms = mean_last(pow(xf, 2))` or `mean_last(xf * xf)`;
 //!   `inv = rsqrt(ms + eps)` (eps a scalar constant > 0, either operand order);
-//!   `nf = xf * inv` (either order); then either the Llama order
-//!   `w * to_dtype(T, nf)` (either order) or the Gemma / one-rounding order
-//!   `to_dtype(T, nf * wf)` (either order). In the Llama order the weight must have the
-//!   activation dtype T. In the other order `wf` is `to_dtype(f32, w)` with w of dtype
-//!   T (weight_bias 0), or `w32 + 1.0` with an f32 `w32` (the Gemma offset weight:
-//!   weight_bias 1). Anything else is not matched.
+//!   `nf = xf * inv` (either order); then one of the two epilogues, each kept with its
+//!   own rounding (`arfuse_ir::NormRounding`, contract clause 3):
+//!   - the Llama order `w * to_dtype(T, nf)` (either order), w of the activation dtype
+//!     T: `rms_norm` rounding **twice** (`round_T(round_T(h * r) * w)`; for f32
+//!     activations the first rounding is exact and the norm is `once`);
+//!   - the weight applied in f32, `to_dtype(T, nf * wf)` (either order), rounding
+//!     **once**: `wf` is `to_dtype(f32, w)` with w of dtype T (gpt-oss' `(w *
+//!     x_f32).to(T)` once the importer made torch's promotion explicit, Nemotron-H's
+//!     `(w.float() * x).to(T)`; weight_bias 0), `w32 + 1.0` with an f32 `w32` (Gemma's
+//!     `1 + w.float()`: weight_bias 1), or an f32 weight with f32 activations.
 //!
-//! Optional arguments at their defaults need no rule: the IR fills attribute defaults
-//! at load (weight_bias 0, reduce sum) and rejects unknown attributes, so an op that
-//! gains an argument fails loudly instead of silently not matching.
-//!
-//! The decomposition Hugging Face's Llama code writes rounds twice (to T before the
-//! weight multiply); `rms_norm` follows arfuse rounding contract v1 (one rounding), a
-//! documented change of at most about 1 ulp that the report notes per decomposed site.
+//!   A decomposition whose epilogue is neither (a weight of another dtype after the
+//!   rounding to T, or a normalised value rounded to T and widened again before an f32
+//!   weight multiply) is not matched, and the all-reduce it follows is refused with the
+//!   op named ([`FxAnalysis::refuse_at`]).
 
 use super::{rule, union, var};
-use crate::analysis::{FxAnalysis, FxGraph};
+use crate::analysis::{all_reduce_in, FxAnalysis, FxGraph};
 use crate::lang::{Fx, Leaf};
 use arfuse_ir::DType;
 use egg::{Id, Rewrite, Subst};
@@ -162,13 +163,22 @@ fn common(eg: &FxGraph, m: Normed, t: Id) -> Option<(Id, f64, DType)> {
     Some((x, eps, t))
 }
 
-fn add_norm(eg: &mut FxGraph, eclass: Id, x: Id, w: Id, eps: f64, bias: f64) -> Vec<Id> {
+/// The norm attributes of one match: eps, weight_bias and whether it rounds twice.
+#[derive(Clone, Copy)]
+struct NormAttrs {
+    eps: f64,
+    bias: f64,
+    twice: bool,
+}
+
+fn add_norm(eg: &mut FxGraph, eclass: Id, x: Id, w: Id, a: NormAttrs) -> Vec<Id> {
     let mut changed = Vec::new();
     let n = super::leaf(
         eg,
         Leaf::Norm {
-            eps: eps.to_bits(),
-            bias: bias.to_bits(),
+            eps: a.eps.to_bits(),
+            bias: a.bias.to_bits(),
+            twice: a.twice,
         },
     );
     let y = eg.add(Fx::RmsNorm([n, x, w]));
@@ -178,7 +188,8 @@ fn add_norm(eg: &mut FxGraph, eclass: Id, x: Id, w: Id, eps: f64, bias: f64) -> 
     changed
 }
 
-/// `w * to_dtype(T, nf)` (either order): the weight has the activation dtype.
+/// `w * to_dtype(T, nf)` (either order): the weight has the activation dtype; the norm
+/// rounds twice (once when T is f32, where the first rounding is exact).
 fn decomposed_llama(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
     let mut changed = Vec::new();
     let (Some(a), Some(b)) = (var(subst, "?a"), var(subst, "?b")) else {
@@ -199,10 +210,24 @@ fn decomposed_llama(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
                 let Some((x, eps, t)) = common(eg, m, t) else {
                     continue;
                 };
-                if eg[w].data.ty().map(|ty| ty.dtype) != Some(t) {
+                let wd = eg[w].data.ty().map(|ty| ty.dtype);
+                if wd != Some(t) {
+                    let why = format!(
+                        "its RMSNorm multiplies the normalised value, rounded to {t}, by a \
+                         {} weight: neither the two-rounding form (a {t} weight) nor the \
+                         one-rounding form (the weight applied in f32 before one cast to {t}) \
+                         of a fused epilogue",
+                        wd.map(|d| d.name()).unwrap_or("?")
+                    );
+                    refuse_for(eg, x, eclass, why);
                     continue;
                 }
-                changed.extend(add_norm(eg, eclass, x, w, eps, 0.0));
+                let a = NormAttrs {
+                    eps,
+                    bias: 0.0,
+                    twice: t != DType::F32,
+                };
+                changed.extend(add_norm(eg, eclass, x, w, a));
             }
         }
     }
@@ -222,12 +247,108 @@ fn decomposed_one_rounding(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<I
             let Some((x, eps, t)) = common(eg, m, t) else {
                 continue;
             };
-            if let Some((w, bias)) = weight_of(eg, wf, t) {
-                changed.extend(add_norm(eg, eclass, x, w, eps, bias));
+            match weight_of(eg, wf, t) {
+                Some((w, bias)) => {
+                    let a = NormAttrs {
+                        eps,
+                        bias,
+                        twice: false,
+                    };
+                    changed.extend(add_norm(eg, eclass, x, w, a));
+                }
+                None => {
+                    let why = format!(
+                        "its RMSNorm multiplies the normalised f32 value by a weight that is \
+                         none of a cast of a {t} weight, `1 + w` of an f32 weight (Gemma) or an \
+                         f32 weight with f32 activations ({}): not a fused epilogue",
+                        describe(eg, wf)
+                    );
+                    refuse_for(eg, x, eclass, why);
+                }
+            }
+        }
+        // `to_dtype(f32, to_dtype(T', nf))`: rounded to T', widened, then multiplied.
+        for (t2, inner) in widened_casts(eg, nf) {
+            for m in normed(eg, inner) {
+                let Some((x, _, _)) = common(eg, m, t2) else {
+                    continue;
+                };
+                let tn = eg[t2].data.leaf.map(|l| l.to_string()).unwrap_or_default();
+                let why = format!(
+                    "its RMSNorm rounds the normalised value to {tn}, widens it to f32 and \
+                     multiplies it by an f32 weight before the final cast: that rounds twice \
+                     around an f32 weight, which no fused epilogue computes"
+                );
+                refuse_for(eg, x, eclass, why);
             }
         }
     }
     changed
+}
+
+/// `(T', inner)` for every `to_dtype(f32, to_dtype(T', inner))` spelling of class `c`.
+fn widened_casts(eg: &FxGraph, c: Id) -> Vec<(Id, Id)> {
+    let mut out = Vec::new();
+    for n in &eg[c].nodes {
+        let Fx::ToDtype([d, src]) = n else { continue };
+        if eg[*d].data.leaf != Some(Leaf::DType(DType::F32)) {
+            continue;
+        }
+        for sn in &eg[*src].nodes {
+            if let Fx::ToDtype([t2, inner]) = sn {
+                out.push((*t2, *inner));
+            }
+        }
+    }
+    out
+}
+
+/// A short description of class `c` for a refusal: its op and type.
+fn describe(eg: &FxGraph, c: Id) -> String {
+    let op = eg[c]
+        .nodes
+        .iter()
+        .find_map(|n| match n {
+            Fx::Leaf(Leaf::Value(..)) => None,
+            Fx::Leaf(_) => None,
+            other => Some(other.to_string()),
+        })
+        .unwrap_or_else(|| "a graph value".into());
+    match eg[c].data.ty() {
+        Some(t) => format!("{op} of dtype {}", t.dtype),
+        None => op,
+    }
+}
+
+/// Logs `why` against every all-reduce whose output (directly, through views, or as an
+/// operand of the residual add) is the norm input `x`; `at` is the class of the op
+/// that was refused, named in the report.
+fn refuse_for(eg: &mut FxGraph, x: Id, at: Id, why: String) {
+    for inst in feeding_all_reduces(eg, x, 4) {
+        eg.analysis.refuse_at(inst, at, why.clone());
+    }
+}
+
+/// The all-reduces that feed class `x`: `x` itself, an `add` operand of it, or the
+/// same through at most `depth` views.
+fn feeding_all_reduces(eg: &FxGraph, x: Id, depth: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for n in &eg[x].nodes {
+        match n {
+            Fx::AllReduce(_) => out.extend(all_reduce_in(eg, x)),
+            Fx::Add([a, b]) => {
+                out.extend(all_reduce_in(eg, *a));
+                out.extend(all_reduce_in(eg, *b));
+            }
+            Fx::Reshape([_, inner]) if depth > 0 => {
+                out.extend(feeding_all_reduces(eg, *inner, depth - 1))
+            }
+            _ => {}
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 /// The weight and weight_bias a one-rounding `wf` stands for.
