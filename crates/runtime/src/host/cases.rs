@@ -1,0 +1,374 @@
+//! Running the GPU check's cases ([`crate::check::Case`]) on the host device: the
+//! buffers of one case, its parameters, and safe wrappers around the launches (sizes
+//! are checked here, so the kernels only ever see memory the case owns).
+
+use super::launch::{run_ranks, HostKernel, LaunchOptions, RankLaunch};
+use super::memory::{HostBuffer, HostWorkspace};
+use crate::check::{self, Case, Inputs, Liveness, RankOutputs, FILL_BYTE};
+use crate::cuda::{self, KernelParams, RankTensor};
+use crate::error::{Error, Result};
+use crate::variants::{self, Epilogue, KernelKind, Quant, Variant};
+
+/// Default most CTAs per rank of a host launch (every rank uses the same grid, as the
+/// protocols require; the kernels take any grid size). Small, because every CTA is an
+/// OS thread and the CPU has few cores; at least 2 so that consecutive calls with
+/// different T also change the grid.
+pub const DEFAULT_HOST_CTAS: u32 = 4;
+
+/// CTAs per rank of a fused call of `tokens` tokens: `min(T, 256, max_ctas)` (256 is
+/// the kernels' two-shot flag limit, `layout::MAX_CTAS`).
+pub fn fused_grid(tokens: u32, max_ctas: u32) -> u32 {
+    tokens
+        .min(crate::layout::MAX_CTAS as u32)
+        .min(max_ctas.max(1))
+        .max(1)
+}
+
+/// The host buffers of one case: W ranks' inputs and outputs, each rank's slice at a
+/// fixed stride (the case's per-rank size), the RMSNorm weight and the fp32 scalar.
+pub struct CaseIo {
+    case: Case,
+    bytes: check::OutputBytes,
+    x: HostBuffer,
+    residual: HostBuffer,
+    out: HostBuffer,
+    residual_out: HostBuffer,
+    quant: HostBuffer,
+    scale: HostBuffer,
+    gamma: HostBuffer,
+    scale_in: HostBuffer,
+}
+
+fn usize_of(v: u64) -> Result<usize> {
+    usize::try_from(v).map_err(|_| Error::Overflow("host case buffer"))
+}
+
+impl CaseIo {
+    /// Buffers for `case`, inputs uploaded from `inputs` (made by
+    /// [`check::make_inputs`] for the same case), outputs filled with [`FILL_BYTE`].
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for an invalid case or inputs of the wrong size; allocation
+    /// errors.
+    pub fn new(case: &Case, inputs: &Inputs) -> Result<CaseIo> {
+        let b = case.output_bytes()?;
+        let w = u64::from(case.world);
+        let per_rank = |n: u64| n.checked_mul(w).ok_or(Error::Overflow("host case buffer"));
+        let act = b.out;
+        let mut io = CaseIo {
+            case: *case,
+            bytes: b,
+            x: HostBuffer::new(per_rank(act)?)?,
+            residual: HostBuffer::new(per_rank(act)?)?,
+            out: HostBuffer::new(per_rank(b.out)?)?,
+            residual_out: HostBuffer::new(per_rank(b.residual_out)?)?,
+            quant: HostBuffer::new(per_rank(b.quant)?)?,
+            scale: HostBuffer::new(per_rank(b.scale)?)?,
+            gamma: HostBuffer::new(u64::from(case.hidden) * 4)?,
+            scale_in: HostBuffer::new(16)?,
+        };
+        let act = usize_of(act)?;
+        if inputs.x.len() != case.world as usize
+            || inputs.x.iter().any(|v| v.len() != act)
+            || (case.epilogue.residual
+                && (inputs.residual.len() != case.world as usize
+                    || inputs.residual.iter().any(|v| v.len() != act)))
+            || inputs.gamma.len() > io.gamma.len()
+        {
+            return Err(Error::Invalid(format!(
+                "inputs do not match case {}",
+                case.label()
+            )));
+        }
+        for (r, x) in inputs.x.iter().enumerate() {
+            io.x.write(r * act, x)?;
+        }
+        for (r, x) in inputs.residual.iter().enumerate() {
+            io.residual.write(r * act, x)?;
+        }
+        io.gamma.write(0, &inputs.gamma)?;
+        io.scale_in.write(0, &inputs.scale_in.to_le_bytes())?;
+        io.fill_outputs();
+        Ok(io)
+    }
+
+    /// The case these buffers hold.
+    pub fn case(&self) -> &Case {
+        &self.case
+    }
+
+    /// Writes [`FILL_BYTE`] into every output (so unwritten and dead outputs show).
+    pub fn fill_outputs(&mut self) {
+        for buf in [
+            &mut self.out,
+            &mut self.residual_out,
+            &mut self.quant,
+            &mut self.scale,
+        ] {
+            buf.bytes_mut().fill(FILL_BYTE);
+        }
+    }
+
+    /// What the kernels wrote, per rank.
+    ///
+    /// # Errors
+    /// [`Error::Overflow`] on absurd sizes.
+    pub fn outputs(&self) -> Result<Vec<RankOutputs>> {
+        let b = self.bytes;
+        let get = |buf: &HostBuffer, n: u64, r: usize| -> Result<Vec<u8>> {
+            let n = usize_of(n)?;
+            buf.read(r * n, n)
+        };
+        (0..self.case.world as usize)
+            .map(|r| {
+                Ok(RankOutputs {
+                    out: get(&self.out, b.out, r)?,
+                    residual_out: get(&self.residual_out, b.residual_out, r)?,
+                    quant: get(&self.quant, b.quant, r)?,
+                    scale: get(&self.scale, b.scale, r)?,
+                })
+            })
+            .collect()
+    }
+
+    fn tensor(buf: &HostBuffer, per_rank: u64, live: bool) -> RankTensor {
+        if live && per_rank > 0 {
+            RankTensor {
+                ptr: buf.addr(),
+                rank_stride: per_rank,
+            }
+        } else {
+            RankTensor::default()
+        }
+    }
+
+    /// The tensor and scalar fields of the kernels' parameters, with the outputs of
+    /// `live` live and the others null (workspace fields unset).
+    pub fn params(&self, live: Liveness) -> KernelParams {
+        let c = &self.case;
+        let b = self.bytes;
+        KernelParams {
+            x: Self::tensor(&self.x, b.out, true),
+            residual_in: Self::tensor(&self.residual, b.out, c.epilogue.residual),
+            residual_out: Self::tensor(&self.residual_out, b.residual_out, live.residual_out),
+            out: Self::tensor(&self.out, b.out, live.out),
+            quant_out: Self::tensor(&self.quant, b.quant, live.quant),
+            scale_out: Self::tensor(&self.scale, b.scale, live.scale),
+            gamma: self.gamma.addr(),
+            scale_in: if matches!(
+                c.epilogue.quant,
+                Quant::Fp8Static | Quant::Nvfp4Swizzled | Quant::Nvfp4Linear
+            ) {
+                self.scale_in.addr()
+            } else {
+                0
+            },
+            eps: check::EPS as f32,
+            weight_bias: c.weight_bias as f32,
+            gamma_f32: i32::from(c.gamma_f32),
+            timeout_ns: cuda::DEFAULT_TIMEOUT_NS,
+            tokens: c.tokens as i32,
+            hidden: c.hidden as i32,
+            ..KernelParams::default()
+        }
+    }
+}
+
+/// Checks that `kernel` is `want` and that the case fits `ws`.
+fn check_fits(
+    kernel: &HostKernel,
+    want: &Variant,
+    ws: Option<&HostWorkspace>,
+    case: &Case,
+) -> Result<()> {
+    if kernel.variant() != want {
+        return Err(Error::Invalid(format!(
+            "case {} needs kernel {want}, got {}",
+            case.label(),
+            kernel.variant()
+        )));
+    }
+    if let Some(ws) = ws {
+        let r = ws.layout.request;
+        if r.world != case.world || r.dtype != case.dtype || r.hidden != case.hidden {
+            return Err(Error::Invalid(format!(
+                "case {} does not match the workspace (W={}, {}, H={})",
+                case.label(),
+                r.world,
+                r.dtype.name(),
+                r.hidden
+            )));
+        }
+        ws.layout.check_call(case.strategy, case.tokens)?;
+    }
+    Ok(())
+}
+
+/// One fused call of a case on a workspace, built by [`fused_launch`] (which checked
+/// every size), for [`run_fused_sequence`]. Borrows the case's buffers, so they live
+/// as long as the call.
+#[derive(Debug, Clone, Copy)]
+pub struct FusedCall<'a> {
+    launch: RankLaunch<'a>,
+    world: u32,
+    workspace: u64,
+    _io: std::marker::PhantomData<&'a CaseIo>,
+}
+
+impl FusedCall<'_> {
+    /// The kernel parameters of rank 0 (`rank_base` is set per rank at launch).
+    pub fn params(&self) -> &KernelParams {
+        &self.launch.params
+    }
+    /// CTAs per rank.
+    pub fn grid_x(&self) -> u32 {
+        self.launch.grid_x
+    }
+}
+
+/// One fused call of `io`'s case with `kernel` (the case's variant) on `ws`, the
+/// outputs of `live` live, `fused_grid(T, max_ctas)` CTAs per rank, polling timeout
+/// `timeout_ns`.
+///
+/// # Errors
+/// [`Error::Invalid`] when the kernel is not the case's variant or the case does not
+/// fit the workspace.
+pub fn fused_launch<'a>(
+    kernel: &'a HostKernel,
+    ws: &HostWorkspace,
+    io: &'a CaseIo,
+    live: Liveness,
+    max_ctas: u32,
+    timeout_ns: u64,
+) -> Result<FusedCall<'a>> {
+    let case = io.case();
+    check_fits(kernel, &case.variant(), Some(ws), case)?;
+    let mut p = ws.params(io.params(live))?;
+    p.timeout_ns = timeout_ns;
+    Ok(FusedCall {
+        launch: RankLaunch {
+            kernel,
+            params: p,
+            grid_x: fused_grid(case.tokens, max_ctas),
+            block: cuda::block_size(case.hidden, case.dtype)?,
+        },
+        world: case.world,
+        workspace: ws.base(),
+        _io: std::marker::PhantomData,
+    })
+}
+
+/// Runs a sequence of fused calls with every rank as its own launch stream
+/// ([`run_ranks`]): rank r launches call 0, 1, ... in order with random delays, so
+/// ranks drift apart across calls. `ranks` ranks run (normally the world size; fewer
+/// to model ranks that never arrive). The error word is read and cleared at the end.
+///
+/// # Errors
+/// [`Error::Invalid`] for calls built on another workspace or world size, or more
+/// ranks than the world size; executor errors; [`Error::KernelTimeout`] when a kernel
+/// gave up waiting.
+pub fn run_fused_sequence(
+    ws: &mut HostWorkspace,
+    ranks: u32,
+    calls: &[FusedCall<'_>],
+    opts: &LaunchOptions,
+) -> Result<()> {
+    let world = ws.layout.request.world;
+    if ranks > world
+        || calls
+            .iter()
+            .any(|c| c.workspace != ws.base() || c.world != world)
+    {
+        return Err(Error::Invalid(format!(
+            "run_fused_sequence: {ranks} ranks, calls must be built on this workspace (W = {world})"
+        )));
+    }
+    let launches: Vec<RankLaunch<'_>> = calls.iter().map(|c| c.launch).collect();
+    // SAFETY: every launch was built by `fused_launch`, which checked the kernel and
+    // the fit, and took every address from a CaseIo the call borrows (alive here) and
+    // from this workspace (exclusively borrowed here).
+    let r = unsafe { run_ranks(ranks, &launches, opts) };
+    let e = ws.take_error();
+    r.and(e)
+}
+
+/// Runs one fused case with `live` outputs: fills the outputs, launches every rank
+/// separately, returns what they wrote.
+///
+/// # Errors
+/// As [`fused_launch`] and [`run_fused_sequence`].
+pub fn run_fused(
+    kernel: &HostKernel,
+    ws: &mut HostWorkspace,
+    io: &mut CaseIo,
+    live: Liveness,
+    max_ctas: u32,
+    opts: &LaunchOptions,
+) -> Result<Vec<RankOutputs>> {
+    io.fill_outputs();
+    let call = fused_launch(kernel, ws, io, live, max_ctas, cuda::DEFAULT_TIMEOUT_NS)?;
+    run_fused_sequence(ws, io.case().world, &[call], opts)?;
+    io.outputs()
+}
+
+/// The local kernel the unfused path runs after the all-reduce for `epilogue` (none
+/// for all-reduce only).
+pub fn local_variant(case: &Case) -> Option<Variant> {
+    (case.epilogue != Epilogue::AR_ONLY).then_some(Variant {
+        kind: KernelKind::Local,
+        dtype: case.dtype,
+        epilogue: case.epilogue,
+    })
+}
+
+/// The unfused path of a case, as `runner` launches it on a GPU: the virtual-rank
+/// all-reduce (`ar`, [`variants::virtual_allreduce`]) writes every rank's reduced
+/// tensor into `out`, then the local kernel (`local`, [`local_variant`]) reads it there
+/// and runs the epilogue in place. Each is one launch of grid `(min(T, max_ctas), W)`
+/// (virtual ranks in one launch, as on one GPU). Every output is live.
+///
+/// # Errors
+/// [`Error::Invalid`] for kernels that are not the case's; executor errors.
+pub fn run_unfused(
+    ar: &HostKernel,
+    local: Option<&HostKernel>,
+    io: &mut CaseIo,
+    max_ctas: u32,
+    opts: &LaunchOptions,
+) -> Result<Vec<RankOutputs>> {
+    let case = *io.case();
+    check_fits(
+        ar,
+        &variants::virtual_allreduce(case.world, case.dtype),
+        None,
+        &case,
+    )?;
+    let local_want = local_variant(&case);
+    match (local, &local_want) {
+        (Some(k), Some(v)) => check_fits(k, v, None, &case)?,
+        (None, None) => {}
+        _ => {
+            return Err(Error::Invalid(format!(
+                "case {}: the unfused path needs local kernel {:?}",
+                case.label(),
+                local_want.map(|v| v.name())
+            )))
+        }
+    }
+    io.fill_outputs();
+    let live = Liveness::all(&case)?;
+    let block = cuda::block_size(case.hidden, case.dtype)?;
+    let gx = case.tokens.clamp(1, max_ctas.max(1));
+    let mut p = io.params(live);
+    // SAFETY: `io` owns buffers of the case's sizes for W ranks; the all-reduce reads
+    // x and writes out, then the local kernel reads out (as x) and residual_in and
+    // writes every live output; the kernels were checked to be the case's.
+    unsafe {
+        ar.launch(&p, gx, case.world, block, opts)?;
+        if let Some(k) = local {
+            p.x = p.out;
+            k.launch(&p, gx, case.world, block, opts)?;
+        }
+    }
+    io.outputs()
+}

@@ -1,0 +1,349 @@
+//! Launching host-compiled kernels: one OS thread per CTA (its CUDA threads are fibers
+//! on it, `kernels/arfuse_host.h`), every CTA of a launch at once, in a seeded random
+//! start order with random start delays; and W ranks as W independent launch streams,
+//! each on its own thread, the way W GPUs run.
+
+use super::compile::Build;
+use crate::cuda::KernelParams;
+use crate::error::{Error, Result};
+use crate::variants::Variant;
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::ffi::c_char;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The launch configuration of one CTA, layout-identical to `ArfHostCta` in
+/// `kernels/arfuse_host.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct HostCta {
+    grid: [u32; 3],
+    block: [u32; 3],
+    block_idx: [u32; 3],
+    reserved: u32,
+    seed: u64,
+    stack_bytes: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<HostCta>() == 56);
+/// What `arf_host_abi` returns for the layouts this crate was built with.
+const ABI: u32 =
+    (std::mem::size_of::<KernelParams>() * 1000 + std::mem::size_of::<HostCta>()) as u32;
+
+type RunCta = unsafe extern "C" fn(*const KernelParams, *const HostCta, *mut c_char, u32) -> i32;
+type AbiFn = unsafe extern "C" fn() -> u32;
+
+/// Most CTAs one host launch may have (each is an OS thread).
+pub const MAX_HOST_CTAS: u32 = 4096;
+/// Default stack of each fiber (CUDA thread), bytes. The kernels use about 2 KiB.
+pub const DEFAULT_FIBER_STACK: usize = 64 * 1024;
+/// Stack of each fiber in [`Build::Sanitized`] objects (AddressSanitizer's redzones
+/// and the unoptimised frames need more).
+pub const SANITIZED_FIBER_STACK: usize = 512 * 1024;
+
+/// How a launch is perturbed. `Default` is the deterministic launch: CTAs started in
+/// order without delays, fibers scheduled in ascending order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LaunchOptions {
+    /// Seed of the random CTA start order, the start delays and each CTA's fiber order;
+    /// 0 for none of them.
+    pub seed: u64,
+    /// Upper bound of the random start delay of each CTA (and of each rank's launch in
+    /// [`run_ranks`]).
+    pub max_delay: Duration,
+    /// Stack of each fiber, bytes (0: [`DEFAULT_FIBER_STACK`], or
+    /// [`SANITIZED_FIBER_STACK`] for sanitized objects).
+    pub fiber_stack: usize,
+}
+
+impl LaunchOptions {
+    /// Random CTA order and fiber order from `seed`, start delays up to `max_delay`.
+    pub fn skewed(seed: u64, max_delay: Duration) -> LaunchOptions {
+        LaunchOptions {
+            seed: seed.max(1),
+            max_delay,
+            fiber_stack: 0,
+        }
+    }
+
+    /// The options of derived launch `k` (another seed, same bounds).
+    fn derive(&self, k: u64) -> LaunchOptions {
+        if self.seed == 0 {
+            return *self;
+        }
+        let mixed =
+            (self.seed ^ k.wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        LaunchOptions {
+            seed: mixed.max(1),
+            ..*self
+        }
+    }
+
+    fn delay(&self, rng: &mut SmallRng) -> Duration {
+        if self.seed == 0 || self.max_delay.is_zero() {
+            return Duration::ZERO;
+        }
+        let us = self.max_delay.as_micros().min(u128::from(u32::MAX)) as u32;
+        Duration::from_micros(u64::from(rng.gen_range(0..=us)))
+    }
+}
+
+/// One kernel variant compiled for the host and loaded.
+pub struct HostKernel {
+    variant: Variant,
+    build: Build,
+    path: PathBuf,
+    run: RunCta,
+    // Keeps `run` valid; dropped last.
+    _lib: libloading::Library,
+}
+
+impl std::fmt::Debug for HostKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostKernel")
+            .field("variant", &self.variant.name())
+            .field("build", &self.build)
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+impl HostKernel {
+    /// Loads a compiled object and checks its ABI.
+    pub(crate) fn load(variant: Variant, build: Build, path: &Path) -> Result<HostKernel> {
+        let bad = |msg: String| Error::HostKernel {
+            variant: variant.name(),
+            msg,
+        };
+        // SAFETY: the object is one this crate compiled from kernels/; its initialisers
+        // are the C++ runtime's.
+        let lib = unsafe { libloading::Library::new(path) }
+            .map_err(|e| bad(format!("loading {}: {e}", path.display())))?;
+        // SAFETY: the symbols have exactly these C signatures (ARF_HOST_ENTRY).
+        let (abi, run) = unsafe {
+            let abi: libloading::Symbol<AbiFn> = lib
+                .get(b"arf_host_abi\0")
+                .map_err(|e| bad(format!("arf_host_abi: {e}")))?;
+            let run: libloading::Symbol<RunCta> = lib
+                .get(b"arf_host_run_cta\0")
+                .map_err(|e| bad(format!("arf_host_run_cta: {e}")))?;
+            (abi(), *run)
+        };
+        if abi != ABI {
+            return Err(bad(format!(
+                "object ABI {abi} differs from this crate's {ABI} (ArfParams / ArfHostCta sizes)"
+            )));
+        }
+        Ok(HostKernel {
+            variant,
+            build,
+            path: path.to_path_buf(),
+            run,
+            _lib: lib,
+        })
+    }
+
+    /// The variant.
+    pub fn variant(&self) -> &Variant {
+        &self.variant
+    }
+
+    /// The build.
+    pub fn build(&self) -> Build {
+        self.build
+    }
+
+    /// Path of the loaded shared object.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn stack(&self, opts: &LaunchOptions) -> u64 {
+        let s = match (opts.fiber_stack, self.build) {
+            (0, Build::Plain) => DEFAULT_FIBER_STACK,
+            (0, Build::Sanitized) => SANITIZED_FIBER_STACK,
+            (s, _) => s,
+        };
+        s as u64
+    }
+
+    /// Runs the kernel on grid `(grid_x, grid_y, 1)` with `block` threads per CTA over
+    /// host memory: every address in `params` must be valid for what the kernel
+    /// touches. One OS thread per CTA, all started before any is joined; returns when
+    /// every CTA has returned.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for an empty grid, more than [`MAX_HOST_CTAS`] CTAs, or a
+    /// block that is not 32..=1024 whole warps; [`Error::HostKernel`] naming the CTA
+    /// for an executor error (divergent or deadlocked `__syncthreads`, partial-warp
+    /// shuffle, no memory for fiber stacks) or when an OS thread cannot be started.
+    ///
+    /// # Safety
+    /// The kernel dereferences the addresses in `params` (and those it derives from
+    /// them) without checks: they must point to memory of the sizes the kernel's
+    /// documentation gives, alive and not accessed by anything else until this returns.
+    pub unsafe fn launch(
+        &self,
+        params: &KernelParams,
+        grid_x: u32,
+        grid_y: u32,
+        block: u32,
+        opts: &LaunchOptions,
+    ) -> Result<()> {
+        let ctas = u64::from(grid_x) * u64::from(grid_y);
+        if ctas == 0 || ctas > u64::from(MAX_HOST_CTAS) {
+            return Err(Error::Invalid(format!(
+                "host launch of {grid_x} x {grid_y} CTAs (1..={MAX_HOST_CTAS})"
+            )));
+        }
+        if !(32..=1024).contains(&block) || block % 32 != 0 {
+            return Err(Error::Invalid(format!(
+                "block of {block} threads: host launches take 32..=1024 whole warps"
+            )));
+        }
+        let mut order: Vec<(u32, u32)> = (0..grid_y)
+            .flat_map(|y| (0..grid_x).map(move |x| (x, y)))
+            .collect();
+        let mut rng = SmallRng::seed_from_u64(opts.seed);
+        if opts.seed != 0 {
+            order.shuffle(&mut rng);
+        }
+        let plan: Vec<((u32, u32), Duration, u64)> = order
+            .iter()
+            .enumerate()
+            .map(|(k, &xy)| (xy, opts.delay(&mut rng), opts.derive(k as u64 + 1).seed))
+            .collect();
+        let stack = self.stack(opts);
+        let failures: Vec<String> = std::thread::scope(|s| {
+            let mut handles = Vec::with_capacity(plan.len());
+            let mut failures = Vec::new();
+            for &((x, y), delay, seed) in &plan {
+                let cta = HostCta {
+                    grid: [grid_x, grid_y, 1],
+                    block: [block, 1, 1],
+                    block_idx: [x, y, 0],
+                    reserved: 0,
+                    seed,
+                    stack_bytes: stack,
+                };
+                let run = self.run;
+                let spawned = std::thread::Builder::new()
+                    .stack_size(256 * 1024)
+                    .spawn_scoped(s, move || {
+                        if !delay.is_zero() {
+                            std::thread::sleep(delay);
+                        }
+                        let mut msg = [0 as c_char; 256];
+                        // SAFETY: `params` outlives the scope; the caller vouches for
+                        // the addresses in it; `cta` and `msg` live on this stack.
+                        let rc = unsafe { run(params, &cta, msg.as_mut_ptr(), msg.len() as u32) };
+                        (rc != 0).then(|| {
+                            // SAFETY: the runner NUL-terminates within msg.len().
+                            let m = unsafe { std::ffi::CStr::from_ptr(msg.as_ptr()) };
+                            format!("CTA ({x}, {y}): {} (code {rc})", m.to_string_lossy())
+                        })
+                    });
+                match spawned {
+                    Ok(h) => handles.push(h),
+                    // The CTAs already running must still finish: a spinning kernel
+                    // then ends through its timeout.
+                    Err(e) => failures.push(format!("CTA ({x}, {y}): no OS thread: {e}")),
+                }
+            }
+            for h in handles {
+                match h.join() {
+                    Ok(Some(f)) => failures.push(f),
+                    Ok(None) => {}
+                    Err(_) => failures.push("a CTA thread panicked".to_string()),
+                }
+            }
+            failures
+        });
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::HostKernel {
+                variant: self.variant.name(),
+                msg: failures.join("; "),
+            })
+        }
+    }
+}
+
+/// One launch of a per-rank sequence: the kernel, its parameters (with `rank_base`
+/// overwritten per rank) and its shape `(grid_x, 1, 1) x block`.
+#[derive(Debug, Clone, Copy)]
+pub struct RankLaunch<'a> {
+    /// The kernel.
+    pub kernel: &'a HostKernel,
+    /// Parameters; `rank_base` is set to the rank.
+    pub params: KernelParams,
+    /// CTAs per rank.
+    pub grid_x: u32,
+    /// Threads per CTA.
+    pub block: u32,
+}
+
+/// Runs `world` ranks as independent launch streams, the way `world` GPUs run: rank r
+/// is a thread that launches `launches[0]`, `launches[1]`, ... in order, each with
+/// `rank_base = r` and grid `(grid_x, 1, 1)`, after a random delay before each launch
+/// (seeded by `opts`), with the CTAs of each launch in a random order. Ranks never wait
+/// for each other outside the kernels, so one rank may be several launches ahead of
+/// another. Returns when every rank finished its sequence.
+///
+/// # Errors
+/// Every rank's first failure, joined (see [`HostKernel::launch`]); a rank that fails
+/// skips the rest of its sequence, and the ranks waiting for it end through the
+/// kernels' polling timeout.
+///
+/// # Safety
+/// As [`HostKernel::launch`], for every launch of the sequence.
+pub unsafe fn run_ranks(
+    world: u32,
+    launches: &[RankLaunch<'_>],
+    opts: &LaunchOptions,
+) -> Result<()> {
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                s.spawn(move || -> Option<String> {
+                    let ropts = opts.derive(1_000_000 + u64::from(r));
+                    let mut rng = SmallRng::seed_from_u64(ropts.seed);
+                    for (i, l) in launches.iter().enumerate() {
+                        let d = ropts.delay(&mut rng);
+                        if !d.is_zero() {
+                            std::thread::sleep(d);
+                        }
+                        let mut p = l.params;
+                        p.rank_base = r as i32;
+                        let o = ropts.derive(i as u64);
+                        // SAFETY: forwarded from the caller.
+                        if let Err(e) = unsafe { l.kernel.launch(&p, l.grid_x, 1, l.block, &o) } {
+                            return Some(format!("rank {r}, launch {i}: {e}"));
+                        }
+                    }
+                    None
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .filter_map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Some("a rank thread panicked".into()))
+            })
+            .collect()
+    });
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::HostKernel {
+            variant: launches
+                .first()
+                .map_or_else(String::new, |l| l.kernel.variant.name()),
+            msg: failures.join("; "),
+        })
+    }
+}
