@@ -22,7 +22,8 @@
 //   warp, so one barrier per shuffle suffices). Only the full mask and width 32 exist in
 //   the kernels; anything else is reported.
 // - Spin-waits yield the fiber; when a whole pass over the block made no progress (every
-//   runnable fiber only polled), the OS thread yields, then sleeps with a bounded backoff.
+//   runnable fiber only polled), the OS thread yields, then sleeps with a bounded backoff
+//   (so the other CTAs, each an OS thread, get the cores).
 // - Order of fibers in each pass: ascending, or a seeded random permutation per pass
 //   (ArfHostCta::seed != 0), so results cannot depend on one fixed interleaving.
 //
@@ -231,6 +232,14 @@ inline uint64_t globaltimer() {
 }
 
 // ---------------------------------------------------------------- the CTA executor
+// Scheduling: passes over the block's fibers in an order (ascending, or a seeded
+// permutation drawn anew each pass). A fiber that must give up the CPU (it blocks at a
+// barrier, polls, or returns) switches DIRECTLY to the next runnable fiber of the pass
+// (no hop through a scheduler context); at the end of a pass the end-of-pass step runs
+// on whichever fiber gets there: it detects a deadlock (no fiber runnable), backs off
+// when the pass made no progress (only polls) and draws the next order. The OS
+// thread's own context is used only to start the first fiber and to return when the
+// block finished or failed.
 enum class FiberState { Runnable, AtBarrier, AtWarp, Done };
 
 struct Fiber {
@@ -258,18 +267,23 @@ struct Cta {
   const void* arg;
   dim3 grid, block, block_idx;
   Fiber* fibers;
+  uint32_t* order;   // this pass's order of fiber indices
   uint32_t n;        // threads of the block
   uint32_t cur;      // running fiber
+  uint32_t pos;      // position of the running fiber in `order`
   uint32_t done;     // fibers that returned
+  uint64_t rng;      // 0: ascending order every pass
+  unsigned idle;     // consecutive passes without progress
+  bool progress;     // something other than a poll happened in this pass
+  bool ran;          // some fiber ran in this pass
   // Block barrier: arrivals of the current generation and the call site they used.
   uint32_t bar_arrived;
   const char* bar_file;
   int bar_line;
   Warp* warps;
-  bool progress;     // something other than a poll happened in this pass
   int status;
   char msg[256];
-  // Scheduler context.
+  // The OS thread's context.
   void* main_sp;
 #if defined(ARF_HOST_USE_UCONTEXT)
   ucontext_t main_ctx;
@@ -298,7 +312,7 @@ inline void fail(int status, const char* fmt, int a = 0, int b = 0, int c = 0) {
 // *save, switches to the stack `next` and restores its registers. MXCSR and the x87
 // control word (also callee-saved) are never changed by the kernels, so every fiber
 // shares the OS thread's.
-extern "C" __attribute__((naked, noinline, visibility("hidden"))) inline void arf_host_switch(void** save, void* next) {
+extern "C" __attribute__((naked, noinline, visibility("hidden"))) inline void arf_host_switch(void**, void*) {
   asm volatile(
       "pushq %rbp\n\t"
       "pushq %rbx\n\t"
@@ -318,58 +332,151 @@ extern "C" __attribute__((naked, noinline, visibility("hidden"))) inline void ar
 }
 #endif
 
-// Switch from the running fiber to the scheduler. `exiting`: the fiber never resumes.
-inline void to_scheduler(bool exiting) {
-  Cta* k = t_cta;
-  Fiber& f = current();
+// Saves the running context in (save_sp / save_ctx), resumes (to_sp / to_ctx) on the
+// stack [to_lo, to_lo + to_size). `exiting`: the running fiber never resumes.
+// Returns when something switches back to the saved context.
+inline void switch_context(void** save_sp, void* to_sp, [[maybe_unused]] void* save_ctx,
+                           [[maybe_unused]] void* to_ctx, [[maybe_unused]] void** fake_save,
+                           [[maybe_unused]] const void* to_lo, [[maybe_unused]] size_t to_size,
+                           [[maybe_unused]] bool exiting) {
 #if defined(ARF_HOST_ASAN)
-  __sanitizer_start_switch_fiber(exiting ? nullptr : &f.fake_stack, k->main_stack_lo, k->main_stack_size);
-#else
-  (void)exiting;
+  __sanitizer_start_switch_fiber(exiting ? nullptr : fake_save, to_lo, to_size);
 #endif
 #if defined(ARF_HOST_USE_UCONTEXT)
-  swapcontext(&f.ctx, &k->main_ctx);
+  (void)save_sp;
+  (void)to_sp;
+  swapcontext(static_cast<ucontext_t*>(save_ctx), static_cast<ucontext_t*>(to_ctx));
 #else
-  arf_host_switch(&f.sp, k->main_sp);
+  arf_host_switch(save_sp, to_sp);
 #endif
 #if defined(ARF_HOST_ASAN)
-  __sanitizer_finish_switch_fiber(f.fake_stack, nullptr, nullptr);
+  __sanitizer_finish_switch_fiber(*fake_save, nullptr, nullptr);
 #endif
   // The compiler must not keep shared-memory values in registers across a switch.
   asm volatile("" ::: "memory");
+}
+
+inline void* fiber_ctx([[maybe_unused]] Fiber& f) {
+#if defined(ARF_HOST_USE_UCONTEXT)
+  return &f.ctx;
+#else
+  return nullptr;
+#endif
+}
+inline void** fiber_fake([[maybe_unused]] Fiber& f) {
+#if defined(ARF_HOST_ASAN)
+  return &f.fake_stack;
+#else
+  return nullptr;
+#endif
+}
+
+// From the running fiber back to the OS thread's context (the block finished or failed).
+inline void to_main(bool exiting) {
+  Cta* k = t_cta;
+  Fiber& f = current();
+#if defined(ARF_HOST_ASAN)
+  const void* lo = k->main_stack_lo;
+  const size_t size = k->main_stack_size;
+#else
+  const void* lo = nullptr;
+  const size_t size = 0;
+#endif
+#if defined(ARF_HOST_USE_UCONTEXT)
+  void* main_ctx = &k->main_ctx;
+#else
+  void* main_ctx = nullptr;
+#endif
+  switch_context(&f.sp, k->main_sp, fiber_ctx(f), main_ctx, fiber_fake(f), lo, size, exiting);
+}
+
+// xorshift64* step, for the per-pass fiber order.
+inline uint64_t next_random(uint64_t& s) {
+  s ^= s >> 12;
+  s ^= s << 25;
+  s ^= s >> 27;
+  return s * 0x2545f4914f6cdd1dull;
+}
+
+// After a pass without progress: yield the OS thread, then sleep, at most 200 us.
+inline void idle_backoff(unsigned idle_passes) {
+  if (idle_passes < 4) {
+    sched_yield();
+    return;
+  }
+  const unsigned us = idle_passes - 4 < 8 ? (1u << (idle_passes - 4)) : 200u;
+  timespec ts{0, (long)(us < 200u ? us : 200u) * 1000L};
+  nanosleep(&ts, nullptr);
+}
+
+// The end-of-pass step: deadlock check, backoff, the next pass's order.
+inline void end_of_pass(Cta* k) {
+  if (!k->ran) {
+    std::snprintf(k->msg, sizeof k->msg,
+                  "deadlock: no thread can run (%u of %u returned, %u at __syncthreads line %d, the rest at a warp shuffle)",
+                  k->done, k->n, k->bar_arrived, k->bar_line);
+    k->status = ARF_HOST_ERR_BARRIER;
+    return;
+  }
+  k->idle = k->progress ? 0 : k->idle + 1;
+  if (k->idle > 0) idle_backoff(k->idle);
+  if (k->rng != 0) {
+    for (uint32_t i = k->n - 1; i > 0; --i) {
+      const uint32_t j = (uint32_t)(next_random(k->rng) % (i + 1));
+      const uint32_t t = k->order[i];
+      k->order[i] = k->order[j];
+      k->order[j] = t;
+    }
+  }
+  k->progress = false;
+  k->ran = false;
+  k->pos = UINT32_MAX;  // the next advance starts at position 0
+}
+
+// The running fiber gives up the CPU (it blocked, polled or returned: `exiting`):
+// switch to the next runnable fiber of the pass, running end-of-pass steps as needed.
+// Returns when the running fiber is resumed (at once when it is the only one runnable).
+inline void reschedule(bool exiting) {
+  Cta* k = t_cta;
+  const uint32_t me = k->cur;
+  for (;;) {
+    if (k->status != ARF_HOST_OK || k->done == k->n) {
+      to_main(exiting);
+      return;  // only reached if the OS thread resumed us (it never does)
+    }
+    while (++k->pos < k->n) {
+      const uint32_t i = k->order[k->pos];
+      Fiber& t = k->fibers[i];
+      if (t.state != FiberState::Runnable) continue;
+      k->ran = true;
+      if (i == me) return;
+      k->cur = i;
+      Fiber& f = k->fibers[me];
+      switch_context(&f.sp, t.sp, fiber_ctx(f), fiber_ctx(t), fiber_fake(f), t.stack_lo, t.stack_size, exiting);
+      return;
+    }
+    end_of_pass(k);
+  }
 }
 
 // First code of every fiber; never returns.
 [[noreturn]] inline void fiber_main() {
   Cta* k = t_cta;
 #if defined(ARF_HOST_ASAN)
-  __sanitizer_finish_switch_fiber(nullptr, &k->main_stack_lo, &k->main_stack_size);
+  const void* old_lo = nullptr;
+  size_t old_size = 0;
+  __sanitizer_finish_switch_fiber(nullptr, &old_lo, &old_size);
+  if (k->main_stack_lo == nullptr) {  // the first fiber is started from the OS thread
+    k->main_stack_lo = old_lo;
+    k->main_stack_size = old_size;
+  }
 #endif
   k->body(k->arg);
   current().state = FiberState::Done;
   k->done += 1;
   k->progress = true;
-  to_scheduler(true);
+  reschedule(true);
   __builtin_unreachable();
-}
-
-// Switch from the scheduler to fiber i (returns when it gives up the CPU).
-inline void to_fiber(uint32_t i) {
-  Cta* k = t_cta;
-  k->cur = i;
-  Fiber& f = k->fibers[i];
-#if defined(ARF_HOST_ASAN)
-  __sanitizer_start_switch_fiber(&k->main_fake_stack, f.stack_lo, f.stack_size);
-#endif
-#if defined(ARF_HOST_USE_UCONTEXT)
-  swapcontext(&k->main_ctx, &f.ctx);
-#else
-  arf_host_switch(&k->main_sp, f.sp);
-#endif
-#if defined(ARF_HOST_ASAN)
-  __sanitizer_finish_switch_fiber(k->main_fake_stack, nullptr, nullptr);
-#endif
-  asm volatile("" ::: "memory");
 }
 
 // Prepares fiber f to start in fiber_main on its own stack.
@@ -396,13 +503,9 @@ inline void init_fiber(Fiber& f) {
 // __syncthreads at (file, line).
 inline void syncthreads(const char* file, int line) {
   Cta* k = t_cta;
-  if (k->status != ARF_HOST_OK) {
-    to_scheduler(false);
-    return;
-  }
   if (k->done != 0) {
     fail(ARF_HOST_ERR_BARRIER, "__syncthreads at line %d after %d threads of the block exited", line, (int)k->done);
-    to_scheduler(false);
+    reschedule(false);
     return;
   }
   if (k->bar_arrived == 0) {
@@ -411,7 +514,7 @@ inline void syncthreads(const char* file, int line) {
   } else if (k->bar_file != file || k->bar_line != line) {
     fail(ARF_HOST_ERR_BARRIER, "divergent __syncthreads: thread %d at line %d, others at line %d",
          (int)current().tid.x, line, k->bar_line);
-    to_scheduler(false);
+    reschedule(false);
     return;
   }
   k->progress = true;
@@ -422,7 +525,7 @@ inline void syncthreads(const char* file, int line) {
     return;  // the last thread to arrive goes on
   }
   current().state = FiberState::AtBarrier;
-  to_scheduler(false);
+  reschedule(false);
 }
 
 // __shfl_xor_sync(mask, v, lane_mask, width) for 4-byte values.
@@ -432,11 +535,7 @@ inline uint32_t shfl_xor_bits(unsigned mask, uint32_t v, int lane_mask, int widt
   if (mask != 0xffffffffu || width != 32 || lane_mask < 0 || lane_mask > 31) {
     fail(ARF_HOST_ERR_WARP, "__shfl_xor_sync with mask %#x, width %d, lane mask %d (only full warps)", (int)mask, width,
          lane_mask);
-    to_scheduler(false);
-    return v;
-  }
-  if (k->status != ARF_HOST_OK) {
-    to_scheduler(false);
+    reschedule(false);
     return v;
   }
   const uint32_t lane = f.tid.x & 31u, wi = f.tid.x >> 5;
@@ -444,7 +543,7 @@ inline uint32_t shfl_xor_bits(unsigned mask, uint32_t v, int lane_mask, int widt
   for (uint32_t l = 0; k->done != 0 && l < 32; ++l) {
     if (k->fibers[wi * 32 + l].state == FiberState::Done) {
       fail(ARF_HOST_ERR_WARP, "full-mask __shfl_xor_sync in warp %d while lane %d exited", (int)wi, (int)l);
-      to_scheduler(false);
+      reschedule(false);
       return v;
     }
   }
@@ -460,69 +559,13 @@ inline uint32_t shfl_xor_bits(unsigned mask, uint32_t v, int lane_mask, int widt
     }
   } else {
     f.state = FiberState::AtWarp;
-    to_scheduler(false);
+    reschedule(false);
   }
   return w.slot[buf][lane ^ (uint32_t)lane_mask];
 }
 
-// A spin-wait poll: give the other fibers (and, through the scheduler, other CTAs) the CPU.
-inline void spin_yield() { to_scheduler(false); }
-
-// xorshift64* step, for the per-pass fiber order.
-inline uint64_t next_random(uint64_t& s) {
-  s ^= s >> 12;
-  s ^= s << 25;
-  s ^= s >> 27;
-  return s * 0x2545f4914f6cdd1dull;
-}
-
-// After a pass without progress: yield the OS thread, then sleep, at most 200 us.
-inline void idle_backoff(unsigned idle_passes) {
-  if (idle_passes < 4) {
-    sched_yield();
-    return;
-  }
-  const unsigned us = idle_passes - 4 < 8 ? (1u << (idle_passes - 4)) : 200u;
-  timespec ts{0, (long)(us < 200u ? us : 200u) * 1000L};
-  nanosleep(&ts, nullptr);
-}
-
-// Runs the scheduler until every fiber returned or the CTA failed.
-inline void schedule(Cta& k, uint64_t seed) {
-  uint32_t* order = new uint32_t[k.n];
-  for (uint32_t i = 0; i < k.n; ++i) order[i] = i;
-  uint64_t rng = seed;
-  unsigned idle = 0;
-  while (k.done < k.n && k.status == ARF_HOST_OK) {
-    if (seed != 0) {
-      for (uint32_t i = k.n - 1; i > 0; --i) {
-        const uint32_t j = (uint32_t)(next_random(rng) % (i + 1));
-        const uint32_t t = order[i];
-        order[i] = order[j];
-        order[j] = t;
-      }
-    }
-    k.progress = false;
-    bool ran = false;
-    for (uint32_t i = 0; i < k.n && k.status == ARF_HOST_OK; ++i) {
-      if (k.fibers[order[i]].state == FiberState::Runnable) {
-        ran = true;
-        to_fiber(order[i]);
-      }
-    }
-    if (k.status != ARF_HOST_OK) break;
-    if (!ran) {
-      std::snprintf(k.msg, sizeof k.msg,
-                    "deadlock: no thread can run (%u of %u returned, %u at __syncthreads line %d, the rest at a warp shuffle)",
-                    k.done, k.n, k.bar_arrived, k.bar_line);
-      k.status = ARF_HOST_ERR_BARRIER;
-      break;
-    }
-    idle = k.progress ? 0 : idle + 1;
-    if (idle > 0) idle_backoff(idle);
-  }
-  delete[] order;
-}
+// A spin-wait poll: give the other fibers (and, through the backoff, other CTAs) the CPU.
+inline void spin_yield() { reschedule(false); }
 
 // Runs one CTA of `body(arg)` on the calling OS thread. Returns an ARF_HOST_* code and,
 // unless OK, a message in msg.
@@ -558,8 +601,10 @@ inline int run_cta(void (*body)(const void*), const void* arg, const ArfHostCta&
   k.block_idx = dim3{cfg.block_idx[0], cfg.block_idx[1], cfg.block_idx[2]};
   k.n = n;
   k.status = ARF_HOST_OK;
+  k.rng = cfg.seed;
   k.fibers = new Fiber[n]();
   k.warps = new Warp[n / 32]();
+  k.order = new uint32_t[n];
   for (uint32_t i = 0; i < n; ++i) {
     char* base = region + per * i;
     mprotect(base, (size_t)page, PROT_NONE);
@@ -569,12 +614,35 @@ inline int run_cta(void (*body)(const void*), const void* arg, const ArfHostCta&
     f.stack_lo = base + page;
     f.stack_size = stack;
     init_fiber(f);
+    k.order[i] = i;
   }
   t_cta = &k;
-  schedule(k, cfg.seed);
+  // The first pass: end_of_pass draws its order (a permutation when seeded); the
+  // first advance then starts its first fiber from this OS thread's context.
+  k.ran = true;
+  k.progress = true;
+  end_of_pass(&k);
+  k.pos = 0;
+  k.cur = k.order[0];
+  k.ran = true;
+  {
+    Fiber& f = k.fibers[k.cur];
+#if defined(ARF_HOST_USE_UCONTEXT)
+    void* main_ctx = &k.main_ctx;
+#else
+    void* main_ctx = nullptr;
+#endif
+#if defined(ARF_HOST_ASAN)
+    void** main_fake = &k.main_fake_stack;
+#else
+    void** main_fake = nullptr;
+#endif
+    switch_context(&k.main_sp, f.sp, main_ctx, fiber_ctx(f), main_fake, f.stack_lo, f.stack_size, false);
+  }
   t_cta = nullptr;
   const int status = k.status;
   if (status != ARF_HOST_OK) say(k.msg);
+  delete[] k.order;
   delete[] k.warps;
   delete[] k.fibers;
   munmap(region, per * n);

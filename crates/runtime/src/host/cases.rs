@@ -2,8 +2,8 @@
 //! buffers of one case, its parameters, and safe wrappers around the launches (sizes
 //! are checked here, so the kernels only ever see memory the case owns).
 
-use super::launch::{run_ranks, HostKernel, LaunchOptions, RankLaunch};
-use super::memory::{HostBuffer, HostWorkspace};
+use super::launch::{run_ranks, HostKernel, LaunchOptions, RankLaunch, RankTrace};
+use super::memory::{HostWorkspace, Slots};
 use crate::check::{self, Case, Inputs, Liveness, RankOutputs, FILL_BYTE};
 use crate::cuda::{self, KernelParams, RankTensor};
 use crate::error::{Error, Result};
@@ -24,23 +24,19 @@ pub fn fused_grid(tokens: u32, max_ctas: u32) -> u32 {
         .max(1)
 }
 
-/// The host buffers of one case: W ranks' inputs and outputs, each rank's slice at a
-/// fixed stride (the case's per-rank size), the RMSNorm weight and the fp32 scalar.
+/// The host buffers of one case: W ranks' inputs and outputs ([`Slots`]: rank r's
+/// slice at `ptr + r * rank_stride`, each followed by a guard gap), the RMSNorm
+/// weight and the fp32 scalar (each with a gap too).
 pub struct CaseIo {
     case: Case,
-    bytes: check::OutputBytes,
-    x: HostBuffer,
-    residual: HostBuffer,
-    out: HostBuffer,
-    residual_out: HostBuffer,
-    quant: HostBuffer,
-    scale: HostBuffer,
-    gamma: HostBuffer,
-    scale_in: HostBuffer,
-}
-
-fn usize_of(v: u64) -> Result<usize> {
-    usize::try_from(v).map_err(|_| Error::Overflow("host case buffer"))
+    x: Slots,
+    residual: Slots,
+    out: Slots,
+    residual_out: Slots,
+    quant: Slots,
+    scale: Slots,
+    gamma: Slots,
+    scale_in: Slots,
 }
 
 impl CaseIo {
@@ -52,28 +48,27 @@ impl CaseIo {
     /// errors.
     pub fn new(case: &Case, inputs: &Inputs) -> Result<CaseIo> {
         let b = case.output_bytes()?;
-        let w = u64::from(case.world);
-        let per_rank = |n: u64| n.checked_mul(w).ok_or(Error::Overflow("host case buffer"));
-        let act = b.out;
+        let w = case.world;
+        let gamma_bytes = u64::from(case.hidden) * check::gamma_dtype(case).bytes() as u64;
         let mut io = CaseIo {
             case: *case,
-            bytes: b,
-            x: HostBuffer::new(per_rank(act)?)?,
-            residual: HostBuffer::new(per_rank(act)?)?,
-            out: HostBuffer::new(per_rank(b.out)?)?,
-            residual_out: HostBuffer::new(per_rank(b.residual_out)?)?,
-            quant: HostBuffer::new(per_rank(b.quant)?)?,
-            scale: HostBuffer::new(per_rank(b.scale)?)?,
-            gamma: HostBuffer::new(u64::from(case.hidden) * 4)?,
-            scale_in: HostBuffer::new(16)?,
+            x: Slots::new(b.out, w)?,
+            residual: Slots::new(if case.epilogue.residual { b.out } else { 0 }, w)?,
+            out: Slots::new(b.out, w)?,
+            residual_out: Slots::new(b.residual_out, w)?,
+            quant: Slots::new(b.quant, w)?,
+            scale: Slots::new(b.scale, w)?,
+            gamma: Slots::new(gamma_bytes, 1)?,
+            scale_in: Slots::new(4, 1)?,
         };
-        let act = usize_of(act)?;
-        if inputs.x.len() != case.world as usize
+        let act = io.x.size();
+        let ranks = case.world as usize;
+        if inputs.x.len() != ranks
             || inputs.x.iter().any(|v| v.len() != act)
             || (case.epilogue.residual
-                && (inputs.residual.len() != case.world as usize
+                && (inputs.residual.len() != ranks
                     || inputs.residual.iter().any(|v| v.len() != act)))
-            || inputs.gamma.len() > io.gamma.len()
+            || inputs.gamma.len() != io.gamma.size()
         {
             return Err(Error::Invalid(format!(
                 "inputs do not match case {}",
@@ -81,13 +76,15 @@ impl CaseIo {
             )));
         }
         for (r, x) in inputs.x.iter().enumerate() {
-            io.x.write(r * act, x)?;
+            io.x.slot_mut(r).copy_from_slice(x);
         }
         for (r, x) in inputs.residual.iter().enumerate() {
-            io.residual.write(r * act, x)?;
+            io.residual.slot_mut(r).copy_from_slice(x);
         }
-        io.gamma.write(0, &inputs.gamma)?;
-        io.scale_in.write(0, &inputs.scale_in.to_le_bytes())?;
+        io.gamma.slot_mut(0).copy_from_slice(&inputs.gamma);
+        io.scale_in
+            .slot_mut(0)
+            .copy_from_slice(&inputs.scale_in.to_le_bytes());
         io.fill_outputs();
         Ok(io)
     }
@@ -105,37 +102,52 @@ impl CaseIo {
             &mut self.quant,
             &mut self.scale,
         ] {
-            buf.bytes_mut().fill(FILL_BYTE);
+            buf.fill(FILL_BYTE);
         }
     }
 
     /// What the kernels wrote, per rank.
     ///
     /// # Errors
-    /// [`Error::Overflow`] on absurd sizes.
+    /// [`Error::HostKernel`] when a kernel wrote past the end of a rank's slice of any
+    /// tensor (its guard gap changed): the outputs are not returned then.
     pub fn outputs(&self) -> Result<Vec<RankOutputs>> {
-        let b = self.bytes;
-        let get = |buf: &HostBuffer, n: u64, r: usize| -> Result<Vec<u8>> {
-            let n = usize_of(n)?;
-            buf.read(r * n, n)
-        };
-        (0..self.case.world as usize)
-            .map(|r| {
-                Ok(RankOutputs {
-                    out: get(&self.out, b.out, r)?,
-                    residual_out: get(&self.residual_out, b.residual_out, r)?,
-                    quant: get(&self.quant, b.quant, r)?,
-                    scale: get(&self.scale, b.scale, r)?,
-                })
+        for (name, s) in [
+            ("x", &self.x),
+            ("residual_in", &self.residual),
+            ("out", &self.out),
+            ("residual_out", &self.residual_out),
+            ("quant_out", &self.quant),
+            ("scale_out", &self.scale),
+            ("gamma", &self.gamma),
+            ("scale_in", &self.scale_in),
+        ] {
+            if let Some(r) = s.overrun() {
+                return Err(Error::HostKernel {
+                    variant: self.case.variant().name(),
+                    msg: format!(
+                        "{}: a kernel wrote past the end of rank {r}'s {name} ({} bytes)",
+                        self.case.label(),
+                        s.size()
+                    ),
+                });
+            }
+        }
+        Ok((0..self.case.world as usize)
+            .map(|r| RankOutputs {
+                out: self.out.slot(r).to_vec(),
+                residual_out: self.residual_out.slot(r).to_vec(),
+                quant: self.quant.slot(r).to_vec(),
+                scale: self.scale.slot(r).to_vec(),
             })
-            .collect()
+            .collect())
     }
 
-    fn tensor(buf: &HostBuffer, per_rank: u64, live: bool) -> RankTensor {
-        if live && per_rank > 0 {
+    fn tensor(s: &Slots, live: bool) -> RankTensor {
+        if live && s.size() > 0 {
             RankTensor {
-                ptr: buf.addr(),
-                rank_stride: per_rank,
+                ptr: s.addr(0),
+                rank_stride: s.stride(),
             }
         } else {
             RankTensor::default()
@@ -146,20 +158,19 @@ impl CaseIo {
     /// `live` live and the others null (workspace fields unset).
     pub fn params(&self, live: Liveness) -> KernelParams {
         let c = &self.case;
-        let b = self.bytes;
         KernelParams {
-            x: Self::tensor(&self.x, b.out, true),
-            residual_in: Self::tensor(&self.residual, b.out, c.epilogue.residual),
-            residual_out: Self::tensor(&self.residual_out, b.residual_out, live.residual_out),
-            out: Self::tensor(&self.out, b.out, live.out),
-            quant_out: Self::tensor(&self.quant, b.quant, live.quant),
-            scale_out: Self::tensor(&self.scale, b.scale, live.scale),
-            gamma: self.gamma.addr(),
+            x: Self::tensor(&self.x, true),
+            residual_in: Self::tensor(&self.residual, c.epilogue.residual),
+            residual_out: Self::tensor(&self.residual_out, live.residual_out),
+            out: Self::tensor(&self.out, live.out),
+            quant_out: Self::tensor(&self.quant, live.quant),
+            scale_out: Self::tensor(&self.scale, live.scale),
+            gamma: self.gamma.addr(0),
             scale_in: if matches!(
                 c.epilogue.quant,
                 Quant::Fp8Static | Quant::Nvfp4Swizzled | Quant::Nvfp4Linear
             ) {
-                self.scale_in.addr()
+                self.scale_in.addr(0)
             } else {
                 0
             },
@@ -262,6 +273,7 @@ pub fn fused_launch<'a>(
 /// ([`run_ranks`]): rank r launches call 0, 1, ... in order with random delays, so
 /// ranks drift apart across calls. `ranks` ranks run (normally the world size; fewer
 /// to model ranks that never arrive). The error word is read and cleared at the end.
+/// Returns when each launch ran.
 ///
 /// # Errors
 /// [`Error::Invalid`] for calls built on another workspace or world size, or more
@@ -272,7 +284,7 @@ pub fn run_fused_sequence(
     ranks: u32,
     calls: &[FusedCall<'_>],
     opts: &LaunchOptions,
-) -> Result<()> {
+) -> Result<RankTrace> {
     let world = ws.layout.request.world;
     if ranks > world
         || calls
@@ -289,7 +301,10 @@ pub fn run_fused_sequence(
     // from this workspace (exclusively borrowed here).
     let r = unsafe { run_ranks(ranks, &launches, opts) };
     let e = ws.take_error();
-    r.and(e)
+    let trace = r?;
+    ws.check_bounds()?;
+    e?;
+    Ok(trace)
 }
 
 /// Runs one fused case with `live` outputs: fills the outputs, launches every rank

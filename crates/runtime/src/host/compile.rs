@@ -36,6 +36,7 @@ const BASE_FLAGS: &[&str] = &[
     "-ffp-contract=off",
     "-fno-fast-math",
     "-fvisibility=hidden",
+    "-mtls-dialect=gnu2",
     "-DARF_HOST=1",
 ];
 

@@ -12,7 +12,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use std::ffi::c_char;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The launch configuration of one CTA, layout-identical to `ArfHostCta` in
 /// `kernels/arfuse_host.h`.
@@ -286,12 +286,42 @@ pub struct RankLaunch<'a> {
     pub block: u32,
 }
 
+/// When each launch of each rank ran: `spans[r][i]` = (start, end) of rank r's launch
+/// i (launches a rank never reached are missing).
+#[derive(Debug, Clone, Default)]
+pub struct RankTrace {
+    /// Per rank, per launch: start and end.
+    pub spans: Vec<Vec<(Instant, Instant)>>,
+}
+
+impl RankTrace {
+    /// How far the ranks drifted apart: the largest `i - k` over ranks r, q and
+    /// launches i of r, where k is the number of launches q had finished when r
+    /// started launch i. 1 means some rank started a launch while another was still in
+    /// the previous one.
+    pub fn max_lead(&self) -> usize {
+        let mut lead = 0;
+        for (r, rs) in self.spans.iter().enumerate() {
+            for (q, qs) in self.spans.iter().enumerate() {
+                if r == q {
+                    continue;
+                }
+                for (i, &(start, _)) in rs.iter().enumerate() {
+                    let finished = qs.iter().filter(|&&(_, end)| end <= start).count();
+                    lead = lead.max(i.saturating_sub(finished));
+                }
+            }
+        }
+        lead
+    }
+}
+
 /// Runs `world` ranks as independent launch streams, the way `world` GPUs run: rank r
 /// is a thread that launches `launches[0]`, `launches[1]`, ... in order, each with
 /// `rank_base = r` and grid `(grid_x, 1, 1)`, after a random delay before each launch
 /// (seeded by `opts`), with the CTAs of each launch in a random order. Ranks never wait
 /// for each other outside the kernels, so one rank may be several launches ahead of
-/// another. Returns when every rank finished its sequence.
+/// another. Returns when every rank finished its sequence, with when each launch ran.
 ///
 /// # Errors
 /// Every rank's first failure, joined (see [`HostKernel::launch`]); a rank that fails
@@ -304,13 +334,15 @@ pub unsafe fn run_ranks(
     world: u32,
     launches: &[RankLaunch<'_>],
     opts: &LaunchOptions,
-) -> Result<()> {
-    let failures: Vec<String> = std::thread::scope(|s| {
+) -> Result<RankTrace> {
+    type Spans = Vec<(Instant, Instant)>;
+    let results: Vec<(Spans, Option<String>)> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
             .map(|r| {
-                s.spawn(move || -> Option<String> {
+                s.spawn(move || -> (Spans, Option<String>) {
                     let ropts = opts.derive(1_000_000 + u64::from(r));
                     let mut rng = SmallRng::seed_from_u64(ropts.seed);
+                    let mut spans = Vec::with_capacity(launches.len());
                     for (i, l) in launches.iter().enumerate() {
                         let d = ropts.delay(&mut rng);
                         if !d.is_zero() {
@@ -319,30 +351,37 @@ pub unsafe fn run_ranks(
                         let mut p = l.params;
                         p.rank_base = r as i32;
                         let o = ropts.derive(i as u64);
+                        let start = Instant::now();
                         // SAFETY: forwarded from the caller.
-                        if let Err(e) = unsafe { l.kernel.launch(&p, l.grid_x, 1, l.block, &o) } {
-                            return Some(format!("rank {r}, launch {i}: {e}"));
+                        let res = unsafe { l.kernel.launch(&p, l.grid_x, 1, l.block, &o) };
+                        spans.push((start, Instant::now()));
+                        if let Err(e) = res {
+                            return (spans, Some(format!("rank {r}, launch {i}: {e}")));
                         }
                     }
-                    None
+                    (spans, None)
                 })
             })
             .collect();
         handles
             .into_iter()
-            .filter_map(|h| {
+            .map(|h| {
                 h.join()
-                    .unwrap_or_else(|_| Some("a rank thread panicked".into()))
+                    .unwrap_or_else(|_| (Vec::new(), Some("a rank thread panicked".into())))
             })
             .collect()
     });
+    let mut trace = RankTrace::default();
+    let mut failures = Vec::new();
+    for (spans, f) in results {
+        trace.spans.push(spans);
+        failures.extend(f);
+    }
     if failures.is_empty() {
-        Ok(())
+        Ok(trace)
     } else {
         Err(Error::HostKernel {
-            variant: launches
-                .first()
-                .map_or_else(String::new, |l| l.kernel.variant.name()),
+            variant: "(rank streams)".into(),
             msg: failures.join("; "),
         })
     }

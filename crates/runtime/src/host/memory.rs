@@ -118,14 +118,155 @@ impl Drop for HostBuffer {
     }
 }
 
-/// The W virtual ranks' workspaces in one host buffer (rank r's slice at
-/// `r * per_rank_bytes`), initialised as the CUDA path initialises them (Lamport
-/// buffers to the -0.0 sentinel, the rest zero), plus the kernels' error word.
+/// Bytes of the guard gap after every slot of a [`Slots`] buffer.
+pub const GUARD_GAP: usize = 256;
+/// The byte every guard gap holds; a kernel that wrote past a slot changed it.
+pub const GUARD_BYTE: u8 = 0x5A;
+
+/// The AddressSanitizer runtime's manual poisoning, when this process has one (a
+/// sanitized run preloads it; elsewhere this is `None`).
+struct AsanHooks {
+    poison: unsafe extern "C" fn(*const u8, usize),
+    unpoison: unsafe extern "C" fn(*const u8, usize),
+}
+
+fn asan_hooks() -> Option<&'static AsanHooks> {
+    static HOOKS: std::sync::OnceLock<Option<AsanHooks>> = std::sync::OnceLock::new();
+    HOOKS
+        .get_or_init(|| {
+            let this = libloading::os::unix::Library::this();
+            // SAFETY: both are `void f(void const volatile *addr, size_t size)` in the
+            // ASan interface (sanitizer/asan_interface.h).
+            unsafe {
+                let p = this.get::<unsafe extern "C" fn(*const u8, usize)>(
+                    b"__asan_poison_memory_region\0",
+                );
+                let u = this.get::<unsafe extern "C" fn(*const u8, usize)>(
+                    b"__asan_unpoison_memory_region\0",
+                );
+                match (p, u) {
+                    (Ok(p), Ok(u)) => Some(AsanHooks {
+                        poison: *p,
+                        unpoison: *u,
+                    }),
+                    _ => None,
+                }
+            }
+        })
+        .as_ref()
+}
+
+/// `count` slots of `size` bytes in one [`HostBuffer`], each followed by a
+/// [`GUARD_GAP`]-byte gap filled with [`GUARD_BYTE`] (and poisoned when the process
+/// runs under AddressSanitizer, so a sanitized kernel reading it is reported). Slot i
+/// starts at `addr(0) + i * stride()`: what a kernel sees as `ptr + rank * rank_stride`.
+pub struct Slots {
+    buf: HostBuffer,
+    size: usize,
+    stride: usize,
+    count: usize,
+}
+
+impl Slots {
+    /// `count` zeroed slots of `size` bytes.
+    ///
+    /// # Errors
+    /// As [`HostBuffer::new`]; [`Error::Overflow`] on absurd sizes.
+    pub fn new(size: u64, count: u32) -> Result<Slots> {
+        let size = usize::try_from(size).map_err(|_| Error::Overflow("slot size"))?;
+        let count = count.max(1) as usize;
+        let stride = size
+            .checked_add(63)
+            .map(|v| v / 64 * 64)
+            .and_then(|v| v.checked_add(GUARD_GAP))
+            .ok_or(Error::Overflow("slot stride"))?;
+        let total = stride.checked_mul(count).ok_or(Error::Overflow("slots"))?;
+        let mut buf = HostBuffer::new(total as u64)?;
+        for i in 0..count {
+            buf.bytes_mut()[i * stride + size..(i + 1) * stride].fill(GUARD_BYTE);
+        }
+        let s = Slots {
+            buf,
+            size,
+            stride,
+            count,
+        };
+        if let Some(h) = asan_hooks() {
+            for i in 0..count {
+                let gap = s.buf.addr() as usize + i * stride + size;
+                // SAFETY: the gap lies inside this buffer.
+                unsafe { (h.poison)(gap as *const u8, stride - size) };
+            }
+        }
+        Ok(s)
+    }
+
+    /// Address of slot `i` (slot 0 for `i` beyond the last).
+    pub fn addr(&self, i: usize) -> u64 {
+        self.buf.addr() + (i.min(self.count - 1) * self.stride) as u64
+    }
+
+    /// Bytes from one slot's start to the next's.
+    pub fn stride(&self) -> u64 {
+        self.stride as u64
+    }
+
+    /// Bytes of one slot.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Slot `i`.
+    pub fn slot(&self, i: usize) -> &[u8] {
+        let i = i.min(self.count - 1);
+        &self.buf.bytes()[i * self.stride..i * self.stride + self.size]
+    }
+
+    /// Slot `i`, writable.
+    pub fn slot_mut(&mut self, i: usize) -> &mut [u8] {
+        let i = i.min(self.count - 1);
+        let (a, n) = (i * self.stride, self.size);
+        &mut self.buf.bytes_mut()[a..a + n]
+    }
+
+    /// Fills every slot (not the gaps) with `byte`.
+    pub fn fill(&mut self, byte: u8) {
+        for i in 0..self.count {
+            self.slot_mut(i).fill(byte);
+        }
+    }
+
+    /// The first slot whose guard gap no longer holds [`GUARD_BYTE`] everywhere (a
+    /// write past its end), if any.
+    pub fn overrun(&self) -> Option<usize> {
+        let b = self.buf.bytes();
+        (0..self.count).find(|&i| {
+            b[i * self.stride + self.size..(i + 1) * self.stride]
+                .iter()
+                .any(|&x| x != GUARD_BYTE)
+        })
+    }
+}
+
+impl Drop for Slots {
+    fn drop(&mut self) {
+        if let Some(h) = asan_hooks() {
+            // SAFETY: the whole buffer, before it is freed.
+            unsafe { (h.unpoison)(self.buf.addr() as *const u8, self.buf.len()) };
+        }
+    }
+}
+
+/// The W ranks' workspaces, one host allocation per rank (as W GPUs would have; the
+/// kernels reach every peer only through `KernelParams::peer`, so an overrun of one
+/// rank's workspace is an overrun of its allocation, which the sanitized build
+/// reports), initialised as the CUDA path initialises them (Lamport buffers to the
+/// -0.0 sentinel, the rest zero), plus the kernels' error word.
 pub struct HostWorkspace {
     /// The layout of one rank.
     pub layout: WorkspaceLayout,
-    memory: HostBuffer,
-    err: HostBuffer,
+    ranks: Vec<Slots>,
+    err: Slots,
 }
 
 impl HostWorkspace {
@@ -135,54 +276,58 @@ impl HostWorkspace {
     /// As [`WorkspaceLayout::new`] and [`HostBuffer::new`].
     pub fn create(request: WorkspaceRequest) -> Result<HostWorkspace> {
         let layout = WorkspaceLayout::new(request)?;
-        let mut memory = HostBuffer::new(layout.virtual_bytes()?)?;
-        let err = HostBuffer::new(16)?;
         let word: &[u8] = match request.dtype {
             Dtype::Bf16 | Dtype::F16 => &[0x00, 0x80],
             Dtype::F32 => &[0x00, 0x00, 0x00, 0x80],
         };
-        let per =
-            usize::try_from(layout.per_rank_bytes).map_err(|_| Error::Overflow("workspace"))?;
-        let start =
-            usize::try_from(layout.off_lamport).map_err(|_| Error::Overflow("workspace"))?;
-        let lam = usize::try_from(
+        let size = |v: u64| usize::try_from(v).map_err(|_| Error::Overflow("workspace"));
+        let start = size(layout.off_lamport)?;
+        let lam = size(
             layout
                 .lamport_stride
                 .checked_mul(3)
                 .ok_or(Error::Overflow("lamport"))?,
-        )
-        .map_err(|_| Error::Overflow("lamport"))?;
-        let bytes = memory.bytes_mut();
-        for r in 0..request.world as usize {
-            let base = r * per + start;
-            for chunk in bytes[base..base + lam].chunks_exact_mut(word.len()) {
+        )?;
+        let mut ranks = Vec::with_capacity(request.world as usize);
+        for _ in 0..request.world {
+            let mut b = Slots::new(layout.per_rank_bytes, 1)?;
+            let lamport = b
+                .slot_mut(0)
+                .get_mut(start..start + lam)
+                .ok_or(Error::Overflow("lamport"))?;
+            for chunk in lamport.chunks_exact_mut(word.len()) {
                 chunk.copy_from_slice(word);
             }
+            ranks.push(b);
         }
         Ok(HostWorkspace {
             layout,
-            memory,
-            err,
+            ranks,
+            err: Slots::new(16, 1)?,
         })
     }
 
-    /// `base` with the workspace fields filled (every rank's base address, the region
-    /// offsets, the error word, M).
+    /// `base` with the workspace fields filled (every rank's workspace address, the
+    /// region offsets, the error word, M).
     ///
     /// # Errors
     /// As [`KernelParams::with_virtual_workspace`].
     pub fn params(&self, base: KernelParams) -> Result<KernelParams> {
-        base.with_virtual_workspace(&self.layout, self.memory.addr(), self.err.addr())
+        let mut p = base.with_virtual_workspace(&self.layout, 0, self.err.addr(0))?;
+        for (r, b) in self.ranks.iter().enumerate() {
+            p.peer[r] = b.addr(0);
+        }
+        Ok(p)
     }
 
-    /// Address of rank 0's slice (rank r at `base + r * per_rank_bytes`).
+    /// Address of rank 0's workspace (identifies this workspace).
     pub fn base(&self) -> u64 {
-        self.memory.addr()
+        self.ranks[0].addr(0)
     }
 
     /// The error word the kernels set instead of hanging (0: none).
     pub fn error_word(&self) -> u32 {
-        let b = self.err.bytes();
+        let b = self.err.slot(0);
         u32::from_le_bytes([b[0], b[1], b[2], b[3]])
     }
 
@@ -190,23 +335,43 @@ impl HostWorkspace {
     pub fn take_error(&mut self) -> Result<()> {
         let v = self.error_word();
         if v != 0 {
-            self.err.bytes_mut()[..4].fill(0);
+            self.err.slot_mut(0)[..4].fill(0);
             return Err(Error::KernelTimeout(v));
         }
         Ok(())
     }
 
-    /// Rank r's slice of the workspace (for inspecting the protocol state).
+    /// Rank r's workspace bytes (for inspecting the protocol state).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a rank outside the world.
     pub fn rank_bytes(&self, rank: u32) -> Result<&[u8]> {
-        let per = usize::try_from(self.layout.per_rank_bytes)
-            .map_err(|_| Error::Overflow("workspace"))?;
-        let r = rank as usize;
-        if rank >= self.layout.request.world {
-            return Err(Error::Invalid(format!(
-                "rank {rank} of {}",
-                self.layout.request.world
-            )));
+        self.ranks
+            .get(rank as usize)
+            .map(|s| s.slot(0))
+            .ok_or_else(|| Error::Invalid(format!("rank {rank} of {}", self.ranks.len())))
+    }
+
+    /// An error naming the first rank whose workspace (or the error word) a kernel
+    /// wrote past.
+    ///
+    /// # Errors
+    /// [`Error::HostKernel`] for an overrun.
+    pub fn check_bounds(&self) -> Result<()> {
+        for (r, s) in self.ranks.iter().enumerate() {
+            if s.overrun().is_some() {
+                return Err(Error::HostKernel {
+                    variant: "(workspace)".into(),
+                    msg: format!("a kernel wrote past the end of rank {r}'s workspace"),
+                });
+            }
         }
-        Ok(&self.memory.bytes()[r * per..(r + 1) * per])
+        if self.err.overrun().is_some() {
+            return Err(Error::HostKernel {
+                variant: "(workspace)".into(),
+                msg: "a kernel wrote past the error word".into(),
+            });
+        }
+        Ok(())
     }
 }

@@ -25,8 +25,8 @@ pub mod launch;
 pub mod memory;
 
 pub use compile::{Build, Compiler};
-pub use launch::{run_ranks, HostKernel, LaunchOptions, RankLaunch};
-pub use memory::{HostBuffer, HostWorkspace};
+pub use launch::{run_ranks, HostKernel, LaunchOptions, RankLaunch, RankTrace};
+pub use memory::{HostBuffer, HostWorkspace, Slots};
 
 use crate::error::{Error, Result};
 
