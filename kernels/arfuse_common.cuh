@@ -255,21 +255,21 @@ __device__ __forceinline__ void arf_st_sys(u64 addr, uint4 v) {
 }
 __device__ __forceinline__ void arf_fence_sys() {
 #if defined(ARF_HOST)
-  std::atomic_thread_fence(std::memory_order_acq_rel);
+  arf_host::fence_acq_rel();
 #else
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void arf_st_release_sys(u64 addr, u32 v) {
 #if defined(ARF_HOST)
-  arf_host::word(addr).store(v, std::memory_order_release);
+  arf_host::store_release(addr, v);
 #else
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
 #endif
 }
 __device__ __forceinline__ u32 arf_ld_acquire_sys(u64 addr) {
 #if defined(ARF_HOST)
-  return arf_host::word(addr).load(std::memory_order_acquire);
+  return arf_host::load_acquire(addr);
 #else
   u32 v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
@@ -278,7 +278,7 @@ __device__ __forceinline__ u32 arf_ld_acquire_sys(u64 addr) {
 }
 __device__ __forceinline__ u32 arf_ld_volatile_u32(u64 addr) {
 #if defined(ARF_HOST)
-  return arf_host::word(addr).load(std::memory_order_relaxed);
+  return arf_host::load_relaxed(addr);
 #else
   u32 v;
   asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");

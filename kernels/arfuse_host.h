@@ -29,7 +29,9 @@
 //
 // Memory model: loads and stores at system scope are C++ atomics on 32-bit words with
 // the PTX orderings (relaxed / release / acquire; a v4 access is four 32-bit accesses,
-// as PTX defines vector accesses), fences are std::atomic_thread_fence. On x86-64 the
+// as PTX defines vector accesses), fences are C++ fences (acq_rel, seq_cst for
+// __threadfence); all written with GCC's __atomic builtins, the C++ memory model's
+// primitives (see the includes below for why not <atomic>). On x86-64 the
 // hardware is stronger than PTX (TSO), so the host run shows the kernels' logic under
 // every schedule the executor produces, not weak-memory reorderings.
 //
@@ -44,22 +46,23 @@
 #error "arfuse_host.h is the host build's header (-DARF_HOST=1)"
 #endif
 
-// Every standard header comes first: the CUDA keywords below are macros that would
-// clash with attributes spelled inside libstdc++ (e.g. __noinline__).
-#include <atomic>
-#include <bit>
+// System headers come first: the CUDA keywords below are macros that would clash with
+// attributes spelled inside libstdc++ (e.g. __noinline__). Only light C headers are
+// used: <atomic> and <cmath> were about two thirds of each variant's compile time, so
+// atomics are GCC's __atomic builtins (what std::atomic / std::atomic_ref compile to,
+// same memory orders), bit casts __builtin_bit_cast, and the three math functions
+// the kernels call are declared below exactly as <math.h> declares them (GCC treats
+// them as the same builtins: sqrtss, correctly rounded).
 #include <cerrno>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
-#include <math.h>
 #include <sched.h>
-#include <sys/mman.h>
 #include <unistd.h>
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define ARF_HOST_ASAN 1
 #endif
@@ -67,6 +70,11 @@
 #include <ucontext.h>
 #define ARF_HOST_USE_UCONTEXT 1
 #endif
+extern "C" {
+float sqrtf(float) noexcept;
+float fmaxf(float, float) noexcept;
+float fabsf(float) noexcept;
+}
 
 // ---------------------------------------------------------------- CUDA keywords
 #define __device__
@@ -89,8 +97,8 @@ struct dim3 {
 };
 inline uint4 make_uint4(unsigned int a, unsigned int b, unsigned int c, unsigned int d) { return uint4{a, b, c, d}; }
 inline uint2 make_uint2(unsigned int a, unsigned int b) { return uint2{a, b}; }
-inline float __uint_as_float(unsigned int u) { return std::bit_cast<float>(u); }
-inline unsigned int __float_as_uint(float f) { return std::bit_cast<unsigned int>(f); }
+inline float __uint_as_float(unsigned int u) { return __builtin_bit_cast(float, u); }
+inline unsigned int __float_as_uint(float f) { return __builtin_bit_cast(unsigned int, f); }
 
 // The launch configuration of one CTA, passed by the Rust launcher. Mirrored by
 // `HostCta` in crates/runtime/src/host.rs (repr(C)); both sides check the size.
@@ -99,15 +107,19 @@ struct ArfHostCta {
   unsigned int block[3];
   unsigned int block_idx[3];
   unsigned int reserved;
-  unsigned long long seed;         // fiber order per pass: 0 ascending, else seeded random
-  unsigned long long stack_bytes;  // stack of each fiber (CUDA thread)
+  unsigned long long seed;          // fiber order per pass: 0 ascending, else seeded random
+  // Fiber stacks, owned by the launcher (mapped once, with a guard page below each,
+  // and reused): fiber i's stack is [stack_base + i * stack_stride, + stack_bytes).
+  unsigned long long stack_base;
+  unsigned long long stack_stride;
+  unsigned long long stack_bytes;
 };
-static_assert(sizeof(ArfHostCta) == 56, "ArfHostCta layout changed: update HostCta in host.rs");
+static_assert(sizeof(ArfHostCta) == 72, "ArfHostCta layout changed: update HostCta in host/launch.rs");
 
 // Status codes of arf_host_run_cta (the message says more).
 #define ARF_HOST_OK 0
 #define ARF_HOST_ERR_CONFIG 1      // bad launch configuration (block not whole warps, ...)
-#define ARF_HOST_ERR_RESOURCE 2    // fiber stacks could not be mapped
+#define ARF_HOST_ERR_RESOURCE 2    // no (or too small) fiber stacks given
 #define ARF_HOST_ERR_BARRIER 3     // divergent, incomplete or deadlocked __syncthreads
 #define ARF_HOST_ERR_WARP 4        // shuffle with a partial mask / width, or lanes exited
 
@@ -130,7 +142,7 @@ namespace arf_host {
 // canonical again). Every function here is checked exhaustively against arfuse-reference
 // and `half` by crates/runtime/tests/host_numerics.rs.
 
-inline uint32_t f32_bits(float f) { return std::bit_cast<uint32_t>(f); }
+inline uint32_t f32_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
 
 // Magnitude code of |x| (bits `a`, sign cleared, not NaN) in a small float format with
 // `mbits` mantissa bits whose smallest normal exponent is `emin` (unbiased), rounded to
@@ -179,13 +191,13 @@ inline uint16_t cvt_rn_f16_f32(float f) {
 // cvt.f32.f16: exact (every f16 is an f32); NaN -> 0x7FFFFFFF (see above).
 inline float cvt_f32_f16(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0x1f) return std::bit_cast<float>(m == 0 ? (sign | 0x7f800000u) : 0x7fffffffu);
+  if (e == 0x1f) return __builtin_bit_cast(float, m == 0 ? (sign | 0x7f800000u) : 0x7fffffffu);
   if (e == 0) {
     // m * 2^-24: exact (m < 2^10, the product is a normal f32 or zero).
     const float mag = (float)m * 5.9604644775390625e-8f;
-    return std::bit_cast<float>(sign | f32_bits(mag));
+    return __builtin_bit_cast(float, sign | f32_bits(mag));
   }
-  return std::bit_cast<float>(sign | ((e + 112u) << 23) | (m << 13));
+  return __builtin_bit_cast(float, sign | ((e + 112u) << 23) | (m << 13));
 }
 
 // One value of cvt.rn.satfinite.e4m3x2.f32: round to nearest even, saturate to +-448
@@ -207,22 +219,24 @@ inline uint32_t cvt_rn_satfinite_e2m1_f32(float f) {
 }
 
 // ---------------------------------------------------------------- memory operations
-inline std::atomic_ref<uint32_t> word(uint64_t addr) { return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(addr)); }
+// 32-bit atomic accesses of device addresses (addr is 4-byte aligned).
+inline uint32_t* word(uint64_t addr) { return reinterpret_cast<uint32_t*>(addr); }
+inline uint32_t load_relaxed(uint64_t addr) { return __atomic_load_n(word(addr), __ATOMIC_RELAXED); }
+inline uint32_t load_acquire(uint64_t addr) { return __atomic_load_n(word(addr), __ATOMIC_ACQUIRE); }
+inline void store_relaxed(uint64_t addr, uint32_t v) { __atomic_store_n(word(addr), v, __ATOMIC_RELAXED); }
+inline void store_release(uint64_t addr, uint32_t v) { __atomic_store_n(word(addr), v, __ATOMIC_RELEASE); }
+// fence.acq_rel.sys
+inline void fence_acq_rel() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
 // ld.volatile.global.v4.u32 / ld.relaxed.sys: four relaxed 32-bit loads.
 inline uint4 ld_relaxed_v4(uint64_t addr) {
-  uint4 v;
-  v.x = word(addr).load(std::memory_order_relaxed);
-  v.y = word(addr + 4).load(std::memory_order_relaxed);
-  v.z = word(addr + 8).load(std::memory_order_relaxed);
-  v.w = word(addr + 12).load(std::memory_order_relaxed);
-  return v;
+  return uint4{load_relaxed(addr), load_relaxed(addr + 4), load_relaxed(addr + 8), load_relaxed(addr + 12)};
 }
 // st.relaxed.sys.global.v4.u32: four relaxed 32-bit stores.
 inline void st_relaxed_v4(uint64_t addr, uint4 v) {
-  word(addr).store(v.x, std::memory_order_relaxed);
-  word(addr + 4).store(v.y, std::memory_order_relaxed);
-  word(addr + 8).store(v.z, std::memory_order_relaxed);
-  word(addr + 12).store(v.w, std::memory_order_relaxed);
+  store_relaxed(addr, v.x);
+  store_relaxed(addr + 4, v.y);
+  store_relaxed(addr + 8, v.z);
+  store_relaxed(addr + 12, v.w);
 }
 // %globaltimer: nanoseconds of a monotonic clock.
 inline uint64_t globaltimer() {
@@ -304,7 +318,7 @@ inline void fail(int status, const char* fmt, int a = 0, int b = 0, int c = 0) {
   Cta* k = t_cta;
   if (k->status != ARF_HOST_OK) return;
   k->status = status;
-  std::snprintf(k->msg, sizeof k->msg, fmt, a, b, c);
+  snprintf(k->msg, sizeof k->msg, fmt, a, b, c);
 }
 
 #if !defined(ARF_HOST_USE_UCONTEXT)
@@ -412,7 +426,7 @@ inline void idle_backoff(unsigned idle_passes) {
 // The end-of-pass step: deadlock check, backoff, the next pass's order.
 inline void end_of_pass(Cta* k) {
   if (!k->ran) {
-    std::snprintf(k->msg, sizeof k->msg,
+    snprintf(k->msg, sizeof k->msg,
                   "deadlock: no thread can run (%u of %u returned, %u at __syncthreads line %d, the rest at a warp shuffle)",
                   k->done, k->n, k->bar_arrived, k->bar_line);
     k->status = ARF_HOST_ERR_BARRIER;
@@ -571,7 +585,7 @@ inline void spin_yield() { reschedule(false); }
 // unless OK, a message in msg.
 inline int run_cta(void (*body)(const void*), const void* arg, const ArfHostCta& cfg, char* msg, unsigned msg_len) {
   auto say = [&](const char* m) {
-    if (msg_len > 0) std::snprintf(msg, msg_len, "%s", m);
+    if (msg_len > 0) snprintf(msg, msg_len, "%s", m);
   };
   const uint64_t n64 = (uint64_t)cfg.block[0] * cfg.block[1] * cfg.block[2];
   if (cfg.block[1] != 1 || cfg.block[2] != 1 || n64 == 0 || n64 > 1024 || n64 % 32 != 0) {
@@ -582,17 +596,18 @@ inline int run_cta(void (*body)(const void*), const void* arg, const ArfHostCta&
     say("this OS thread is already running a CTA");
     return ARF_HOST_ERR_CONFIG;
   }
-  const long page = sysconf(_SC_PAGESIZE);
-  const size_t stack = ((cfg.stack_bytes < 16384 ? 16384 : cfg.stack_bytes) + page - 1) / page * page;
   const uint32_t n = (uint32_t)n64;
-  // One mapping: per fiber a PROT_NONE guard page below its stack (an overflow faults
-  // instead of corrupting a neighbour).
-  const size_t per = stack + (size_t)page;
-  char* region = (char*)mmap(nullptr, per * n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (region == MAP_FAILED) {
-    say("mmap of the fiber stacks failed");
+  if (cfg.stack_base == 0 || cfg.stack_bytes < 16384 || cfg.stack_stride < cfg.stack_bytes) {
+    say("fiber stacks: need a base and at least 16 KiB per fiber");
     return ARF_HOST_ERR_RESOURCE;
   }
+  char* region = reinterpret_cast<char*>(cfg.stack_base);
+  const size_t stride = (size_t)cfg.stack_stride, stack = (size_t)cfg.stack_bytes;
+#if defined(ARF_HOST_ASAN)
+  // The stacks held the fibers of an earlier CTA, whose frames' redzones are still
+  // poisoned in the shadow memory.
+  for (uint32_t i = 0; i < n; ++i) ASAN_UNPOISON_MEMORY_REGION(region + stride * i, stack);
+#endif
   Cta k{};
   k.body = body;
   k.arg = arg;
@@ -606,12 +621,10 @@ inline int run_cta(void (*body)(const void*), const void* arg, const ArfHostCta&
   k.warps = new Warp[n / 32]();
   k.order = new uint32_t[n];
   for (uint32_t i = 0; i < n; ++i) {
-    char* base = region + per * i;
-    mprotect(base, (size_t)page, PROT_NONE);
     Fiber& f = k.fibers[i];
     f.tid = dim3{i, 0, 0};
     f.state = FiberState::Runnable;
-    f.stack_lo = base + page;
+    f.stack_lo = region + stride * i;
     f.stack_size = stack;
     init_fiber(f);
     k.order[i] = i;
@@ -645,7 +658,10 @@ inline int run_cta(void (*body)(const void*), const void* arg, const ArfHostCta&
   delete[] k.order;
   delete[] k.warps;
   delete[] k.fibers;
-  munmap(region, per * n);
+#if defined(ARF_HOST_ASAN)
+  // Fibers left frames poisoned; the launcher reuses the stacks for other objects.
+  for (uint32_t i = 0; i < n; ++i) ASAN_UNPOISON_MEMORY_REGION(region + stride * i, stack);
+#endif
   return status;
 }
 
@@ -659,7 +675,7 @@ inline int run_cta(void (*body)(const void*), const void* arg, const ArfHostCta&
 #define __syncthreads() ::arf_host::syncthreads(__FILE__, __LINE__)
 
 inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width = 32) {
-  return std::bit_cast<float>(::arf_host::shfl_xor_bits(mask, std::bit_cast<uint32_t>(v), lane_mask, width));
+  return __builtin_bit_cast(float, ::arf_host::shfl_xor_bits(mask, __builtin_bit_cast(uint32_t, v), lane_mask, width));
 }
 inline unsigned int __shfl_xor_sync(unsigned mask, unsigned int v, int lane_mask, int width = 32) {
   return ::arf_host::shfl_xor_bits(mask, v, lane_mask, width);
@@ -668,13 +684,9 @@ inline int __shfl_xor_sync(unsigned mask, int v, int lane_mask, int width = 32) 
   return (int)::arf_host::shfl_xor_bits(mask, (uint32_t)v, lane_mask, width);
 }
 // CUDA atomics are relaxed (device scope).
-inline unsigned int atomicAdd(unsigned int* p, unsigned int v) {
-  return std::atomic_ref<unsigned int>(*p).fetch_add(v, std::memory_order_relaxed);
-}
-inline unsigned int atomicOr(unsigned int* p, unsigned int v) {
-  return std::atomic_ref<unsigned int>(*p).fetch_or(v, std::memory_order_relaxed);
-}
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline unsigned int atomicOr(unsigned int* p, unsigned int v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
 // The C entry points of one compiled variant: the ABI check and the CTA runner for the
 // kernel `fn` (written once per translation unit by the Rust compiler driver).

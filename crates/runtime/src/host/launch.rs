@@ -24,10 +24,12 @@ struct HostCta {
     block_idx: [u32; 3],
     reserved: u32,
     seed: u64,
+    stack_base: u64,
+    stack_stride: u64,
     stack_bytes: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<HostCta>() == 56);
+const _: () = assert!(std::mem::size_of::<HostCta>() == 72);
 /// What `arf_host_abi` returns for the layouts this crate was built with.
 const ABI: u32 =
     (std::mem::size_of::<KernelParams>() * 1000 + std::mem::size_of::<HostCta>()) as u32;
@@ -42,6 +44,112 @@ pub const DEFAULT_FIBER_STACK: usize = 64 * 1024;
 /// Stack of each fiber in [`Build::Sanitized`] objects (AddressSanitizer's redzones
 /// and the unoptimised frames need more).
 pub const SANITIZED_FIBER_STACK: usize = 512 * 1024;
+
+/// The fiber stacks of one CTA: `fibers` stacks of `stack` bytes, each above a
+/// PROT_NONE guard page (an overflow faults instead of corrupting a neighbour), in one
+/// private anonymous mapping. Mapping (and faulting in) a CTA's stacks cost more than
+/// running a small CTA, so released stacks go back to a process-wide pool and the next
+/// CTA of the same shape reuses them.
+struct Stacks {
+    base: usize,
+    len: usize,
+    fibers: usize,
+    stack: usize,
+    stride: usize,
+}
+
+/// Released stacks kept for reuse, at most this many (a CTA of 1024 threads with
+/// 64 KiB stacks maps 68 MiB of address space; only touched pages use memory).
+const STACK_POOL_MAX: usize = 256;
+static STACK_POOL: std::sync::Mutex<Vec<Stacks>> = std::sync::Mutex::new(Vec::new());
+
+impl Stacks {
+    fn take(fibers: usize, stack: usize) -> Result<Stacks> {
+        {
+            let mut pool = STACK_POOL.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(i) = pool
+                .iter()
+                .position(|s| s.fibers == fibers && s.stack == stack)
+            {
+                return Ok(pool.swap_remove(i));
+            }
+        }
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+        let stack = stack.max(16384).div_ceil(page) * page;
+        let stride = stack + page;
+        let len = stride
+            .checked_mul(fibers)
+            .ok_or(Error::Overflow("fiber stacks"))?;
+        // SAFETY: a fresh private anonymous mapping; the result is checked.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(Error::Unsupported(format!(
+                "mapping {len} bytes of fiber stacks failed"
+            )));
+        }
+        let s = Stacks {
+            base: base as usize,
+            len,
+            fibers,
+            stack,
+            stride,
+        };
+        for i in 0..fibers {
+            // SAFETY: the guard page [base + i * stride, + page) lies in the mapping.
+            let rc = unsafe {
+                libc::mprotect(
+                    (s.base + i * stride) as *mut libc::c_void,
+                    page,
+                    libc::PROT_NONE,
+                )
+            };
+            if rc != 0 {
+                return Err(Error::Unsupported(
+                    "protecting a fiber stack guard page failed".into(),
+                ));
+            }
+        }
+        Ok(s)
+    }
+
+    /// (base, stride, bytes) of the usable stacks, as `ArfHostCta` takes them.
+    fn layout(&self) -> (u64, u64, u64) {
+        let page = self.stride - self.stack;
+        (
+            (self.base + page) as u64,
+            self.stride as u64,
+            self.stack as u64,
+        )
+    }
+
+    fn release(self) {
+        let mut pool = STACK_POOL.lock().unwrap_or_else(|p| p.into_inner());
+        if pool.len() < STACK_POOL_MAX {
+            pool.push(self);
+        }
+        // else dropped: unmapped
+    }
+}
+
+impl Drop for Stacks {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `take`, unmapped once (pooled stacks are moved,
+        // not dropped, while pooled).
+        unsafe {
+            libc::munmap(self.base as *mut libc::c_void, self.len);
+        }
+    }
+}
 
 /// How a launch is perturbed. `Default` is the deterministic launch: CTAs started in
 /// order without delays, fibers scheduled in ascending order.
@@ -90,6 +198,13 @@ impl LaunchOptions {
     }
 }
 
+/// Whether this process runs with the AddressSanitizer runtime (preloaded).
+pub fn asan_runtime_loaded() -> bool {
+    let this = libloading::os::unix::Library::this();
+    // SAFETY: only the symbol's presence is checked; nothing is called.
+    unsafe { this.get::<*const ()>(b"__asan_init\0").is_ok() }
+}
+
 /// One kernel variant compiled for the host and loaded.
 pub struct HostKernel {
     variant: Variant,
@@ -117,6 +232,12 @@ impl HostKernel {
             variant: variant.name(),
             msg,
         };
+        if build == Build::Sanitized && !asan_runtime_loaded() {
+            // dlopen of an ASan object would abort the whole process.
+            return Err(bad(
+                "a sanitized object loads only into a process started with the ASan runtime preloaded (LD_PRELOAD=$(g++ -print-file-name=libasan.so))".into(),
+            ));
+        }
         // SAFETY: the object is one this crate compiled from kernels/; its initialisers
         // are the C++ runtime's.
         let lib = unsafe { libloading::Library::new(path) }
@@ -215,18 +336,25 @@ impl HostKernel {
             .enumerate()
             .map(|(k, &xy)| (xy, opts.delay(&mut rng), opts.derive(k as u64 + 1).seed))
             .collect();
-        let stack = self.stack(opts);
+        let stack = self.stack(opts) as usize;
+        let mut stacks = Vec::with_capacity(plan.len());
+        for _ in &plan {
+            stacks.push(Stacks::take(block as usize, stack)?);
+        }
         let failures: Vec<String> = std::thread::scope(|s| {
             let mut handles = Vec::with_capacity(plan.len());
             let mut failures = Vec::new();
-            for &((x, y), delay, seed) in &plan {
+            for (&((x, y), delay, seed), st) in plan.iter().zip(&stacks) {
+                let (stack_base, stack_stride, stack_bytes) = st.layout();
                 let cta = HostCta {
                     grid: [grid_x, grid_y, 1],
                     block: [block, 1, 1],
                     block_idx: [x, y, 0],
                     reserved: 0,
                     seed,
-                    stack_bytes: stack,
+                    stack_base,
+                    stack_stride,
+                    stack_bytes,
                 };
                 let run = self.run;
                 let spawned = std::thread::Builder::new()
@@ -261,6 +389,9 @@ impl HostKernel {
             }
             failures
         });
+        for st in stacks {
+            st.release();
+        }
         if failures.is_empty() {
             Ok(())
         } else {
