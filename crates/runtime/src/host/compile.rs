@@ -412,3 +412,112 @@ fn par_map<T: Sync, R: Send>(
     results.sort_by_key(|(i, _)| *i);
     results.into_iter().map(|(_, r)| r).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::KernelParams;
+    use crate::host::launch::LaunchOptions;
+
+    /// Small kernels that exercise the executor (not arfuse kernels): one entry point
+    /// each, selected by `ARF_TEST_ENTRY`.
+    const EXEC_TEST: &str = r#"
+#include "arfuse_common.cuh"
+// out[(cta * n + tid) * 3 + k]: k = 0 block sum of cta * 1000 + tid (arf_block_sum),
+// 1 the value of lane tid ^ 5, 2 what thread 0 of this CTA wrote to shared memory.
+extern "C" __global__ void t_sum(const ArfParams p) {
+  __shared__ float red[32];
+  __shared__ unsigned owner;
+  if (threadIdx.x == 0) owner = blockIdx.x;
+  __syncthreads();
+  const float v = arf_block_sum((float)(blockIdx.x * 1000 + threadIdx.x), red);
+  float* out = reinterpret_cast<float*>(p.x.ptr) + (blockIdx.x * blockDim.x + threadIdx.x) * 3;
+  out[0] = v;
+  out[1] = __shfl_xor_sync(0xffffffffu, (float)threadIdx.x, 5);
+  out[2] = (float)owner;
+}
+extern "C" __global__ void t_divergent(const ArfParams p) {
+  if (threadIdx.x < 32)
+    __syncthreads();
+  else
+    __syncthreads();
+}
+extern "C" __global__ void t_exit(const ArfParams p) {
+  if (threadIdx.x == 5) return;
+  __syncthreads();
+}
+extern "C" __global__ void t_partial_warp(const ArfParams p) {
+  if (threadIdx.x == 0) return;
+  volatile float v = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+  (void)v;
+}
+"#;
+
+    fn exec_kernel(entry: &str) -> HostKernel {
+        let dir = std::env::temp_dir().join("arfuse-host-unit-tests");
+        let c = Compiler::new(dir).expect("a C++ compiler");
+        let unit = Unit {
+            name: format!("exec_test_{entry}"),
+            source_file: "exec_test.cu",
+            source_text: EXEC_TEST,
+            defines: vec![("ARF_DTYPE".into(), 0)],
+            main: format!("#include \"exec_test.cu\"\nARF_HOST_ENTRY({entry})\n"),
+        };
+        let so = c.object(&unit, Build::Plain).expect("test kernel builds");
+        // Any variant as the label of the errors.
+        let label = variants::virtual_allreduce(2, variants::Dtype::Bf16);
+        HostKernel::load(label, Build::Plain, &so).expect("loads")
+    }
+
+    fn launch(k: &HostKernel, out: &mut [f32], grid: u32, block: u32, seed: u64) -> Result<()> {
+        let mut p = KernelParams::default();
+        p.x.ptr = out.as_mut_ptr() as u64;
+        assert!(out.len() >= (grid * block * 3) as usize);
+        let opts = if seed == 0 {
+            LaunchOptions::default()
+        } else {
+            LaunchOptions::skewed(seed, std::time::Duration::from_micros(100))
+        };
+        // SAFETY: the test kernels touch only out[0 .. grid * block * 3].
+        unsafe { k.launch(&p, grid, 1, block, &opts) }
+    }
+
+    #[test]
+    fn shared_memory_is_per_cta_and_shuffles_are_exact() {
+        let k = exec_kernel("t_sum");
+        for seed in [0, 1, 2] {
+            let (grid, block) = (3u32, 128u32);
+            let mut out = vec![-1.0f32; (grid * block * 3) as usize];
+            launch(&k, &mut out, grid, block, seed).unwrap();
+            for b in 0..grid {
+                let sum: u32 = (0..block).map(|t| b * 1000 + t).sum();
+                for t in 0..block {
+                    let o = &out[((b * block + t) * 3) as usize..][..3];
+                    assert_eq!(o[0], sum as f32, "block sum, CTA {b} thread {t}");
+                    assert_eq!(o[1], (t ^ 5) as f32, "shuffle, CTA {b} thread {t}");
+                    assert_eq!(o[2], b as f32, "__shared__ of CTA {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn undefined_synchronisation_is_an_error_not_a_hang() {
+        let mut out = vec![0.0f32; 3 * 128];
+        for (entry, want) in [
+            ("t_divergent", "divergent __syncthreads"),
+            ("t_exit", "exited"),
+            ("t_partial_warp", "lane 0 exited"),
+        ] {
+            let k = exec_kernel(entry);
+            for seed in [0, 7] {
+                let e = launch(&k, &mut out, 1, 128, seed).unwrap_err().to_string();
+                println!("{entry} seed {seed}: {e}");
+                // With some orders the exiting thread leaves the others waiting: then
+                // it is a deadlock with no thread able to run.
+                assert!(e.contains(want) || e.contains("deadlock"), "{entry}: {e}");
+                assert!(e.contains("CTA (0, 0)"), "{entry}: {e}");
+            }
+        }
+    }
+}

@@ -375,3 +375,45 @@ impl HostWorkspace {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_keep_their_stride_and_catch_writes_past_a_slot() {
+        let mut s = Slots::new(100, 3).unwrap();
+        assert_eq!(s.stride(), 128 + GUARD_GAP as u64);
+        assert_eq!(s.addr(2) - s.addr(0), 2 * s.stride());
+        assert_eq!(s.addr(0) % HOST_ALIGN as u64, 0);
+        s.fill(7);
+        assert!(s.slot(1).iter().all(|&b| b == 7));
+        assert_eq!(s.overrun(), None);
+        // One byte past slot 1 (a kernel's off-by-one), through the raw address.
+        // SAFETY: inside the buffer (the gap after slot 1).
+        unsafe { *((s.addr(1) + 100) as *mut u8) = 0 };
+        assert_eq!(s.overrun(), Some(1));
+    }
+
+    #[test]
+    fn workspace_starts_with_sentinels_and_separate_ranks() {
+        let ws = HostWorkspace::create(WorkspaceRequest {
+            world: 2,
+            hidden: 256,
+            dtype: Dtype::Bf16,
+            max_tokens: 4,
+            oneshot_max_tokens: 4,
+        })
+        .unwrap();
+        let p = ws.params(KernelParams::default()).unwrap();
+        assert_eq!(p.peer[0], ws.base());
+        assert_ne!(p.peer[1], 0);
+        assert_eq!(p.off_lamport, ws.layout.off_lamport);
+        let r1 = ws.rank_bytes(1).unwrap();
+        let lam = &r1[ws.layout.off_lamport as usize..][..16];
+        assert_eq!(lam, [0x00, 0x80].repeat(8).as_slice());
+        assert!(r1[..ws.layout.off_lamport as usize].iter().all(|&b| b == 0));
+        assert!(ws.check_bounds().is_ok());
+        assert!(ws.rank_bytes(2).is_err());
+    }
+}
