@@ -226,6 +226,9 @@ __device__ __forceinline__ uint4 arf_ld(u64 addr) {
   return *reinterpret_cast<const uint4*>(addr);
 }
 __device__ __forceinline__ void arf_st(u64 addr, uint4 v) {
+#if defined(ARF_HOST)
+  arf_host::chaos_point();
+#endif
   *reinterpret_cast<uint4*>(addr) = v;
 }
 // Loads of data another rank (possibly another GPU) writes: volatile = relaxed at
@@ -255,6 +258,7 @@ __device__ __forceinline__ void arf_st_sys(u64 addr, uint4 v) {
 }
 __device__ __forceinline__ void arf_fence_sys() {
 #if defined(ARF_HOST)
+  arf_host::chaos_point();
   arf_host::fence_acq_rel();
 #else
   asm volatile("fence.acq_rel.sys;" ::: "memory");
@@ -262,6 +266,7 @@ __device__ __forceinline__ void arf_fence_sys() {
 }
 __device__ __forceinline__ void arf_st_release_sys(u64 addr, u32 v) {
 #if defined(ARF_HOST)
+  arf_host::chaos_point();
   arf_host::store_release(addr, v);
 #else
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");

@@ -26,6 +26,8 @@
 //   (so the other CTAs, each an OS thread, get the cores).
 // - Order of fibers in each pass: ascending, or a seeded random permutation per pass
 //   (ArfHostCta::seed != 0), so results cannot depend on one fixed interleaving.
+// - Chaos (ArfHostCta::chaos): seeded pauses of the whole CTA at global stores and
+//   fences, so that another CTA or rank can act between any two stores of a thread.
 //
 // Memory model: loads and stores at system scope are C++ atomics on 32-bit words with
 // the PTX orderings (relaxed / release / acquire; a v4 access is four 32-bit accesses,
@@ -106,7 +108,7 @@ struct ArfHostCta {
   unsigned int grid[3];
   unsigned int block[3];
   unsigned int block_idx[3];
-  unsigned int reserved;
+  unsigned int chaos;              // per mille: chance of a pause at each store or fence
   unsigned long long seed;          // fiber order per pass: 0 ascending, else seeded random
   // Fiber stacks, owned by the launcher (mapped once, with a guard page below each,
   // and reused): fiber i's stack is [stack_base + i * stack_stride, + stack_bytes).
@@ -227,12 +229,15 @@ inline void store_relaxed(uint64_t addr, uint32_t v) { __atomic_store_n(word(add
 inline void store_release(uint64_t addr, uint32_t v) { __atomic_store_n(word(addr), v, __ATOMIC_RELEASE); }
 // fence.acq_rel.sys
 inline void fence_acq_rel() { __atomic_thread_fence(__ATOMIC_ACQ_REL); }
+inline void chaos_point();
 // ld.volatile.global.v4.u32 / ld.relaxed.sys: four relaxed 32-bit loads.
 inline uint4 ld_relaxed_v4(uint64_t addr) {
   return uint4{load_relaxed(addr), load_relaxed(addr + 4), load_relaxed(addr + 8), load_relaxed(addr + 12)};
 }
+inline void chaos_point();
 // st.relaxed.sys.global.v4.u32: four relaxed 32-bit stores.
 inline void st_relaxed_v4(uint64_t addr, uint4 v) {
+  chaos_point();
   store_relaxed(addr, v.x);
   store_relaxed(addr + 4, v.y);
   store_relaxed(addr + 8, v.z);
@@ -287,6 +292,8 @@ struct Cta {
   uint32_t pos;      // position of the running fiber in `order`
   uint32_t done;     // fibers that returned
   uint64_t rng;      // 0: ascending order every pass
+  uint64_t chaos_rng;
+  uint32_t chaos;    // per-mille chance of a pause at a chaos point
   unsigned idle;     // consecutive passes without progress
   bool progress;     // something other than a poll happened in this pass
   bool ran;          // some fiber ran in this pass
@@ -410,6 +417,19 @@ inline uint64_t next_random(uint64_t& s) {
   s ^= s << 25;
   s ^= s >> 27;
   return s * 0x2545f4914f6cdd1dull;
+}
+
+// A chaos point (every global store and fence of the kernels): with probability
+// chaos / 1000 the whole CTA (its OS thread) pauses for 0..2 ms, as a CTA can be
+// descheduled at any instruction on a GPU. Opens the windows between two accesses of
+// one thread that other CTAs and ranks could otherwise never observe.
+inline void chaos_point() {
+  Cta* k = t_cta;
+  if (k == nullptr || k->chaos == 0) return;
+  const uint64_t r = next_random(k->chaos_rng);
+  if (r % 1000u >= k->chaos) return;
+  timespec ts{0, (long)((r >> 32) % 2000u) * 1000L};
+  nanosleep(&ts, nullptr);
 }
 
 // After a pass without progress: yield the OS thread, then sleep, at most 200 us.
@@ -617,6 +637,8 @@ inline int run_cta(void (*body)(const void*), const void* arg, const ArfHostCta&
   k.n = n;
   k.status = ARF_HOST_OK;
   k.rng = cfg.seed;
+  k.chaos = cfg.chaos > 1000u ? 1000u : cfg.chaos;
+  k.chaos_rng = cfg.seed ^ 0x9e3779b97f4a7c15ull;
   k.fibers = new Fiber[n]();
   k.warps = new Warp[n / 32]();
   k.order = new uint32_t[n];

@@ -14,7 +14,11 @@
 //!   one workspace per (W, dtype) with the strategies alternating call by call,
 //!   every output live and then only some.
 //! - `skewed_sequences`: long sequences of calls with changing T, grid and strategy on
-//!   one workspace, ranks drifting apart across calls (no join between calls).
+//!   one workspace, ranks drifting apart across calls (no join between calls), CTAs
+//!   pausing at random stores ("chaos").
+//! - `harness_finds_the_lamport_clearing_race`: a copy of the one-shot kernel patched
+//!   to clear the wrong Lamport buffer (the race its own comment describes) must fail a
+//!   skewed sequence that the real kernel passes.
 //! - `missing_rank_*`: W - 1 ranks launched; every waiting rank ends with the kernel's
 //!   error flag within the polling timeout.
 //! - `wide_tokens`: H with several 16-byte vectors per thread and partial blocks.
@@ -209,14 +213,35 @@ fn skewed_sequence(
     steps: &[(Strategy, u32)],
     seed: u64,
 ) -> (Vec<String>, usize) {
+    let mut vs: Vec<Variant> = steps
+        .iter()
+        .map(|&(s, t)| case_of(world, dtype, epilogue, s, t, HIDDEN).variant())
+        .collect();
+    vs.sort();
+    vs.dedup();
+    let ks = kernels(&vs);
+    // Delays up to 2 ms before every launch of every rank and every CTA, and pauses of
+    // CTAs at 1 in 200 stores and fences: the ranks drift apart, and a CTA can stall
+    // between any two of its stores.
+    let opts = LaunchOptions::skewed(seed, Duration::from_millis(2)).with_chaos(5);
+    run_sequence(&ks, world, dtype, epilogue, steps, &opts, 5_000_000_000)
+}
+
+/// [`skewed_sequence`] with the kernels given and a polling timeout.
+fn run_sequence(
+    ks: &HashMap<Variant, Arc<HostKernel>>,
+    world: u32,
+    dtype: Dtype,
+    epilogue: Epilogue,
+    steps: &[(Strategy, u32)],
+    opts: &LaunchOptions,
+    timeout_ns: u64,
+) -> (Vec<String>, usize) {
+    let seed = opts.seed;
     let cases: Vec<Case> = steps
         .iter()
         .map(|&(s, t)| case_of(world, dtype, epilogue, s, t, HIDDEN))
         .collect();
-    let mut vs: Vec<Variant> = cases.iter().map(Case::variant).collect();
-    vs.sort();
-    vs.dedup();
-    let ks = kernels(&vs);
     let mut ws = HostWorkspace::create(request(world, dtype, HIDDEN, 128)).expect("workspace");
     let prepared: Vec<(Case, check::Inputs, Vec<RankOutputs>, CaseIo)> = cases
         .iter()
@@ -236,12 +261,9 @@ fn skewed_sequence(
                 .expect("call")
         })
         .collect();
-    // Delays up to 2 ms before every launch of every rank and every CTA: the ranks
-    // drift apart by several calls.
-    let opts = LaunchOptions::skewed(seed, Duration::from_millis(2));
     let mut bad = Vec::new();
     let mut lead = 0;
-    match cases::run_fused_sequence(&mut ws, world, &calls, &opts) {
+    match cases::run_fused_sequence(&mut ws, world, &calls, opts) {
         Ok(trace) => lead = trace.max_lead(),
         Err(e) => bad.push(format!("sequence: {e}")),
     }
@@ -302,6 +324,61 @@ fn skewed_sequences() {
         leads.iter().any(|&l| l >= 1),
         "ranks never drifted: {leads:?}"
     );
+}
+
+/// The harness finds the race the one-shot kernel's own comment warns about: clearing
+/// the Lamport buffer of call n - 2 ((n + 1) % 3) instead of call n - 1 wipes what a
+/// peer that is already one call ahead wrote there, and that call then never completes.
+/// A copy of the kernel patched that way must fail a skewed one-shot sequence (timeout
+/// or wrong outputs) in at least one of a few attempts; the real kernel passes the same
+/// sequences (`skewed_sequences`).
+#[test]
+fn harness_finds_the_lamport_clearing_race() {
+    const ATTEMPTS: u64 = 8;
+    let (world, dtype, e) = (4, Dtype::Bf16, Epilogue::RES_NORM);
+    let variant = case_of(world, dtype, e, Strategy::OneShot, 1, HIDDEN).variant();
+    let patched = variants::FUSED_SOURCE
+        .replace(
+            "const u32 cur = s_call % 3u, prev = (s_call + 2u) % 3u;",
+            "const u32 cur = s_call % 3u, prev = (s_call + 1u) % 3u;",
+        )
+        .replace("os + 2 + (n + 2u) % 3u", "os + 2 + (n + 1u) % 3u")
+        .replace("os[2 + (n + 2u) % 3u] = 0u;", "os[2 + (n + 1u) % 3u] = 0u;");
+    assert_eq!(
+        patched.matches("(n + 1u) % 3u").count(),
+        2,
+        "the patch no longer applies to kernels/allreduce_fused.cu"
+    );
+    let k = compiler()
+        .kernel_from_source(&variant, Build::Plain, patched)
+        .expect("patched kernel builds");
+    let racy: HashMap<Variant, Arc<HostKernel>> = [(variant, Arc::new(k))].into_iter().collect();
+    let real = kernels(&[variant]);
+    let mut caught = None;
+    for attempt in 0..ATTEMPTS {
+        let steps: Vec<(Strategy, u32)> = random_steps(24, 40 + attempt)
+            .into_iter()
+            .map(|(_, t)| (Strategy::OneShot, t))
+            .collect();
+        // Short delays between launches (a rank that finished a call starts the next one
+        // soon) and frequent pauses (a CTA stalls in the middle of its clearing).
+        let opts = LaunchOptions::skewed(40 + attempt, Duration::from_micros(100)).with_chaos(20);
+        // The control: the real kernel passes this very sequence (so a failure below is
+        // the patch, not the schedule or a timeout too short for the pauses).
+        let (bad, _) = run_sequence(&real, world, dtype, e, &steps, &opts, 2_000_000_000);
+        assert!(
+            bad.is_empty(),
+            "the real kernel failed attempt {attempt}: {}",
+            bad.join("; ")
+        );
+        let (bad, _) = run_sequence(&racy, world, dtype, e, &steps, &opts, 2_000_000_000);
+        if !bad.is_empty() {
+            caught = Some((attempt, bad));
+            break;
+        }
+    }
+    let (attempt, bad) = caught.expect("the patched (racy) kernel passed every skewed sequence");
+    println!("race found in attempt {attempt}: {}", bad[0]);
 }
 
 /// W - 1 ranks launch, one never does: every waiting rank gives up within the polling

@@ -83,7 +83,7 @@ impl Build {
 struct Unit {
     name: String,
     source_file: &'static str,
-    source_text: &'static str,
+    source_text: std::borrow::Cow<'static, str>,
     defines: Vec<(String, u32)>,
     main: String,
 }
@@ -98,7 +98,7 @@ impl Unit {
         Unit {
             name: v.name(),
             source_file,
-            source_text: v.source(),
+            source_text: v.source().into(),
             defines: v.defines(),
             main: format!(
                 "#include \"{source_file}\"\nARF_HOST_ENTRY({})\n",
@@ -111,7 +111,7 @@ impl Unit {
         [
             ("arfuse_common.cuh", variants::COMMON_HEADER),
             ("arfuse_host.h", HOST_HEADER),
-            (self.source_file, self.source_text),
+            (self.source_file, &self.source_text),
         ]
     }
 }
@@ -229,6 +229,25 @@ impl Compiler {
         Ok(map.entry((*variant, build)).or_insert(k).clone())
     }
 
+    /// `variant` built from `source` instead of its own `kernels/` file (a patched
+    /// kernel: the headers stay those of this crate). Cached on disk under its own key
+    /// like every object, not in this handle's table of loaded variants.
+    ///
+    /// # Errors
+    /// As [`Compiler::kernel`].
+    pub fn kernel_from_source(
+        &self,
+        variant: &Variant,
+        build: Build,
+        source: String,
+    ) -> Result<HostKernel> {
+        let mut unit = Unit::for_variant(variant);
+        unit.name = format!("{}-patched", unit.name);
+        unit.source_text = source.into();
+        let path = self.object(&unit, build)?;
+        HostKernel::load(*variant, build, &path)
+    }
+
     fn cached(&self, variant: &Variant, build: Build) -> Option<Arc<HostKernel>> {
         let map = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
         map.get(&(*variant, build)).cloned()
@@ -277,7 +296,7 @@ impl Compiler {
         let unit = Unit {
             name: "probe".to_string(),
             source_file: "arfuse_host_probe.cpp",
-            source_text: PROBE_SOURCE,
+            source_text: PROBE_SOURCE.into(),
             defines: Vec::new(),
             main: "#include \"arfuse_host_probe.cpp\"\n".to_string(),
         };
@@ -459,7 +478,7 @@ extern "C" __global__ void t_partial_warp(const ArfParams p) {
         let unit = Unit {
             name: format!("exec_test_{entry}"),
             source_file: "exec_test.cu",
-            source_text: EXEC_TEST,
+            source_text: EXEC_TEST.into(),
             defines: vec![("ARF_DTYPE".into(), 0)],
             main: format!("#include \"exec_test.cu\"\nARF_HOST_ENTRY({entry})\n"),
         };

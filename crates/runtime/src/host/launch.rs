@@ -22,7 +22,7 @@ struct HostCta {
     grid: [u32; 3],
     block: [u32; 3],
     block_idx: [u32; 3],
-    reserved: u32,
+    chaos: u32,
     seed: u64,
     stack_base: u64,
     stack_stride: u64,
@@ -164,6 +164,10 @@ pub struct LaunchOptions {
     /// Stack of each fiber, bytes (0: [`DEFAULT_FIBER_STACK`], or
     /// [`SANITIZED_FIBER_STACK`] for sanitized objects).
     pub fiber_stack: usize,
+    /// Chance, per mille, that a CTA pauses (its whole OS thread, 0..2 ms) at each
+    /// global store or fence of the kernels (only with a seed): the instruction-level
+    /// skew of a GPU, which opens the windows between two accesses of one thread.
+    pub chaos_permille: u32,
 }
 
 impl LaunchOptions {
@@ -173,6 +177,15 @@ impl LaunchOptions {
             seed: seed.max(1),
             max_delay,
             fiber_stack: 0,
+            chaos_permille: 0,
+        }
+    }
+
+    /// These options with pauses at a `permille` chance per store or fence.
+    pub fn with_chaos(self, permille: u32) -> LaunchOptions {
+        LaunchOptions {
+            chaos_permille: permille.min(1000),
+            ..self
         }
     }
 
@@ -350,7 +363,11 @@ impl HostKernel {
                     grid: [grid_x, grid_y, 1],
                     block: [block, 1, 1],
                     block_idx: [x, y, 0],
-                    reserved: 0,
+                    chaos: if opts.seed == 0 {
+                        0
+                    } else {
+                        opts.chaos_permille
+                    },
                     seed,
                     stack_base,
                     stack_stride,
