@@ -257,7 +257,7 @@ fn run_sequence(
         .iter()
         .map(|(c, _, _, io)| {
             let all = Liveness::all(c).expect("liveness");
-            cases::fused_launch(&ks[&c.variant()], &ws, io, all, MAX_CTAS, 5_000_000_000)
+            cases::fused_launch(&ks[&c.variant()], &ws, io, all, MAX_CTAS, timeout_ns)
                 .expect("call")
         })
         .collect();
