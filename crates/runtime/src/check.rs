@@ -290,6 +290,46 @@ pub fn cases_for_tokens(hidden: u32, nvfp4: bool, token_counts: &[u32]) -> Vec<C
     out
 }
 
+/// The arfuse workspace (trtllm mapping: virtual ranks on one device) whose ONE Lamport
+/// buffer holds either strategy at every T up to `max_tokens` at `hidden`: the larger of
+/// the policy's one-shot and two-shot needs at `max_tokens` (both grow with T). Used by
+/// the GPU check and the host device's tests.
+///
+/// # Errors
+/// [`Error::Invalid`] when the policy refuses the sizes (e.g. a buffer above the
+/// Lamport limit).
+pub fn workspace_for(
+    world: u32,
+    dtype: Dtype,
+    hidden: u32,
+    max_tokens: u32,
+) -> Result<arfuse_policy::Workspace> {
+    use arfuse_policy::{Backend, KernelLibrary, Workspace};
+    let invalid = |e: arfuse_policy::PolicyError| Error::Invalid(e.to_string());
+    let need = |s| {
+        arfuse_policy::required_bytes(
+            KernelLibrary::Arfuse,
+            Backend::Trtllm,
+            s,
+            u64::from(max_tokens),
+            u64::from(hidden),
+            world,
+            dtype.policy(),
+        )
+        .map_err(invalid)
+    };
+    let need = need(arfuse_policy::Strategy::OneShot)?.max(need(arfuse_policy::Strategy::TwoShot)?);
+    Workspace::arfuse(
+        Backend::Trtllm,
+        world,
+        u64::from(hidden),
+        dtype.policy(),
+        Some(u64::from(max_tokens)),
+        Workspace::arfuse_buffer_for(need).map_err(invalid)?,
+    )
+    .map_err(invalid)
+}
+
 /// Bytes of each output of one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct OutputBytes {
