@@ -1,7 +1,7 @@
 //! Host memory for host-compiled kernels: zeroed, aligned buffers whose addresses go
 //! into `KernelParams`, and the W virtual ranks' workspaces.
 
-use crate::cuda::KernelParams;
+use crate::device::KernelParams;
 use crate::error::{Error, Result};
 use crate::variants::Dtype;
 use arfuse_policy::{ArfuseLayout, Workspace};
@@ -275,9 +275,9 @@ impl HostWorkspace {
     /// Allocates and initialises `workspace` (arfuse's layout) for its W ranks.
     ///
     /// # Errors
-    /// As [`crate::cuda::arfuse_layout`] and [`HostBuffer::new`].
+    /// As [`crate::device::arfuse_layout`] and [`HostBuffer::new`].
     pub fn create(workspace: &Workspace) -> Result<HostWorkspace> {
-        let layout = crate::cuda::arfuse_layout(workspace)?;
+        let layout = crate::device::arfuse_layout(workspace)?;
         let word: &[u8] = match Dtype::from_policy(workspace.dtype) {
             Dtype::Bf16 | Dtype::F16 => &[0x00, 0x80],
             Dtype::F32 => &[0x00, 0x00, 0x00, 0x80],
@@ -337,9 +337,18 @@ impl HostWorkspace {
 
     /// Reads and clears the error word; `Err(KernelTimeout)` if a kernel gave up.
     pub fn take_error(&mut self) -> Result<()> {
+        self.take_error_shared()
+    }
+
+    /// [`HostWorkspace::take_error`] through a shared reference, for a workspace that
+    /// queued launches share ([`super::device::HostDevice`]); only called when no
+    /// kernel runs.
+    pub(crate) fn take_error_shared(&self) -> Result<()> {
         let v = self.error_word();
         if v != 0 {
-            self.err.slot_mut(0)[..4].fill(0);
+            // SAFETY: the first 4 bytes of the error word's slot, which this value owns;
+            // no kernel runs and no reference into the slot is held while this writes.
+            unsafe { std::ptr::write_volatile(self.err.addr(0) as *mut u32, 0) };
             return Err(Error::KernelTimeout(v));
         }
         Ok(())
