@@ -749,12 +749,11 @@ fn unfused_route() {
     }
     runner.prepare().expect("prepare");
     let mut failures = Vec::new();
-    let mut ios = BTreeMap::new();
+    let ios: BTreeMap<Dtype, Io> = Dtype::ALL
+        .iter()
+        .map(|&d| (d, Io::new(runner.device(), world, d, 42)))
+        .collect();
     for (id, c) in &cases {
-        if !ios.contains_key(&c.dtype) {
-            let io = Io::new(runner.device(), world, c.dtype, 42);
-            ios.insert(c.dtype, io);
-        }
         for tokens in [7, 42] {
             let case = Case { tokens, ..*c };
             if let Err(e) = check_case(&mut runner, &ios[&c.dtype], id, &case, 77) {
