@@ -177,6 +177,7 @@ impl CaseIo {
             eps: check::EPS as f32,
             weight_bias: c.weight_bias as f32,
             gamma_f32: i32::from(c.gamma_f32),
+            norm_round_twice: i32::from(c.norm_round_twice),
             timeout_ns: cuda::DEFAULT_TIMEOUT_NS,
             tokens: c.tokens as i32,
             hidden: c.hidden as i32,
