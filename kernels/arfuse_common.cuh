@@ -19,15 +19,18 @@
 //                7 fp8 group fp32 row-major with power-of-two (ue8m0) values
 // Which outputs are written is decided at run time: a null output pointer is dead.
 //
-// Rounding contract (shared with crates/runtime/src/protocol.rs and model.rs):
+// Rounding contract (crates/reference/src/contract.rs, the one definition):
 //   s   = ((0.0f + x_0) + x_1) + ... + x_{W-1}   fp32, fixed rank order, starting from
 //         +0.0 so that an all -0.0 column gives +0.0 on every strategy (the Lamport
 //         transport replaces -0.0 by +0.0, which cannot change a sum that starts at +0)
 //   a   = round_T(s)                              (the unfused all-reduce output)
 //   h   = round_T(float(a) + float(residual))     -> residual_out
-//   r   = 1.0f / sqrtf(sum_i(float(h_i)^2) / H + eps)   sum in fp32, block-tree
-//         order (the contract sums sequentially: the one allowed difference);
-//         correctly rounded sqrt and division (NVRTC defaults), no FMA (--fmad=false)
+//   r   = 1.0f / sqrtf(sum_i(float(h_i)^2) / H + eps)   sum in fp32 in the block
+//         tree of arf_block_sum over blockDim = arfuse_block_threads(H, e) threads
+//         (the contract's SumOrder::KernelTree): it depends on H and e only, never
+//         on T, the grid or the strategy, so one-shot, two-shot and the local kernel
+//         give the same bits for a row in any batch; correctly rounded sqrt and
+//         division (NVRTC defaults), no FMA (--fmad=false)
 //   y   = round_T((float(h) * r) * (float(gamma) + weight_bias))   (one rounding;
 //         gamma in T, or f32 when p.gamma_f32, the Gemma form 1 + w.float()), or
 //         with p.norm_round_twice the Llama order
