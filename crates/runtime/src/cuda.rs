@@ -638,31 +638,61 @@ impl VirtualWorkspace {
                 gpu.info.free_bytes
             )));
         }
-        let memory = gpu.alloc(bytes)?;
-        let err = gpu.alloc(4)?;
-        let dtype = Dtype::from_policy(workspace.dtype);
-        for r in 0..u64::from(workspace.world_size) {
-            let base = memory.ptr + r * layout.bytes_per_rank + layout.lamport_offset;
-            let lam = arfuse_policy::LAMPORT_BUFFER_COUNT * layout.lamport_buffer_bytes;
+        let ws = VirtualWorkspace {
+            workspace: workspace.clone(),
+            layout,
+            memory: gpu.alloc(bytes)?,
+            err: gpu.alloc(4)?,
+        };
+        ws.initialise(gpu)?;
+        Ok(ws)
+    }
+
+    /// Writes the initial state on the work stream and waits for it: every rank's
+    /// state block zero, its Lamport buffers the -0.0 sentinel of the activation dtype,
+    /// the error word zero.
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn initialise(&self, gpu: &Gpu) -> Result<()> {
+        let layout = &self.layout;
+        let lam = arfuse_policy::LAMPORT_BUFFER_COUNT * layout.lamport_buffer_bytes;
+        let dtype = Dtype::from_policy(self.workspace.dtype);
+        for r in 0..u64::from(self.workspace.world_size) {
+            let rank = self.memory.ptr + r * layout.bytes_per_rank;
+            // SAFETY: the state block [0, lamport_offset) of rank r lies inside `memory`
+            // (layout arithmetic is checked when the workspace is created).
+            let rc = unsafe {
+                sys::cuMemsetD8Async(rank, 0, layout.lamport_offset as usize, gpu.stream)
+            };
+            check(rc, "cuMemsetD8Async (workspace state)")?;
+            let base = rank + layout.lamport_offset;
             let rc = match dtype {
-                // SAFETY: the range lies inside `memory` (layout arithmetic is checked).
+                // SAFETY: the Lamport range of rank r lies inside `memory`, as above.
                 Dtype::Bf16 | Dtype::F16 => unsafe {
-                    sys::cuMemsetD16Async(base, 0x8000, (lam / 2) as usize, gpu.stream)
+                    sys::cuMemsetD16Async(
+                        base,
+                        dtype.sentinel_bits() as u16,
+                        (lam / 2) as usize,
+                        gpu.stream,
+                    )
                 },
                 // SAFETY: as above.
                 Dtype::F32 => unsafe {
-                    sys::cuMemsetD32Async(base, 0x8000_0000, (lam / 4) as usize, gpu.stream)
+                    sys::cuMemsetD32Async(
+                        base,
+                        dtype.sentinel_bits(),
+                        (lam / 4) as usize,
+                        gpu.stream,
+                    )
                 },
             };
             check(rc, "cuMemsetD16/D32Async (Lamport sentinel)")?;
         }
-        gpu.sync()?;
-        Ok(VirtualWorkspace {
-            workspace: workspace.clone(),
-            layout,
-            memory,
-            err,
-        })
+        // SAFETY: the error word is the 4 bytes of `err`.
+        let rc = unsafe { sys::cuMemsetD8Async(self.err.ptr, 0, 4, gpu.stream) };
+        check(rc, "cuMemsetD8Async (error word)")?;
+        gpu.sync()
     }
 
     /// Reads and clears the error word; `Err(KernelTimeout)` if a kernel gave up.
@@ -758,6 +788,14 @@ impl Device for Gpu {
 
     fn take_error(&mut self, ws: &VirtualWorkspace) -> Result<()> {
         ws.take_error(self)
+    }
+
+    fn reset_workspace(&mut self, ws: &VirtualWorkspace) -> Result<()> {
+        if self.capturing()? {
+            return Err(Error::Capturing("resetting a workspace".into()));
+        }
+        self.sync()?;
+        ws.initialise(self)
     }
 
     fn alloc(&mut self, bytes: u64) -> Result<DeviceBuffer> {

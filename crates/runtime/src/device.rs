@@ -129,6 +129,17 @@ pub trait Device {
     /// as [`Device::sync`].
     fn take_error(&mut self, ws: &Self::Workspace) -> Result<()>;
 
+    /// Waits for everything enqueued, then puts `ws` back in the state it was created
+    /// in: every rank's Lamport buffers hold the -0.0 sentinel again, the call state
+    /// (call counter, arrival counter, bytes used per buffer) is zero and the error word
+    /// is clear. After a kernel gave up waiting for a peer the ranks disagree on the
+    /// call count and a buffer may hold a partial call's data, so the workspace must be
+    /// reset before it is used again ([`crate::runner::Runner::sync`] does it).
+    ///
+    /// # Errors
+    /// [`Error::Capturing`] while a capture records; as [`Device::sync`].
+    fn reset_workspace(&mut self, ws: &Self::Workspace) -> Result<()>;
+
     /// Allocates `bytes` of zeroed device memory.
     ///
     /// # Errors

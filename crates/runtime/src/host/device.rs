@@ -585,6 +585,12 @@ impl Device for HostDevice {
         ws.inner.0.take_error_shared()
     }
 
+    fn reset_workspace(&mut self, ws: &HostDeviceWorkspace) -> Result<()> {
+        self.refuse_while_capturing(|| format!("resetting workspace ({})", ws.workspace()))?;
+        self.run_queue()?;
+        ws.inner.0.reset_shared()
+    }
+
     fn alloc(&mut self, bytes: u64) -> Result<HostMem> {
         self.refuse_while_capturing(|| format!("allocation of {bytes} bytes"))?;
         self.regions.retain(|_, w| w.strong_count() > 0);
