@@ -800,7 +800,7 @@ impl Device for Gpu {
         let (_, world, block) = device::fused_shape(&ws.workspace, call)?;
         let f = self.kernel(&call.variant)?;
         let resident = self.resident_ctas(f, block)?;
-        let gx = call.tokens.min(device::MAX_GRID_CTAS).min(resident / world);
+        let gx = device::grid_width(call.tokens, resident / world);
         if gx == 0 {
             return Err(Error::Unsupported(format!(
                 "{world} ranks x 1 CTA of {block} threads cannot be co-resident"

@@ -28,6 +28,18 @@ use arfuse_policy::{ArfuseLayout, Workspace};
 pub const DEFAULT_TIMEOUT_NS: u64 = 5_000_000_000;
 /// Most CTAs per rank of one fused launch (tokens are strided over them).
 pub const MAX_GRID_CTAS: u32 = 256;
+
+/// CTAs per rank of a launch of `tokens` tokens: `min(T, MAX_GRID_CTAS, co_resident)`,
+/// `co_resident` being how many CTAs of the kernel one rank's device runs at once (a
+/// fused launch needs every CTA of every rank running: its CTAs wait for each other's
+/// data). The one formula of every device, so ranks on devices of one kind derive the
+/// same width from the same T. The call protocol itself does not depend on the peers'
+/// widths: a rank's CTAs push and poll the slots of their own tokens (two-shot owners
+/// follow from T alone), clear their share of their own buffer and count their own
+/// rank's arrivals.
+pub fn grid_width(tokens: u32, co_resident: u32) -> u32 {
+    tokens.min(MAX_GRID_CTAS).min(co_resident)
+}
 /// Most CTAs (grid x) of a local or virtual all-reduce launch (the driver's limit on
 /// grid y and z is 65,535; the kernels stride tokens over grid x).
 pub const MAX_LOCAL_CTAS: u32 = 65_535;

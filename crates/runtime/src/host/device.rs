@@ -348,10 +348,7 @@ impl HostDevice {
             p.timeout_ns = t;
         }
         let regions = self.regions_of(call, &p)?;
-        let grid_x = call
-            .tokens
-            .min(device::MAX_GRID_CTAS)
-            .min(self.opts.max_ctas.max(1));
+        let grid_x = device::grid_width(call.tokens, self.opts.max_ctas.max(1));
         Ok(Job {
             mode,
             kernel,
