@@ -7,8 +7,8 @@
 //!
 //! Collectives carry an instance leaf ([`Leaf::Inst`], the IR node index of the
 //! all-reduce): two all-reduces of the same value are different e-nodes, and the fused
-//! node of an all-reduce names the same instance, so extraction can check that every
-//! original all-reduce appears exactly once.
+//! node of an all-reduce names the same instance, so the check after emission can
+//! confirm that every original all-reduce appears exactly once.
 //!
 //! Multi-output ops are tuple-valued nodes read through `get` projections:
 //! `(get @0 (fused_add_rms_norm ...))`. The fused node's ports are fixed

@@ -19,9 +19,14 @@
 //!    use counts (nothing outside the chain may read an intermediate; only live outputs
 //!    are written) and at most one is kept, the most complete first.
 //! 5. Policy (`plan`): one plan per activation dtype over the sites' hidden sizes.
-//! 6. E-graph -> IR (`emit`), with the DAG cost of each site (`extract`): the fused
-//!    node once, however many projections are live. Then every original all-reduce is
-//!    checked to appear exactly once, and the result is validated.
+//! 6. E-graph -> IR (`emit`): each kept site becomes one fused node writing only its
+//!    live outputs. Then every original all-reduce is checked to appear exactly once,
+//!    and the result is validated.
+//!
+//! There is no cost model in the pass: a kept site always replaces at least an
+//! all-reduce and a norm kernel by one kernel, so fusing a legal site never loses at
+//! plan time. Whether the fused kernel pays at a given token count is the policy's
+//! decision (a plan's unfused ranges, `arfuse-policy`), not the e-graph's.
 //!
 //! Architecture invariants: collectives are never merged, dropped or duplicated
 //! (instance leaves, the exactly-once check); untouched nodes keep their ids; the
@@ -35,7 +40,6 @@ mod analysis;
 mod convert;
 mod emit;
 mod error;
-mod extract;
 mod lang;
 mod plan;
 mod report;
@@ -224,13 +228,6 @@ pub fn lower_with(
             }
             match index.check(inst, *class, *ch, *kind, &claimed) {
                 Ok(s) => {
-                    if s.cost.0 >= s.cost.1 {
-                        why_not.entry(inst).or_default().push(format!(
-                            "fusing does not pay: DAG cost {} fused vs {} unfused",
-                            s.cost.0, s.cost.1
-                        ));
-                        continue;
-                    }
                     chosen.insert(inst, s);
                     break;
                 }

@@ -4,7 +4,6 @@
 //! at most one per all-reduce.
 
 use crate::analysis::FxGraph;
-use crate::extract;
 use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
 use arfuse_ir::op::FusedOutput;
 use arfuse_ir::{Graph, Op, TensorType, Value};
@@ -60,8 +59,6 @@ pub(crate) struct Site {
     pub norm_node: Option<u32>,
     /// x's type.
     pub x_ty: TensorType,
-    /// DAG costs: (fused, unfused), each node counted once.
-    pub cost: (u64, u64),
 }
 
 /// Indexes over the saturated e-graph and the IR, built once.
@@ -431,12 +428,6 @@ impl<'a> Index<'a> {
                 .and_then(|p| p.direct.first().or(p.views.first().map(|(v, _)| v)))
                 .map(|v| v.node.index() as u32)
         });
-        let views = ports.iter().map(|p| p.views.len() as u64).sum::<u64>()
-            + u64::from(matches!(residual, Some(Input::View(..))));
-        let cost = (
-            extract::fused_cost(ports.len() as u64, views),
-            extract::region_cost(region.iter().map(|n| &self.node(*n).op)),
-        );
         Ok(Site {
             inst,
             kind,
@@ -448,7 +439,6 @@ impl<'a> Index<'a> {
             ports,
             norm_node,
             x_ty,
-            cost,
         })
     }
 
