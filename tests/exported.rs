@@ -60,12 +60,44 @@ fn llama31_8b_tp8_fuses_its_five_sites() {
 
 #[test]
 fn qwen3_30b_a3b_tp4_fuses_its_five_sites_and_not_the_qk_norms() {
+    let file = "qwen3_30b_a3b_L2_tp4.exported_program.json";
     check(
-        "qwen3_30b_a3b_L2_tp4.exported_program.json",
+        file,
         target("b300-x4", 4),
         5,
         &["layers.0.mlp", "layers.1.input_layernorm"],
     );
+    // The q/k RMSNorms of attention (per head, no all-reduce before them) stay as they
+    // were: every node of their modules is kept with its id and op, and no fused node
+    // comes from them.
+    let g = import(file);
+    let lowered = arfuse::lower(&g, &target("b300-x4", 4)).unwrap();
+    let qk = |m: &Option<String>| {
+        m.as_deref()
+            .is_some_and(|m| m.ends_with("self_attn.q_norm") || m.ends_with("self_attn.k_norm"))
+    };
+    let mut kept = 0;
+    for (_, n) in g.nodes().filter(|(_, n)| qk(&n.module)) {
+        let id = lowered
+            .graph
+            .find(&n.id)
+            .unwrap_or_else(|| panic!("q/k norm node {} was removed", n.id));
+        assert_eq!(lowered.graph.node(id).op, n.op, "{}", n.id);
+        kept += 1;
+    }
+    // Two layers, a q and a k norm each, at least a norm node per module.
+    let modules: std::collections::BTreeSet<&str> = g
+        .nodes()
+        .filter_map(|(_, n)| n.module.as_deref())
+        .filter(|m| qk(&Some(m.to_string())))
+        .collect();
+    assert_eq!(modules.len(), 4, "{modules:?}");
+    assert!(kept >= 4, "{kept} q/k norm nodes");
+    for (_, n) in lowered.graph.nodes() {
+        if matches!(n.op, arfuse::ir::Op::FusedAllreduceNorm(_)) {
+            assert!(!qk(&n.module), "{} fused a q/k norm", n.id);
+        }
+    }
 }
 
 #[test]
