@@ -14,10 +14,7 @@
 
 use crate::af;
 use af::ir::op::{GroupScaleLayout, Nvfp4ScaleLayout};
-use af::ir::{
-    DType, Dim, Graph, InputKind, Node, NodeId, Op, Strategy as IrStrategy, SymbolRange,
-    TensorType, Value,
-};
+use af::ir::{DType, Dim, Graph, InputKind, Node, NodeId, Op, SymbolRange, TensorType, Value};
 use af::policy::{
     ActDtype, Backend, Interconnect, KernelLibrary, RequestedBackend, Strategy, Target,
 };
@@ -223,11 +220,10 @@ pub fn check_lowered(input: &Graph, target: &Target, lowered: &af::Lowered) {
             assert_eq!(d.min_tokens, next, "{}: dispatch gap or overlap", n.id);
             assert!(d.min_tokens <= d.max_tokens, "{}: empty range", n.id);
             next = d.max_tokens.saturating_add(1);
-            let strategy = match d.strategy {
-                IrStrategy::OneShot => Strategy::OneShot,
-                IrStrategy::TwoShot => Strategy::TwoShot,
-                IrStrategy::Unfused => continue,
-            };
+            let strategy = d.strategy;
+            if !strategy.is_fused() {
+                continue;
+            }
             assert!(
                 d.max_tokens <= plan.max_token_num,
                 "{}: fused range up to T={} beyond max_token_num {}",

@@ -243,37 +243,9 @@ pub enum FusedOutput {
 /// Device algorithm of a fused node (domain.md section 3): the policy's one definition.
 pub use arfuse_policy::Backend;
 
-/// How a given token count runs (domain.md section 4).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Strategy {
-    /// Fused, one-shot Lamport kernel.
-    OneShot,
-    /// Fused, two-shot (reduce-scatter + all-gather) kernel.
-    TwoShot,
-    /// The unfused kernels (all-reduce, add + RMSNorm, quant).
-    Unfused,
-}
-
-impl From<Strategy> for arfuse_policy::Strategy {
-    fn from(s: Strategy) -> arfuse_policy::Strategy {
-        match s {
-            Strategy::OneShot => arfuse_policy::Strategy::OneShot,
-            Strategy::TwoShot => arfuse_policy::Strategy::TwoShot,
-            Strategy::Unfused => arfuse_policy::Strategy::Unfused,
-        }
-    }
-}
-
-impl From<arfuse_policy::Strategy> for Strategy {
-    fn from(s: arfuse_policy::Strategy) -> Strategy {
-        match s {
-            arfuse_policy::Strategy::OneShot => Strategy::OneShot,
-            arfuse_policy::Strategy::TwoShot => Strategy::TwoShot,
-            arfuse_policy::Strategy::Unfused => Strategy::Unfused,
-        }
-    }
-}
+/// How a given token count runs (domain.md section 4): the policy's one definition,
+/// serialized as `one_shot`, `two_shot` or `unfused`.
+pub use arfuse_policy::Strategy;
 
 /// Tokens `min_tokens..=max_tokens` run with `strategy`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

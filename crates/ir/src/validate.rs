@@ -759,7 +759,7 @@ impl Checker<'_> {
         h: u64,
     ) {
         let ws = &plan.workspace;
-        let s = arfuse_policy::Strategy::from(r.strategy);
+        let s = r.strategy;
         if r.max_tokens > plan.max_token_num {
             self.err(
                 ProblemKind::Attribute,

@@ -14,9 +14,11 @@ use crate::error::Result;
 use crate::limits;
 use crate::target::{ActDtype, KernelLibrary};
 
-/// How one call of T tokens is executed.
+/// How one call of T tokens is executed: the one definition, also the IR's
+/// (`arfuse_ir::Strategy` is this type; the graph format spells it `one_shot`,
+/// `two_shot`, `unfused`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
+#[serde(rename_all = "snake_case")]
 pub enum Strategy {
     /// Fused, one-shot Lamport all-reduce: every rank pushes its whole input to every
     /// peer and reduces locally.

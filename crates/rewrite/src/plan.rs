@@ -178,7 +178,7 @@ fn site(plan: &Plan, h: u64, tmax: Option<u64>) -> SiteDecision {
         .map(|r| DispatchRange {
             min_tokens: r.lo,
             max_tokens: r.hi,
-            strategy: r.strategy.into(),
+            strategy: r.strategy,
             required_bytes: r.required_bytes_max,
         })
         .collect();

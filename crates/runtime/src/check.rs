@@ -369,11 +369,7 @@ pub fn node_for(
             outputs.push(FusedOutput::Scale);
         }
     }
-    let strategy = |s: Option<Strategy>| match s {
-        Some(Strategy::OneShot) => arfuse_ir::Strategy::OneShot,
-        Some(Strategy::TwoShot) => arfuse_ir::Strategy::TwoShot,
-        None => arfuse_ir::Strategy::Unfused,
-    };
+    let strategy = |s: Option<Strategy>| s.map_or(arfuse_ir::Strategy::Unfused, Strategy::policy);
     let attrs = arfuse_ir::FusedAllReduceNorm {
         group: "tp".into(),
         eps: EPS,

@@ -65,14 +65,11 @@ pub struct NodeKernels {
 }
 
 fn activation_dtype(d: DType, node: &str) -> Result<Dtype> {
-    match d {
-        DType::Bf16 => Ok(Dtype::Bf16),
-        DType::F16 => Ok(Dtype::F16),
-        DType::F32 => Ok(Dtype::F32),
-        other => Err(Error::Unsupported(format!(
-            "node {node}: activation dtype {other:?} has no fused kernel (bf16, f16, f32)"
-        ))),
-    }
+    d.activation().map(Dtype::from_policy).ok_or_else(|| {
+        Error::Unsupported(format!(
+            "node {node}: activation dtype {d:?} has no fused kernel (bf16, f16, f32)"
+        ))
+    })
 }
 
 fn to_u32(v: u64, node: &str, what: &str) -> Result<u32> {
@@ -207,10 +204,7 @@ impl NodeKernels {
         })?;
         let workspace = plan.workspace.clone();
         node_workspace(node, &workspace, world, dt, hidden)?;
-        let backend = match plan.backend() {
-            arfuse_ir::Backend::Trtllm => Backend::Trtllm,
-            arfuse_ir::Backend::Mnnvl => Backend::Mnnvl,
-        };
+        let backend = Backend::from_policy(plan.backend());
         let mut dispatch = Vec::with_capacity(plan.dispatch.len());
         let mut next = 1u64;
         for r in &plan.dispatch {
@@ -228,11 +222,7 @@ impl NodeKernels {
                     "node {node}: plan range ends at T = {hi}; the kernels take T < 2^31"
                 )));
             }
-            let strategy = match r.strategy {
-                arfuse_ir::Strategy::OneShot => Some(Strategy::OneShot),
-                arfuse_ir::Strategy::TwoShot => Some(Strategy::TwoShot),
-                arfuse_ir::Strategy::Unfused => None,
-            };
+            let strategy = Strategy::from_policy(r.strategy);
             if let Some(s) = strategy {
                 // The planner's proof, re-checked with the same rule at both ends of
                 // the range (it is monotone in T), so a plan edited by hand cannot run

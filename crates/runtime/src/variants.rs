@@ -55,7 +55,10 @@ impl Dtype {
             Dtype::F32 => arfuse_policy::ActDtype::F32,
         }
     }
-    /// The runtime's dtype for a policy activation dtype.
+    /// The runtime's dtype for a policy activation dtype. With [`Dtype::policy`] the
+    /// one conversion between the policy's activation dtype and this kernel-variant type
+    /// (which adds `ARF_DTYPE`, the variant names and the Lamport sentinel); an IR dtype
+    /// reaches it through `arfuse_ir::DType::activation`.
     pub fn from_policy(d: arfuse_policy::ActDtype) -> Dtype {
         match d {
             arfuse_policy::ActDtype::Bf16 => Dtype::Bf16,
@@ -224,11 +227,22 @@ pub enum Strategy {
 }
 
 impl Strategy {
-    /// The policy's strategy (whose capacity rule the runtime checks against).
+    /// The policy's strategy (whose capacity rule the runtime checks against). With
+    /// [`Strategy::from_policy`] the one conversion between the policy's strategy (also
+    /// the IR's) and this kernel-variant type, which has no unfused member.
     pub fn policy(self) -> arfuse_policy::Strategy {
         match self {
             Strategy::OneShot => arfuse_policy::Strategy::OneShot,
             Strategy::TwoShot => arfuse_policy::Strategy::TwoShot,
+        }
+    }
+
+    /// The fused kernel of a policy (or IR) strategy; `None` for unfused.
+    pub fn from_policy(s: arfuse_policy::Strategy) -> Option<Strategy> {
+        match s {
+            arfuse_policy::Strategy::OneShot => Some(Strategy::OneShot),
+            arfuse_policy::Strategy::TwoShot => Some(Strategy::TwoShot),
+            arfuse_policy::Strategy::Unfused => None,
         }
     }
 

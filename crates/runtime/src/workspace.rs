@@ -23,6 +23,15 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// The fallback chain's backend for the policy's (and IR's) backend: the one
+    /// conversion. This type is the fallback chain's element, so it adds `Unfused`.
+    pub fn from_policy(b: arfuse_policy::Backend) -> Backend {
+        match b {
+            arfuse_policy::Backend::Mnnvl => Backend::Mnnvl,
+            arfuse_policy::Backend::Trtllm => Backend::Trtllm,
+        }
+    }
+
     /// Name as used in plans and reasons.
     pub fn name(self) -> &'static str {
         match self {
