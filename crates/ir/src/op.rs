@@ -29,7 +29,12 @@
 //! | `fused_allreduce_norm` | see [`FusedAllReduceNorm`] | see [`FusedAllReduceNorm`] |
 //!
 //! Scale outputs are typed by their logical shape; the physical layout (padding,
-//! swizzling) follows the layout attribute and is computed by `arfuse-reference`.
+//! swizzling) follows the layout attribute and is computed by `arfuse-reference`. A
+//! buffer sized from the type alone (elements x dtype bytes) is too small for packed
+//! UE8M0 and swizzled NVFP4 scales (at T = 1, H = 14336 swizzled NVFP4 needs 114,688
+//! bytes, the type says 896: domain.md section 1); every allocation in arfuse sizes
+//! scales with `arfuse_reference::numerics::quant` (`group_scale_bytes`,
+//! `nvfp4_scale_bytes`).
 
 use crate::DType;
 use serde::{Deserialize, Serialize};

@@ -263,8 +263,14 @@ impl TensorType {
         }
     }
 
-    /// Largest size in bytes under the symbol ranges; `None` when it overflows u64 or
-    /// a symbol is undeclared.
+    /// Largest size in bytes of the type's logical elements under the symbol ranges;
+    /// `None` when it overflows u64 or a symbol is undeclared. Not the storage of a
+    /// padded scale tensor: packed UE8M0 group scales and swizzled NVFP4 scales are
+    /// typed by their logical shape and stored larger (`T + (ceil(G/4) - 1) *
+    /// round_up(T, 4)` words; `round_up(T, 128) * round_up(H/16, 4)` bytes); size those
+    /// with `arfuse_reference::numerics::quant::{group_scale_bytes,
+    /// nvfp4_scale_bytes}`, as the runtime does. The IR uses this only to refuse types
+    /// whose size overflows.
     pub fn max_bytes(&self, symbols: &Symbols) -> Option<u64> {
         self.shape
             .numel()?

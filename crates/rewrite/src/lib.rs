@@ -148,6 +148,12 @@ pub fn lower_with(
 ) -> Result<Lowered, LowerError> {
     graph.validate().map_err(LowerError::InvalidGraph)?;
     target.validate()?;
+    // The shared hidden sizes are checked whatever the graph holds (a graph without a
+    // site refuses `[0]` as one with sites does); each dtype's plan checks them again
+    // for its own dtype.
+    for &h in &options.shared_hidden_sizes {
+        arfuse_policy::check_hidden(h, target.dtype)?;
+    }
     check_world_size(graph, target)?;
     let (group, group_source) = choose_group(graph, options)?;
 
