@@ -38,18 +38,26 @@ import arfuse.torch  # noqa: E402,F401  (registers torch.ops.arfuse.*)
 
 LAYERS = 2
 HIDDEN = 256
-CONFIG = {
-    "model_type": "llama",
-    "hidden_size": HIDDEN,
-    "intermediate_size": 512,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 32,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-}
+
+
+def config(world: int) -> dict:
+    """The whole model's config for `world` ranks, sized so that every rank's shard is the
+    same at every W (2 heads of 32, 1 KV head, MLP 128, vocabulary 128 per rank): the
+    per-rank graphs are then equal and inductor compiles their kernels once."""
+    return {
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": 128 * world,
+        "num_attention_heads": 2 * world,
+        "num_key_value_heads": world,
+        "head_dim": 32,
+        "vocab_size": 128 * world,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    }
+
+
 FUSED_CALL = "torch.ops.arfuse.fused_allreduce_rms_norm.default("
 TOKENS = (16, 7)
 
@@ -117,7 +125,7 @@ def build(world: int, rank: int, group: str, fp8: bool):
     """One rank of the model: sharded weights random per rank, norm weights shared."""
     from transformers import AutoModelForCausalLM
 
-    cfg = hf_models.build_config(dict(CONFIG), LAYERS, world)
+    cfg = hf_models.build_config(config(world), LAYERS, world)
     torch.manual_seed(1000 + rank)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.eval()
@@ -267,6 +275,9 @@ def worker(rank: int, world: int, port: int, out_dir: str, models: tuple) -> Non
         transformers.logging.set_verbosity_error()
         torch._dynamo.config.specialize_float = True
         torch._inductor.config.emulate_precision_casts = True
+        # Compile inductor's kernels in this process: a pool of compile workers per rank
+        # costs more to start than it saves on two cores.
+        torch._inductor.config.compile_threads = 1
         group = dist.group.WORLD.group_name
         summary = {"world": world, "reference": check_reference(rank, world, group)}
         for name in models:

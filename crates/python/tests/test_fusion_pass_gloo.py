@@ -5,7 +5,8 @@ compiled code calls `torch.ops.arfuse.fused_allreduce_rms_norm` exactly once per
 (2L + 1 = 5) and no all-reduce is left, the report names every site, and the compiled
 outputs equal the eager reference bit for bit for two token counts (one compilation,
 dynamic T), for a bf16 model and one with a per-token FP8 quant after every layer norm
-(`torch._inductor.config.emulate_precision_casts = True`).
+(`torch._inductor.config.emulate_precision_casts = True`); the FP8 model at W = 2 (the
+2-minute budget of the whole Python test run on two cores).
 """
 
 import json
@@ -28,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world,models", [(2, ("bf16", "fp8")), (4, ("bf16", "fp8"))])
+@pytest.mark.parametrize("world,models", [(2, ("bf16", "fp8")), (4, ("bf16",))])
 def test_fused_sites_equal_eager_on_gloo(world, models, tmp_path):
     mp.spawn(
         gloo_worker.worker,
