@@ -1,7 +1,9 @@
 """The torch.compile pass on a real process group: 2 and 4 processes, gloo, localhost.
 
-See gloo_worker.py for the model, the eager reference and what each rank asserts: the
-compiled code calls `torch.ops.arfuse.fused_allreduce_rms_norm` exactly once per site
+See gloo_worker.py for the model, the eager reference and what each rank asserts. Rank 0
+compiles first; the other ranks get its compiled graph from inductor's FX graph cache
+(the pass's uuid makes it cacheable; the W = 4 run's uuid differs from the W = 2 run's, so
+the same-shaped W = 2 entry is not served to it). The compiled code calls `torch.ops.arfuse.fused_allreduce_rms_norm` exactly once per site
 (2L + 1 = 5) and no all-reduce is left, the report names every site, and the compiled
 outputs equal the eager reference bit for bit for two token counts (one compilation,
 dynamic T), for a bf16 model and one with a per-token FP8 quant after every layer norm

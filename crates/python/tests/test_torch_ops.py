@@ -129,3 +129,25 @@ def test_fused_op_refuses_bad_inputs(one_rank_group):
         OP(x, None, w, one_rank_group, 1e-6, 0.0, False, "nvfp4")
     with pytest.raises(ValueError, match="eps"):
         OP(x, None, w, one_rank_group, 0.0, 0.0, False, "none")
+
+
+def test_fx_json_leaves_unread_metadata_out_and_the_graph_unchanged():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(256, eps=1e-6, dtype=torch.bfloat16)
+
+        def forward(self, x):
+            y = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "tp"))
+            return self.norm(y)
+
+    gm = torch.export.export(Block(), (torch.zeros(4, 256, dtype=torch.bfloat16),)).graph_module
+    before = {n.name: dict(n.meta) for n in gm.graph.nodes}
+    assert any("stack_trace" in m for m in before.values())
+    data = at.fx_json.serialize(gm, {}, "post")
+    assert b"stack_trace" not in data and b"nn_module_stack" in data
+    assert {n.name: dict(n.meta) for n in gm.graph.nodes} == before
+    low = arfuse.lower(data, arfuse.Target.preset("h200-sxm-x2"))
+    assert low.report["all_reduces_fused"] == 1
+    # The all-reduce has no module (the root's forward): the site is named by its node.
+    assert low.report["sites"][0]["name"] == "all_reduce -> norm"

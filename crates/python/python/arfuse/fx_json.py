@@ -8,9 +8,10 @@ serializer (`torch._export.serde.serialize.GraphModuleSerializer`), into the env
 of a serialized ExportedProgram. The op mapping stays in the Rust importer, shared with
 torch.export graphs. The format is documented in docs/fx-graph-format.md.
 
-Nothing here changes the graph: `nn_module_stack` entries are rewritten on a copy of
-the metadata (dynamo writes `L['self'].m.layers[0]` paths and class objects; the schema
-wants `m.layers.0` and type names) and put back afterwards.
+Nothing here changes the graph: `nn_module_stack` entries are rewritten (dynamo writes
+`L['self'].m.layers[0]` paths and class objects; the schema wants `m.layers.0` and type
+names) and the metadata the importer does not read (`UNREAD_METADATA`: stack traces) is
+taken off for the serializer, and both are put back afterwards.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import torch
 
 FORMAT = "arfuse-fx"
 FORMAT_VERSION = 1
+
+# Node metadata the importer does not read, left out of the file (a stack trace is about
+# two thirds of a post-grad node's JSON): taken off for the serializer, put back after.
+UNREAD_METADATA = ("stack_trace", "from_node")
 
 
 def _fqn(dynamo_path: str) -> str:
@@ -92,18 +97,21 @@ def serialize(
     parameter_names = parameter_names or {}
     saved = {}
     for n in gm.graph.nodes:
+        kept = {k: n.meta.pop(k) for k in UNREAD_METADATA if k in n.meta}
         stack = n.meta.get("nn_module_stack")
         if stack:
-            saved[n] = stack
+            kept["nn_module_stack"] = stack
             n.meta["nn_module_stack"] = {
                 k: (_fqn(path), _type_name(ty)) for k, (path, ty) in stack.items()
             }
+        if kept:
+            saved[n] = kept
     try:
         ser = GraphModuleSerializer(ExportGraphSignature(input_specs=[], output_specs=[]), [])
         graph = ser.serialize_graph(gm)
     finally:
-        for n, stack in saved.items():
-            n.meta["nn_module_stack"] = stack
+        for n, kept in saved.items():
+            n.meta.update(kept)
     input_specs = []
     for n in gm.graph.nodes:
         if n.op != "placeholder" or not isinstance(n.meta.get("val"), torch.Tensor):
