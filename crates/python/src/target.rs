@@ -2,7 +2,9 @@
 //! (`arfuse::policy`) from Python.
 
 use crate::errors::{field_error, target_error};
-use arfuse::policy::{self, ActDtype, Interconnect, KernelLibrary, RequestedBackend};
+use arfuse::policy::{
+    self, ActDtype, Interconnect, KernelLibrary, RequestedBackend, UnfusedAllReduce,
+};
 use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
 use serde::de::DeserializeOwned;
@@ -29,7 +31,7 @@ impl PyTarget {
     #[pyo3(signature = (*, sm, world_size, gpus_per_node, interconnect, max_batched_tokens,
         group_nodes = 1, multicast_all_ranks = false, dtype = "bf16", capture_sizes = Vec::new(),
         compile_range_boundaries = Vec::new(), num_speculative_tokens = 0, deterministic = false,
-        requested_backend = "auto", kernels = "arfuse", max_bytes_override = None))]
+        unfused_all_reduce = "arfuse", requested_backend = "auto", kernels = "arfuse", max_bytes_override = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -45,6 +47,7 @@ impl PyTarget {
         compile_range_boundaries: Vec<u64>,
         num_speculative_tokens: u64,
         deterministic: bool,
+        unfused_all_reduce: &str,
         requested_backend: &str,
         kernels: &str,
         max_bytes_override: Option<u64>,
@@ -62,6 +65,11 @@ impl PyTarget {
             compile_range_boundaries,
             num_speculative_tokens,
             deterministic,
+            unfused_all_reduce: parse_enum::<UnfusedAllReduce>(
+                py,
+                "unfused_all_reduce",
+                unfused_all_reduce,
+            )?,
             requested_backend: parse_enum::<RequestedBackend>(
                 py,
                 "requested_backend",
@@ -152,6 +160,10 @@ impl PyTarget {
         self.inner.deterministic
     }
     #[getter]
+    fn unfused_all_reduce(&self) -> &'static str {
+        self.inner.unfused_all_reduce.name()
+    }
+    #[getter]
     fn requested_backend(&self) -> &'static str {
         self.inner.requested_backend.name()
     }
@@ -190,7 +202,7 @@ impl PyTarget {
             "Target(sm={}, world_size={}, gpus_per_node={}, interconnect={:?}, \
              max_batched_tokens={}, group_nodes={}, multicast_all_ranks={}, dtype={:?}, \
              capture_sizes={:?}, compile_range_boundaries={:?}, num_speculative_tokens={}, \
-             deterministic={}, requested_backend={:?}, kernels={:?}, max_bytes_override={})",
+             deterministic={}, unfused_all_reduce={:?}, requested_backend={:?}, kernels={:?}, max_bytes_override={})",
             t.sm,
             t.world_size,
             t.gpus_per_node,
@@ -203,6 +215,7 @@ impl PyTarget {
             t.compile_range_boundaries,
             t.num_speculative_tokens,
             py_bool(t.deterministic),
+            t.unfused_all_reduce.name(),
             t.requested_backend.name(),
             t.kernels.name(),
             t.max_bytes_override
@@ -296,6 +309,12 @@ impl PyPlan {
     #[getter]
     fn kernels(&self) -> &'static str {
         self.inner.kernels.name()
+    }
+    /// Whether every path of the plan (each fused strategy and the unfused one) reduces
+    /// in one order, so a token's outputs do not depend on its batch.
+    #[getter]
+    fn batch_invariant(&self) -> bool {
+        self.inner.batch_invariant
     }
     /// Largest fused token count M (0 when not fusing).
     #[getter]

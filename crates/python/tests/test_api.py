@@ -166,3 +166,36 @@ def test_lower_takes_an_exported_program():
     site = low.report["sites"][0]
     assert site["fused"] and site["pattern"].startswith("allreduce+residual+rms_norm")
     assert sorted(site["outputs"]) == ["norm", "residual"]
+
+
+def test_unfused_all_reduce_decides_batch_invariance():
+    # h200-sxm-x8 at H = 4096 fuses up to 64 tokens and leaves the rest unfused: with
+    # arfuse's own unfused path every T reduces in one order; with the engine's it does
+    # not, and a deterministic target is then refused, naming the field to change.
+    t = arfuse.Target.preset("h200-sxm-x8")
+    assert t.unfused_all_reduce == "arfuse"
+    p = arfuse.plan(t, [4096])
+    assert p.backend is not None and p.batch_invariant
+    assert [(r.lo, r.hi, r.strategy) for r in p.dispatch][-1] == (65, 8192, "unfused")
+    fields = dict(
+        sm=t.sm,
+        world_size=t.world_size,
+        gpus_per_node=t.gpus_per_node,
+        interconnect=t.interconnect,
+        max_batched_tokens=t.max_batched_tokens,
+        multicast_all_ranks=t.multicast_all_ranks,
+        capture_sizes=t.capture_sizes,
+    )
+    engine = arfuse.Target(unfused_all_reduce="engine", **fields)
+    assert engine.unfused_all_reduce == "engine" and engine != t
+    assert 'unfused_all_reduce = "engine"' in engine.to_toml()
+    q = arfuse.plan(engine, [4096])
+    assert q.backend is not None and not q.batch_invariant
+    assert any(n.startswith("not batch-invariant") for n in q.notes)
+    refused = arfuse.plan(arfuse.Target(unfused_all_reduce="engine", deterministic=True, **fields), [4096])
+    assert refused.backend is None
+    assert "unfused through the engine's all-reduce" in refused.reason
+    assert 'unfused_all_reduce = "arfuse"' in refused.reason
+    with pytest.raises(arfuse.TargetError) as e:
+        arfuse.Target(unfused_all_reduce="nccl", **fields)
+    assert (e.value.field, e.value.value) == ("unfused_all_reduce", "nccl")
