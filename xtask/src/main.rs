@@ -75,8 +75,9 @@ enum Command {
     /// Run every test: install the NVRTC wheel the kernel compile checks need (pip,
     /// idempotent), then `cargo test --workspace` with any extra arguments, then the
     /// Python package's tests (a venv in <target dir>/python-venv with torch,
-    /// transformers, pytest and the package built from crates/python; set
-    /// ARFUSE_PYTHON_TESTS=0 to leave them out).
+    /// transformers, pytest and the package built from crates/python; a skipped Python
+    /// test fails the command; ARFUSE_PYTHON_TESTS=0 leaves them out, reported as NOT
+    /// RUN, and is refused under CI=true).
     Test {
         /// Only the Python step (venv, package, pytest), no `cargo test`.
         #[arg(long)]
@@ -134,8 +135,9 @@ fn main() -> ExitCode {
         Command::GpuCheck { build_only, args } => gpu_check(&root, build_only, &args),
         Command::Test { python_only, args } => {
             if python_only {
-                python::test(&root).map(|ok| {
-                    if ok {
+                python::test(&root).map(|outcome| {
+                    eprintln!("xtask test: Python tests {}", outcome.describe());
+                    if outcome == python::Outcome::Passed {
                         ExitCode::SUCCESS
                     } else {
                         ExitCode::FAILURE
@@ -671,8 +673,15 @@ fn test_cmd(root: &Path, args: &[String]) -> Result<ExitCode> {
         .status()
         .context("running cargo test")?;
     // The Python package and its tests (torch.compile on gloo): see python.rs.
-    let python_ok = python::test(root).context("the Python tests (crates/python/tests)")?;
-    Ok(if status.success() && python_ok {
+    let python = python::test(root).context("the Python tests (crates/python/tests)")?;
+    eprintln!(
+        "xtask test: cargo test {}; Python tests {}",
+        if status.success() { "passed" } else { "FAILED" },
+        python.describe()
+    );
+    // Left out on request (not in CI), the Python tests do not fail the command; the
+    // line above says they did not run.
+    Ok(if status.success() && python != python::Outcome::Failed {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
