@@ -91,10 +91,15 @@ fn venv_python(root: &Path) -> Result<PathBuf> {
     Ok(python)
 }
 
-/// Installs what is missing of [`REQUIREMENTS`] (a no-op import check when all are there).
+/// The modules of [`REQUIREMENTS`], looked up without importing them (importing torch
+/// takes seconds, minutes on a loaded machine; a broken install fails in pytest).
+const FIND_MODULES: &str = "import importlib.util as u, sys; \
+    sys.exit(0 if all(u.find_spec(m) for m in ('torch', 'transformers', 'pytest', 'maturin')) else 1)";
+
+/// Installs [`REQUIREMENTS`] unless all of them are found in the venv.
 fn install_requirements(python: &Path) -> Result<()> {
     let present = quiet_command(python)
-        .args(["-c", "import torch, transformers, pytest, maturin"])
+        .args(["-c", FIND_MODULES])
         .output()
         .is_ok_and(|o| o.status.success());
     if present {
