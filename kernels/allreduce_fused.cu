@@ -41,6 +41,25 @@
 // has pushed its data for it (one-shot: every rank reads every rank's slot; two-shot:
 // every owner reads every rank's scatter slot, and every rank reads the owners'
 // gathered rows, so even the ranks that own no token when T < W wait for all).
+//
+// Fences. The clears of call n (buffer (n + 2) % 3) need no fence before the pushes of
+// call n: those go to buffer n % 3, and a peer writes buffer (n + 2) % 3 of this rank
+// again only in call n + 2, which it reaches only after reading this rank's push of
+// call n + 1, issued by the NEXT kernel; a kernel's writes are performed in this GPU's
+// L2 (the point of coherence of its memory, where a peer's stores land too) before the
+// next kernel of the stream runs past arf_grid_dependency_wait, so the clears are in
+// place before any push that lets a peer come back to the buffer. (The kernels used to
+// issue a system fence on every thread before the pushes.) The same two boundaries
+// order the call state (arf_call_end) before the next kernel reads it, so its writes
+// need no fence either; the one device fence kept there orders each CTA's read of the
+// call number before its arrival (a load followed by a relaxed atomic: without it a
+// CTA's read could formally see the counter the last arrival advances).
+//
+// The arrival atomic stays (per-CTA call counters were the alternative): the grid
+// width follows T (min(T, 256, what is co-resident)), so the CTAs of one call are not
+// those of the next, and a counter per CTA would need every CTA of the widest grid
+// launched on every call. One atomicAdd per CTA at the end of a call is off the data's
+// path.
 struct ArfCall {
   u64 ws;   // this rank's workspace
   u64 cur;  // byte offset of this call's Lamport buffer in every rank's workspace
@@ -75,13 +94,13 @@ __device__ __forceinline__ void arf_call_end(const ArfParams& p, int rank, u32 c
   __syncthreads();
   if (threadIdx.x == 0) {
     u32* st = reinterpret_cast<u32*>(p.peer[rank] + p.off_state);
-    __threadfence();
+    __threadfence();  // this CTA's read of the call number before its arrival
     const u32 arrived = atomicAdd(st + 1, 1u);
     if (arrived == gridDim.x - 1u) {
+      // Read by the next kernel only (no fence: see "Fences").
       st[1] = 0u;
       st[2 + (call + 2u) % 3u] = 0u;
       st[2 + call % 3u] = (u32)used;
-      __threadfence();
       st[0] = call + 1u;
     }
   }
@@ -177,9 +196,9 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
   if (threadIdx.x == 0) s_bail = 0;
   const ArfCall c = arf_call_begin(p, rank, s_call);
 
-  // 1. Push this rank's tokens (-0.0 written as +0.0: -0.0 is the sentinel).
+  // 1. Push this rank's tokens (-0.0 written as +0.0: -0.0 is the sentinel). No
+  // fence before the pushes (see "Fences" above).
   const u64 x = arf_rank_ptr(p.x, rank);
-  arf_fence_sys();  // order this kernel's clears (and earlier writes) before the pushes
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
@@ -247,8 +266,8 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
   const ArfCall c = arf_call_begin(p, rank, s_call);
   const u64 x = arf_rank_ptr(p.x, rank);
 
-  // 1. Reduce-scatter, push: token t goes to slot `rank` of its owner's buffer.
-  arf_fence_sys();  // order this kernel's clears (and earlier writes) before the pushes
+  // 1. Reduce-scatter, push: token t goes to slot `rank` of its owner's buffer. No
+  // fence before the pushes (see "Fences" above).
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     const int o = arf_owner_of(t, p.T);
     const u64 dst = p.peer[o] + c.cur + ((u64)rank * rows + (u64)(t - arf_owner_start(o, p.T))) * row_bytes;

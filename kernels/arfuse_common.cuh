@@ -248,8 +248,10 @@ __device__ __forceinline__ uint4 arf_ld_sys(u64 addr) {
   return v;
 #endif
 }
-// Stores to another rank's memory (relaxed, system scope). Callers order them after
-// earlier writes with arf_fence_sys() (fence + relaxed store = release).
+// Stores to another rank's memory (relaxed, system scope). The Lamport data is its own
+// flag (an element is written once it is not the sentinel), so no store needs ordering
+// against another of the same call; across calls the kernel boundaries order them
+// ("Fences" in allreduce_fused.cu).
 __device__ __forceinline__ void arf_st_sys(u64 addr, uint4 v) {
 #if defined(ARF_HOST)
   arf_host::st_relaxed_v4(addr, v);
@@ -267,14 +269,6 @@ __device__ __forceinline__ void arf_prefetch_l2(u64 addr) {
   (void)addr;
 #else
   asm volatile("prefetch.global.L2 [%0];" ::"l"(addr));
-#endif
-}
-__device__ __forceinline__ void arf_fence_sys() {
-#if defined(ARF_HOST)
-  arf_host::chaos_point();
-  arf_host::fence_acq_rel();
-#else
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void arf_st_release_sys(u64 addr, u32 v) {

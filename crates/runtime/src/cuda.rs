@@ -140,6 +140,7 @@ pub struct Gpu {
     kernels: HashMap<Variant, KernelFn>,
     capturing: std::cell::Cell<bool>,
     compile_threads: usize,
+    pdl: bool,
 }
 
 impl Gpu {
@@ -199,6 +200,7 @@ impl Gpu {
                 kernels: HashMap::new(),
                 capturing: std::cell::Cell::new(false),
                 compile_threads: 4,
+                pdl: true,
             })
         })
     }
@@ -493,6 +495,59 @@ impl Gpu {
         self.compile_threads = threads.clamp(1, 64);
     }
 
+    /// Whether the launches of [`Device`] carry programmatic dependent launch (PDL,
+    /// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`; default on): a kernel
+    /// may then start while the previous one in the stream finishes, and waits for it
+    /// (`griddepcontrol.wait`) before its first read of memory; every kernel lets the
+    /// next one start only after its last store (`griddepcontrol.launch_dependents`
+    /// after the final barrier). Off: every launch waits for the previous kernel to end.
+    pub fn set_pdl(&mut self, on: bool) {
+        self.pdl = on;
+    }
+
+    /// Whether PDL is on ([`Gpu::set_pdl`]).
+    pub fn pdl(&self) -> bool {
+        self.pdl
+    }
+
+    /// Every tensor `call` touches lies inside one allocation of this context
+    /// (`cuMemGetAddressRange`): a kernel that read or wrote past a caller's buffer
+    /// (a scale buffer allocated without its padding, say) would corrupt memory or
+    /// lose the context.
+    fn check_in_memory(&self, call: &FusedCall) -> Result<()> {
+        for u in device::tensor_uses(call)? {
+            let ranks = if u.tensor.rank_stride == 0 {
+                1
+            } else {
+                call.ranks
+            };
+            for r in 0..u64::from(ranks) {
+                let at = r
+                    .checked_mul(u.tensor.rank_stride)
+                    .and_then(|o| o.checked_add(u.tensor.ptr))
+                    .ok_or(Error::Overflow("tensor address"))?;
+                let (mut base, mut size) = (0, 0usize);
+                // SAFETY: out-pointers to locals; the driver only reads `at`.
+                let rc = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, at) };
+                let end = base.saturating_add(size as u64);
+                let fits = at.checked_add(u.bytes).is_some_and(|e| e <= end);
+                if rc != sys::CUresult::CUDA_SUCCESS || !fits {
+                    return Err(Error::Invalid(format!(
+                        "tensor {} of rank {r}: {} bytes from {at:#x} are not inside one allocation of this device ({})",
+                        u.name,
+                        u.bytes,
+                        if rc == sys::CUresult::CUDA_SUCCESS {
+                            format!("its allocation ends at {end:#x}")
+                        } else {
+                            format!("{rc:?}")
+                        }
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Captures what `body` enqueues on the stream into an instantiated graph
     /// ([`Device::capture`]). Allocation and kernel loading are refused while `body` runs.
     fn capture_stream(&mut self, body: &mut dyn FnMut(&mut Gpu) -> Result<()>) -> Result<Graph> {
@@ -745,33 +800,36 @@ impl Device for Gpu {
         let (_, world, block) = device::fused_shape(&ws.workspace, call)?;
         let f = self.kernel(&call.variant)?;
         let resident = self.resident_ctas(f, block)?;
-        let gx = call.tokens.min(device::MAX_GRID_CTAS).min(resident / world);
+        let gx = device::grid_width(call.tokens, resident / world);
         if gx == 0 {
             return Err(Error::Unsupported(format!(
                 "{world} ranks x 1 CTA of {block} threads cannot be co-resident"
             )));
         }
+        self.check_in_memory(call)?;
         let p = call
             .params
             .with_virtual_workspace(&ws.layout, world, ws.memory.ptr, ws.err.ptr)?
             .for_call(call)?;
-        self.launch(f, gx, world, block, &p, true, false)
+        self.launch(f, gx, world, block, &p, true, self.pdl)
     }
 
     fn launch_local(&mut self, call: &FusedCall) -> Result<()> {
         let block = device::local_shape(call)?;
         let f = self.kernel(&call.variant)?;
+        self.check_in_memory(call)?;
         let p = call.params.for_call(call)?;
         let gx = call.tokens.min(device::MAX_LOCAL_CTAS);
-        self.launch(f, gx, call.ranks, block, &p, false, false)
+        self.launch(f, gx, call.ranks, block, &p, false, self.pdl)
     }
 
     fn launch_virtual_allreduce(&mut self, call: &FusedCall) -> Result<()> {
         let block = device::virtual_allreduce_shape(call)?;
         let f = self.kernel(&call.variant)?;
+        self.check_in_memory(call)?;
         let p = call.params.for_call(call)?;
         let gx = call.tokens.min(device::MAX_LOCAL_CTAS);
-        self.launch(f, gx, call.ranks, block, &p, false, false)
+        self.launch(f, gx, call.ranks, block, &p, false, self.pdl)
     }
 
     fn capture(&mut self, body: &mut dyn FnMut(&mut Gpu) -> Result<()>) -> Result<Graph> {

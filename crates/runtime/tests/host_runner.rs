@@ -1,10 +1,10 @@
 //! The public `Runner` on the host device (`arfuse_runtime::host::HostDevice`): the
 //! real kernel sources compiled for the CPU, every rank its own launch stream with
 //! seeded random delays and CTA orders, launches queued until `Runner::sync`, checked
-//! with the GPU check's inputs, expected outputs and tolerances
-//! (`arfuse_runtime::check`: bit-exact residual outputs, the norm within the stated
-//! ulp, quant bit-exact on the kernel's own norm, dead outputs untouched, nothing
-//! written past any rank's slice of any output).
+//! with the GPU check's inputs and expected outputs, compared bit-exactly
+//! (`arfuse_runtime::check`: every output bit-exact against the contract in the
+//! kernels' sum order, dead outputs untouched, nothing written past any rank's slice of
+//! any output).
 //!
 //! - `matrix_w2` / `matrix_w4` / `matrix_w8`: every fused pattern x dtype x strategy x
 //!   T in {1, 7, 16, 40, 42, 128} at H = 256 (NVFP4 included), each a fused node of its
