@@ -12,6 +12,8 @@
 //! - [`policy`]: backend, strategy and workspace planning (usable alone).
 //! - [`rewrite`]: the e-graph fusion pass; [`lower`] is its entry point.
 //! - [`reference`](mod@reference): CPU reference semantics and the equivalence check.
+//! - [`splice`](mod@splice): what a graph compiler changes in its own graph to apply a
+//!   lowering (the torch.compile pass of the Python package uses it).
 //!
 //! The GPU runtime (`arfuse-runtime`, cudarc) is a separate crate so that using the
 //! compiler pass never links CUDA.
@@ -31,6 +33,8 @@ pub use arfuse_ir as ir;
 pub use arfuse_policy as policy;
 pub use arfuse_reference as reference;
 pub use arfuse_rewrite as rewrite;
+
+pub mod splice;
 
 pub use arfuse_ir::Graph;
 pub use arfuse_policy::Target;

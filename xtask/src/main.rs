@@ -1,7 +1,7 @@
 //! `cargo xtask`: the project's commands for people.
 //!
 //! - `cargo xtask lower [GRAPH|DIR] [--target PRESET|FILE] [--out FILE] [--report table|json] [--dot FILE] [--group NAME] [--shared-hidden H] [--all-reduce-op NAME[=GROUP]]`
-//! - `cargo xtask test [CARGO TEST ARGS]`
+//! - `cargo xtask test [CARGO TEST ARGS]` (then the Python tests, `python.rs`)
 //! - `cargo xtask gpu-check [--build-only] [-- GPU_CHECK ARGS]`
 //! - `cargo xtask host-check [-- GPU_CHECK ARGS]`
 //!
@@ -12,6 +12,8 @@ use arfuse::{Graph, LowerOptions, Target};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+
+mod python;
 
 /// The bundled model graph `cargo xtask lower` lowers when given no path.
 const DEFAULT_GRAPH: &str = "ir-fixtures/models/llama31_8b_tp8.json";
@@ -72,8 +74,15 @@ enum Command {
         list_targets: bool,
     },
     /// Run every test: install the NVRTC wheel the kernel compile checks need (pip,
-    /// idempotent), then `cargo test --workspace` with any extra arguments.
+    /// idempotent), then `cargo test --workspace` with any extra arguments, then the
+    /// Python package's tests (a venv in <target dir>/python-venv with torch,
+    /// transformers, pytest and the package built from crates/python; a skipped Python
+    /// test fails the command; ARFUSE_PYTHON_TESTS=0 leaves them out, reported as NOT
+    /// RUN, and is refused under CI=true).
     Test {
+        /// Only the Python step (venv, package, pytest), no `cargo test`.
+        #[arg(long)]
+        python_only: bool,
         /// Extra arguments for `cargo test`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -136,7 +145,20 @@ fn main() -> ExitCode {
         }
         Command::GpuCheck { build_only, args } => gpu_check(&root, build_only, &args),
         Command::HostCheck { args } => host_check(&root, &args),
-        Command::Test { args } => test_cmd(&root, &args),
+        Command::Test { python_only, args } => {
+            if python_only {
+                python::test(&root).map(|outcome| {
+                    eprintln!("xtask test: Python tests {}", outcome.describe());
+                    if outcome == python::Outcome::Passed {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::FAILURE
+                    }
+                })
+            } else {
+                test_cmd(&root, &args)
+            }
+        }
     };
     match result {
         Ok(code) => code,
@@ -662,7 +684,16 @@ fn test_cmd(root: &Path, args: &[String]) -> Result<ExitCode> {
         .args(args)
         .status()
         .context("running cargo test")?;
-    Ok(if status.success() {
+    // The Python package and its tests (torch.compile on gloo): see python.rs.
+    let python = python::test(root).context("the Python tests (crates/python/tests)")?;
+    eprintln!(
+        "xtask test: cargo test {}; Python tests {}",
+        if status.success() { "passed" } else { "FAILED" },
+        python.describe()
+    );
+    // Left out on request (not in CI), the Python tests do not fail the command; the
+    // line above says they did not run.
+    Ok(if status.success() && python != python::Outcome::Failed {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
