@@ -49,4 +49,4 @@ pub use op::{
 };
 pub use shape::{is_symbol_name, Dim, DimParseError, Shape, SymbolRange, Symbols, TensorType};
 pub use text::{canonical_text, to_dot};
-pub use validate::{broadcast, NVFP4_BLOCK};
+pub use validate::{broadcast, valid_eps, NVFP4_BLOCK};

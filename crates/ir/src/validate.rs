@@ -8,6 +8,12 @@ use crate::{DType, Dim, Graph, Node, Op, Shape, TensorType};
 /// NVFP4 block size in elements (domain.md section 1).
 pub const NVFP4_BLOCK: u64 = 16;
 
+/// True for an RMSNorm epsilon the IR accepts: finite and in (0, 1) (real models use
+/// 1e-5 or 1e-6; 1 or more would swamp mean(x^2) of any normalised activation).
+pub fn valid_eps(eps: f64) -> bool {
+    eps.is_finite() && eps > 0.0 && eps < 1.0
+}
+
 impl Graph {
     /// Checks every node's arity, element types, shapes and attributes, every symbol
     /// and every output's largest byte count. Returns all problems found, each naming
@@ -179,7 +185,7 @@ impl Checker<'_> {
     fn eps(&mut self, eps: f64, weight_bias: f64) {
         // Real epsilons are 1e-5 or 1e-6; 1 or more would swamp mean(x^2) for any
         // normalised activation.
-        if !(eps.is_finite() && eps > 0.0 && eps < 1.0) {
+        if !valid_eps(eps) {
             self.err(
                 ProblemKind::Attribute,
                 format!("eps must be finite and in (0, 1) (models use 1e-5 or 1e-6), got {eps}"),
