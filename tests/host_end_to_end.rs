@@ -6,7 +6,7 @@
 //! range of its plan (one-shot, two-shot, unfused), and compared with what
 //! arfuse-reference's evaluator computes for that node (the node cut out of the graph
 //! with its inputs, `arfuse_reference::evaluate`, on the GPU check's inputs), with the
-//! GPU check's tolerances (`arfuse_runtime::check::compare`). The node's dead outputs
+//! GPU check's bit-exact comparison (`arfuse_runtime::check::compare`). The node's dead outputs
 //! (those the lowered graph does not list) are passed as null and must stay untouched.
 
 use arfuse::ir::{Graph, InputKind, Node, Op, TensorType, Value};

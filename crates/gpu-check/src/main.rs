@@ -11,11 +11,13 @@
 //!    Then one fused node through the public API (`NodeKernels`, `runner::Runner`) with a
 //!    plan of one-shot, two-shot and unfused ranges, at both ends of every range,
 //!    directly and from per-size CUDA graphs (`node_check`).
-//! 2. Timings (W = 8 unless `--timing-world`): median microseconds per call replayed
-//!    from a CUDA graph of fused vs unfused (arfuse's all-reduce-only kernel + local
-//!    kernel), achieved GB/s over the bytes every virtual rank reads and writes
-//!    (`check::bytes_moved`) against a measured device-to-device copy, and the issue's
-//!    targets (>= 2x for T <= 128, <= 4 us at T = 1, >= 80% of copy at large T).
+//! 2. Timings (W = 8 unless `--timing-world`; `timings`): median microseconds per call
+//!    replayed from a CUDA graph. Latency at T = 1, 2, 4, 8 with PDL on and off, fused
+//!    vs unfused (arfuse's all-reduce-only kernel + local kernel); bandwidth at T = 256,
+//!    1024, 4096 as GB/s over the algorithm's bytes (`check::bytes_moved`) and over the
+//!    fewest bytes any algorithm moves (`check::minimum_bytes`), each against a
+//!    measured device-to-device copy; the targets (>= 2x unfused at small T, <= 4 us at
+//!    T = 1, >= 80% of the copy at large T).
 //! 3. The same unfused sequence written with torch ops (`torch_baseline.py` next to this
 //!    crate, run with the machine's `python3`), when PyTorch is there.
 //!
@@ -23,13 +25,14 @@
 //! nothing was checked (no CUDA driver on this machine); 64 bad arguments.
 
 mod node_check;
+mod timings;
 
 use anyhow::{anyhow, Context};
 use arfuse_runtime::check::{self, Case, Inputs, Liveness, RankOutputs, FILL_BYTE};
 use arfuse_runtime::cuda::Gpu;
 use arfuse_runtime::device::{self, Allocation, Device, FusedCall, KernelParams, RankTensor};
 use arfuse_runtime::host::{Compiler, HostDevice, HostOptions, LaunchOptions};
-use arfuse_runtime::variants::{Dtype, Epilogue, KernelKind, Quant, Strategy, Variant};
+use arfuse_runtime::variants::{Dtype, Quant, Strategy, Variant};
 use arfuse_runtime::workspace::Backend;
 use arfuse_runtime::Error;
 use clap::{Parser, ValueEnum};
@@ -90,6 +93,10 @@ struct Args {
     /// Skip the timings.
     #[arg(long)]
     no_timings: bool,
+    /// Launch without programmatic dependent launch (PDL) in the correctness part
+    /// (the latency table times both ways regardless).
+    #[arg(long)]
+    no_pdl: bool,
     /// World size of the timing table.
     #[arg(long, default_value_t = 8)]
     timing_world: u32,
@@ -590,168 +597,6 @@ fn time_graph(
     Ok(median(v))
 }
 
-fn timings(gpu: &mut Gpu, args: &Args) -> anyhow::Result<()> {
-    let world = args.timing_world;
-    let hidden = args.hidden;
-    let dtype = Dtype::Bf16;
-    // Device-to-device copy: 1 GiB, read + write counted.
-    let big = 1u64 << 30;
-    let (src, dst) = (gpu.alloc(big)?, gpu.alloc(big)?);
-    gpu.copy_d2d(&dst, &src, big)?;
-    gpu.sync()?;
-    let mut copy = Vec::new();
-    for _ in 0..10 {
-        copy.push(f64::from(gpu.time_ms(|g| g.copy_d2d(&dst, &src, big))?));
-    }
-    drop((src, dst));
-    let copy_gbs = 2.0 * big as f64 / (median(copy) * 1e-3) / 1e9;
-    println!("\ndevice-to-device copy: {copy_gbs:.0} GB/s (1 GiB, read + write)");
-    let max_t = *check::TOKENS.iter().max().unwrap_or(&1);
-    let ws = gpu.create_workspace(
-        Backend::Trtllm,
-        &check::workspace_for(world, dtype, hidden, max_t)?,
-    )?;
-    let io = Io::new(gpu, world, dtype, hidden, max_t)?;
-    let mut quants = vec![Quant::None, Quant::Fp8PerToken];
-    if gpu.info().sm >= 100 {
-        quants.push(Quant::Nvfp4Swizzled);
-    }
-    let mut needed = Vec::new();
-    for &q in &quants {
-        let e = Epilogue {
-            residual: true,
-            norm: true,
-            quant: q,
-        };
-        for s in [Strategy::OneShot, Strategy::TwoShot] {
-            for ep in [e, Epilogue::AR_ONLY] {
-                needed.push(Variant {
-                    kind: KernelKind::Fused { strategy: s, world },
-                    dtype,
-                    epilogue: ep,
-                });
-            }
-        }
-        needed.push(Variant {
-            kind: KernelKind::Local,
-            dtype,
-            epilogue: e,
-        });
-    }
-    gpu.load(&needed)?;
-    println!(
-        "W = {world}, H = {hidden}, bf16, per call replayed from a CUDA graph of {} calls (median of 20)",
-        args.calls_per_graph
-    );
-    println!(
-        "{:<18} {:>5} {:<8} {:>9} {:>11} {:>8} {:>8} {:>7}  target",
-        "pattern", "T", "strategy", "fused us", "unfused us", "speedup", "GB/s", "% copy"
-    );
-    for &q in &quants {
-        let e = Epilogue {
-            residual: true,
-            norm: true,
-            quant: q,
-        };
-        for tokens in check::TOKENS {
-            for strategy in [Strategy::OneShot, Strategy::TwoShot] {
-                let case = Case {
-                    strategy,
-                    world,
-                    dtype,
-                    epilogue: e,
-                    tokens,
-                    hidden,
-                    weight_bias: 0,
-                    gamma_f32: false,
-                    norm_round_twice: false,
-                };
-                let inputs = check::make_inputs(&case, 1)?;
-                upload_inputs(gpu, &io, &inputs)?;
-                let p = params(&io, &case, Liveness::all(&case)?)?;
-                let fused = fused_call(&case, p);
-                // Unfused: all-reduce-only kernel into ar_out, then the local kernel.
-                let b = case.output_bytes()?;
-                let mut ar_p = p;
-                ar_p.residual_in = RankTensor::default();
-                ar_p.residual_out = RankTensor::default();
-                ar_p.quant_out = RankTensor::default();
-                ar_p.scale_out = RankTensor::default();
-                ar_p.out = rank_tensor(&io.ar_out, b.out, true);
-                let ar = FusedCall {
-                    variant: Variant {
-                        kind: KernelKind::Fused { strategy, world },
-                        dtype,
-                        epilogue: Epilogue::AR_ONLY,
-                    },
-                    tokens,
-                    hidden,
-                    ranks: world,
-                    params: ar_p,
-                };
-                let mut local_p = p;
-                local_p.x = rank_tensor(&io.ar_out, b.out, true);
-                let local = FusedCall {
-                    variant: Variant {
-                        kind: KernelKind::Local,
-                        dtype,
-                        epilogue: e,
-                    },
-                    tokens,
-                    hidden,
-                    ranks: world,
-                    params: local_p,
-                };
-                let tf = time_graph(gpu, args.calls_per_graph, |g| g.launch_fused(&ws, &fused))?;
-                let tu = time_graph(gpu, args.calls_per_graph, |g| {
-                    g.launch_fused(&ws, &ar)?;
-                    g.launch_local(&local)
-                })?;
-                Device::take_error(gpu, &ws)?;
-                let moved = check::bytes_moved(&case)? as f64;
-                let gbs = moved / (tf * 1e-6) / 1e9;
-                let mut target = Vec::new();
-                if tokens <= 128 {
-                    target.push(format!(
-                        "2x unfused: {}",
-                        if tu / tf >= 2.0 { "met" } else { "MISSED" }
-                    ));
-                }
-                if tokens == 1 && world == 8 && q == Quant::None {
-                    target.push(format!(
-                        "<= 4 us: {}",
-                        if tf <= 4.0 { "met" } else { "MISSED" }
-                    ));
-                }
-                if tokens >= 1024 {
-                    target.push(format!(
-                        ">= 80% copy: {}",
-                        if gbs >= 0.8 * copy_gbs {
-                            "met"
-                        } else {
-                            "MISSED"
-                        }
-                    ));
-                }
-                println!(
-                    "{:<18} {tokens:>5} {:<8} {tf:>9.2} {tu:>11.2} {:>7.2}x {gbs:>8.0} {:>6.1}%  {}",
-                    case.pattern(),
-                    strategy.name(),
-                    tu / tf,
-                    100.0 * gbs / copy_gbs,
-                    target.join(", ")
-                );
-            }
-        }
-    }
-    let per_rank = ws.layout.bytes_per_rank;
-    println!(
-        "workspace: {} bytes allocated for {world} virtual ranks = {world} x {per_rank} (layout per rank), nothing more",
-        ws.memory.bytes()
-    );
-    Ok(())
-}
-
 /// Runs the torch-ops baseline in a child process (it needs the GPU memory this
 /// process no longer uses: the timing buffers are dropped by then).
 fn torch_baseline(args: &Args) {
@@ -796,6 +641,7 @@ fn run(args: &Args) -> anyhow::Result<usize> {
 fn run_cuda(args: &Args) -> anyhow::Result<usize> {
     let mut gpu = Gpu::open(0)?;
     gpu.set_compile_threads(args.compile_threads);
+    gpu.set_pdl(!args.no_pdl);
     let info = gpu.info().clone();
     let nv = arfuse_runtime::nvrtc::nvrtc()?;
     println!(
@@ -815,12 +661,13 @@ fn run_cuda(args: &Args) -> anyhow::Result<usize> {
         let open = || -> anyhow::Result<Gpu> {
             let mut g = Gpu::open(0)?;
             g.set_compile_threads(args.compile_threads);
+            g.set_pdl(!args.no_pdl);
             Ok(g)
         };
         failures += node_check::run(&open, args.hidden, args.replays)?;
     }
     if !args.no_timings {
-        timings(&mut gpu, args)?;
+        timings::run(&mut gpu, args)?;
         if !args.no_torch {
             torch_baseline(args);
         }

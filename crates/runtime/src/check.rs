@@ -967,6 +967,40 @@ pub fn bytes_moved(case: &Case) -> Result<u64> {
         .ok_or(Error::Overflow("bytes moved"))
 }
 
+/// The fewest device-memory bytes that all W virtual ranks together must read and
+/// write in one call, whatever the algorithm (the denominator of the efficiency
+/// against the minimum), with `R = T*H*e`: per rank, its input x read once (R), its
+/// residual read (R), its outputs written ([`Case::output_bytes`]: `residual_out`,
+/// `out`, quant data and scales) and the weight read (H elements). On one GPU the
+/// exchange of the all-reduce needs no further bytes (one kernel could read every
+/// rank's x and reduce in registers); [`bytes_moved`] minus this is what the
+/// algorithm's buffers and sentinels cost.
+///
+/// # Errors
+/// [`Error::Overflow`] on absurd sizes; invalid cases.
+pub fn minimum_bytes(case: &Case) -> Result<u64> {
+    let o = case.output_bytes()?;
+    let residual_in = if case.epilogue.residual { o.out } else { 0 };
+    let gamma = if case.epilogue.norm {
+        u64::from(case.hidden) * gamma_dtype(case).bytes() as u64
+    } else {
+        0
+    };
+    [
+        o.out,
+        residual_in,
+        o.residual_out,
+        o.out,
+        gamma,
+        o.quant,
+        o.scale,
+    ]
+    .iter()
+    .try_fold(0u64, |acc, &b| acc.checked_add(b))
+    .and_then(|per_rank| per_rank.checked_mul(u64::from(case.world)))
+    .ok_or(Error::Overflow("minimum bytes"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1297,6 +1331,21 @@ mod tests {
         assert_eq!(bytes_moved(&two).unwrap(), 4 * (13 * 512 + 512));
         let ar = case(Epilogue::AR_ONLY, Dtype::Bf16, 1);
         assert_eq!(bytes_moved(&ar).unwrap(), 4 * 14 * 512);
+    }
+
+    #[test]
+    fn minimum_bytes_are_the_epilogues_alone() {
+        // W=4, T=1, H=256, bf16 (R = 512): x, residual, res_out, out and the weight.
+        let c = case(Epilogue::RES_NORM, Dtype::Bf16, 1);
+        assert_eq!(minimum_bytes(&c).unwrap(), 4 * 5 * 512);
+        // The one-shot moves 17 R per rank for the same call (gamma is R here).
+        assert_eq!(
+            bytes_moved(&c).unwrap() - minimum_bytes(&c).unwrap(),
+            4 * 12 * 512
+        );
+        // All-reduce only: x read, out written.
+        let ar = case(Epilogue::AR_ONLY, Dtype::Bf16, 1);
+        assert_eq!(minimum_bytes(&ar).unwrap(), 4 * 2 * 512);
     }
 
     #[test]

@@ -140,6 +140,7 @@ pub struct Gpu {
     kernels: HashMap<Variant, KernelFn>,
     capturing: std::cell::Cell<bool>,
     compile_threads: usize,
+    pdl: bool,
 }
 
 impl Gpu {
@@ -199,6 +200,7 @@ impl Gpu {
                 kernels: HashMap::new(),
                 capturing: std::cell::Cell::new(false),
                 compile_threads: 4,
+                pdl: true,
             })
         })
     }
@@ -493,6 +495,59 @@ impl Gpu {
         self.compile_threads = threads.clamp(1, 64);
     }
 
+    /// Whether the launches of [`Device`] carry programmatic dependent launch (PDL,
+    /// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`; default on): a kernel
+    /// may then start while the previous one in the stream finishes, and waits for it
+    /// (`griddepcontrol.wait`) before its first read of memory; every kernel lets the
+    /// next one start only after its last store (`griddepcontrol.launch_dependents`
+    /// after the final barrier). Off: every launch waits for the previous kernel to end.
+    pub fn set_pdl(&mut self, on: bool) {
+        self.pdl = on;
+    }
+
+    /// Whether PDL is on ([`Gpu::set_pdl`]).
+    pub fn pdl(&self) -> bool {
+        self.pdl
+    }
+
+    /// Every tensor `call` touches lies inside one allocation of this context
+    /// (`cuMemGetAddressRange`): a kernel that read or wrote past a caller's buffer
+    /// (a scale buffer allocated without its padding, say) would corrupt memory or
+    /// lose the context.
+    fn check_in_memory(&self, call: &FusedCall) -> Result<()> {
+        for u in device::tensor_uses(call)? {
+            let ranks = if u.tensor.rank_stride == 0 {
+                1
+            } else {
+                call.ranks
+            };
+            for r in 0..u64::from(ranks) {
+                let at = r
+                    .checked_mul(u.tensor.rank_stride)
+                    .and_then(|o| o.checked_add(u.tensor.ptr))
+                    .ok_or(Error::Overflow("tensor address"))?;
+                let (mut base, mut size) = (0, 0usize);
+                // SAFETY: out-pointers to locals; the driver only reads `at`.
+                let rc = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, at) };
+                let end = base.saturating_add(size as u64);
+                let fits = at.checked_add(u.bytes).is_some_and(|e| e <= end);
+                if rc != sys::CUresult::CUDA_SUCCESS || !fits {
+                    return Err(Error::Invalid(format!(
+                        "tensor {} of rank {r}: {} bytes from {at:#x} are not inside one allocation of this device ({})",
+                        u.name,
+                        u.bytes,
+                        if rc == sys::CUresult::CUDA_SUCCESS {
+                            format!("its allocation ends at {end:#x}")
+                        } else {
+                            format!("{rc:?}")
+                        }
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Captures what `body` enqueues on the stream into an instantiated graph
     /// ([`Device::capture`]). Allocation and kernel loading are refused while `body` runs.
     fn capture_stream(&mut self, body: &mut dyn FnMut(&mut Gpu) -> Result<()>) -> Result<Graph> {
@@ -638,31 +693,61 @@ impl VirtualWorkspace {
                 gpu.info.free_bytes
             )));
         }
-        let memory = gpu.alloc(bytes)?;
-        let err = gpu.alloc(4)?;
-        let dtype = Dtype::from_policy(workspace.dtype);
-        for r in 0..u64::from(workspace.world_size) {
-            let base = memory.ptr + r * layout.bytes_per_rank + layout.lamport_offset;
-            let lam = arfuse_policy::LAMPORT_BUFFER_COUNT * layout.lamport_buffer_bytes;
+        let ws = VirtualWorkspace {
+            workspace: workspace.clone(),
+            layout,
+            memory: gpu.alloc(bytes)?,
+            err: gpu.alloc(4)?,
+        };
+        ws.initialise(gpu)?;
+        Ok(ws)
+    }
+
+    /// Writes the initial state on the work stream and waits for it: every rank's
+    /// state block zero, its Lamport buffers the -0.0 sentinel of the activation dtype,
+    /// the error word zero.
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn initialise(&self, gpu: &Gpu) -> Result<()> {
+        let layout = &self.layout;
+        let lam = arfuse_policy::LAMPORT_BUFFER_COUNT * layout.lamport_buffer_bytes;
+        let dtype = Dtype::from_policy(self.workspace.dtype);
+        for r in 0..u64::from(self.workspace.world_size) {
+            let rank = self.memory.ptr + r * layout.bytes_per_rank;
+            // SAFETY: the state block [0, lamport_offset) of rank r lies inside `memory`
+            // (layout arithmetic is checked when the workspace is created).
+            let rc = unsafe {
+                sys::cuMemsetD8Async(rank, 0, layout.lamport_offset as usize, gpu.stream)
+            };
+            check(rc, "cuMemsetD8Async (workspace state)")?;
+            let base = rank + layout.lamport_offset;
             let rc = match dtype {
-                // SAFETY: the range lies inside `memory` (layout arithmetic is checked).
+                // SAFETY: the Lamport range of rank r lies inside `memory`, as above.
                 Dtype::Bf16 | Dtype::F16 => unsafe {
-                    sys::cuMemsetD16Async(base, 0x8000, (lam / 2) as usize, gpu.stream)
+                    sys::cuMemsetD16Async(
+                        base,
+                        dtype.sentinel_bits() as u16,
+                        (lam / 2) as usize,
+                        gpu.stream,
+                    )
                 },
                 // SAFETY: as above.
                 Dtype::F32 => unsafe {
-                    sys::cuMemsetD32Async(base, 0x8000_0000, (lam / 4) as usize, gpu.stream)
+                    sys::cuMemsetD32Async(
+                        base,
+                        dtype.sentinel_bits(),
+                        (lam / 4) as usize,
+                        gpu.stream,
+                    )
                 },
             };
             check(rc, "cuMemsetD16/D32Async (Lamport sentinel)")?;
         }
-        gpu.sync()?;
-        Ok(VirtualWorkspace {
-            workspace: workspace.clone(),
-            layout,
-            memory,
-            err,
-        })
+        // SAFETY: the error word is the 4 bytes of `err`.
+        let rc = unsafe { sys::cuMemsetD8Async(self.err.ptr, 0, 4, gpu.stream) };
+        check(rc, "cuMemsetD8Async (error word)")?;
+        gpu.sync()
     }
 
     /// Reads and clears the error word; `Err(KernelTimeout)` if a kernel gave up.
@@ -715,33 +800,36 @@ impl Device for Gpu {
         let (_, world, block) = device::fused_shape(&ws.workspace, call)?;
         let f = self.kernel(&call.variant)?;
         let resident = self.resident_ctas(f, block)?;
-        let gx = call.tokens.min(device::MAX_GRID_CTAS).min(resident / world);
+        let gx = device::grid_width(call.tokens, resident / world);
         if gx == 0 {
             return Err(Error::Unsupported(format!(
                 "{world} ranks x 1 CTA of {block} threads cannot be co-resident"
             )));
         }
+        self.check_in_memory(call)?;
         let p = call
             .params
             .with_virtual_workspace(&ws.layout, world, ws.memory.ptr, ws.err.ptr)?
             .for_call(call)?;
-        self.launch(f, gx, world, block, &p, true, false)
+        self.launch(f, gx, world, block, &p, true, self.pdl)
     }
 
     fn launch_local(&mut self, call: &FusedCall) -> Result<()> {
         let block = device::local_shape(call)?;
         let f = self.kernel(&call.variant)?;
+        self.check_in_memory(call)?;
         let p = call.params.for_call(call)?;
         let gx = call.tokens.min(device::MAX_LOCAL_CTAS);
-        self.launch(f, gx, call.ranks, block, &p, false, false)
+        self.launch(f, gx, call.ranks, block, &p, false, self.pdl)
     }
 
     fn launch_virtual_allreduce(&mut self, call: &FusedCall) -> Result<()> {
         let block = device::virtual_allreduce_shape(call)?;
         let f = self.kernel(&call.variant)?;
+        self.check_in_memory(call)?;
         let p = call.params.for_call(call)?;
         let gx = call.tokens.min(device::MAX_LOCAL_CTAS);
-        self.launch(f, gx, call.ranks, block, &p, false, false)
+        self.launch(f, gx, call.ranks, block, &p, false, self.pdl)
     }
 
     fn capture(&mut self, body: &mut dyn FnMut(&mut Gpu) -> Result<()>) -> Result<Graph> {
@@ -758,6 +846,14 @@ impl Device for Gpu {
 
     fn take_error(&mut self, ws: &VirtualWorkspace) -> Result<()> {
         ws.take_error(self)
+    }
+
+    fn reset_workspace(&mut self, ws: &VirtualWorkspace) -> Result<()> {
+        if self.capturing()? {
+            return Err(Error::Capturing("resetting a workspace".into()));
+        }
+        self.sync()?;
+        ws.initialise(self)
     }
 
     fn alloc(&mut self, bytes: u64) -> Result<DeviceBuffer> {

@@ -28,6 +28,18 @@ use arfuse_policy::{ArfuseLayout, Workspace};
 pub const DEFAULT_TIMEOUT_NS: u64 = 5_000_000_000;
 /// Most CTAs per rank of one fused launch (tokens are strided over them).
 pub const MAX_GRID_CTAS: u32 = 256;
+
+/// CTAs per rank of a launch of `tokens` tokens: `min(T, MAX_GRID_CTAS, co_resident)`,
+/// `co_resident` being how many CTAs of the kernel one rank's device runs at once (a
+/// fused launch needs every CTA of every rank running: its CTAs wait for each other's
+/// data). The one formula of every device, so ranks on devices of one kind derive the
+/// same width from the same T. The call protocol itself does not depend on the peers'
+/// widths: a rank's CTAs push and poll the slots of their own tokens (two-shot owners
+/// follow from T alone), clear their share of their own buffer and count their own
+/// rank's arrivals.
+pub fn grid_width(tokens: u32, co_resident: u32) -> u32 {
+    tokens.min(MAX_GRID_CTAS).min(co_resident)
+}
 /// Most CTAs (grid x) of a local or virtual all-reduce launch (the driver's limit on
 /// grid y and z is 65,535; the kernels stride tokens over grid x).
 pub const MAX_LOCAL_CTAS: u32 = 65_535;
@@ -128,6 +140,17 @@ pub trait Device {
     /// [`Error::KernelTimeout`] with the word when a kernel gave up waiting for a peer;
     /// as [`Device::sync`].
     fn take_error(&mut self, ws: &Self::Workspace) -> Result<()>;
+
+    /// Waits for everything enqueued, then puts `ws` back in the state it was created
+    /// in: every rank's Lamport buffers hold the -0.0 sentinel again, the call state
+    /// (call counter, arrival counter, bytes used per buffer) is zero and the error word
+    /// is clear. After a kernel gave up waiting for a peer the ranks disagree on the
+    /// call count and a buffer may hold a partial call's data, so the workspace must be
+    /// reset before it is used again ([`crate::runner::Runner::sync`] does it).
+    ///
+    /// # Errors
+    /// [`Error::Capturing`] while a capture records; as [`Device::sync`].
+    fn reset_workspace(&mut self, ws: &Self::Workspace) -> Result<()>;
 
     /// Allocates `bytes` of zeroed device memory.
     ///
@@ -378,6 +401,7 @@ pub fn fused_shape(workspace: &Workspace, call: &FusedCall) -> Result<(Strategy,
         )));
     }
     check_fits(workspace, strategy, call.tokens, call.hidden)?;
+    check_tensor_uses(call)?;
     Ok((
         strategy,
         world,
@@ -403,6 +427,7 @@ pub fn local_shape(call: &FusedCall) -> Result<u32> {
             call.tokens, call.ranks
         )));
     }
+    check_tensor_uses(call)?;
     block_size(call.hidden, call.variant.dtype)
 }
 
@@ -423,7 +448,116 @@ pub fn virtual_allreduce_shape(call: &FusedCall) -> Result<u32> {
             call.variant, call.tokens
         )));
     }
+    check_tensor_uses(call)?;
     block_size(call.hidden, call.variant.dtype)
+}
+
+/// A tensor a call's kernel reads or writes, with what the kernel needs of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorUse {
+    /// The [`KernelParams`] field (`x`, `residual_in`, ..., `gamma`, `scale_in`).
+    pub name: &'static str,
+    /// Rank 0's address and the bytes between ranks (0 for the shared `gamma` and
+    /// `scale_in`).
+    pub tensor: RankTensor,
+    /// Bytes of one rank's tensor the kernel may touch for the call's T and H: the
+    /// contiguous `[T, H]` rows, the quant data, the scales with their padding
+    /// ([`crate::check::quant_bytes_of`]), H weights, one f32 scale.
+    pub bytes: u64,
+    /// Alignment (bytes) of the kernel's accesses: 16 for activations and the weight
+    /// (16-byte vectors), one vector's quant bytes for the quant data (16 / element
+    /// size FP8 bytes, half that in NVFP4), 4 for f32 / packed scales and `scale_in`,
+    /// 1 for NVFP4's byte scales.
+    pub align: u64,
+    /// Whether the kernel writes it (ranks' copies must then not overlap).
+    pub written: bool,
+}
+
+/// The tensors the kernel of `call` touches (null ones and outputs the epilogue does
+/// not produce left out), with their sizes and alignments.
+///
+/// # Errors
+/// [`Error::Overflow`] on absurd sizes; as [`crate::check::quant_bytes_of`].
+pub fn tensor_uses(call: &FusedCall) -> Result<Vec<TensorUse>> {
+    use crate::variants::Quant;
+    let p = &call.params;
+    let e = call.variant.dtype.bytes() as u64;
+    let act = u64::from(call.tokens)
+        .checked_mul(u64::from(call.hidden))
+        .and_then(|n| n.checked_mul(e))
+        .ok_or(Error::Overflow("activation bytes"))?;
+    let quant = call.variant.epilogue.quant;
+    let (quant_bytes, scale_bytes) = crate::check::quant_bytes_of(quant, call.tokens, call.hidden)?;
+    let vector_elems = 16 / e;
+    let (quant_align, scale_align) = match quant {
+        Quant::Nvfp4Swizzled | Quant::Nvfp4Linear => (vector_elems / 2, 1),
+        _ => (vector_elems, 4),
+    };
+    let gamma_bytes = u64::from(call.hidden) * if p.gamma_f32 != 0 { 4 } else { e };
+    let shared = |ptr: u64| RankTensor {
+        ptr,
+        rank_stride: 0,
+    };
+    let all = [
+        ("x", p.x, act, 16, false),
+        ("residual_in", p.residual_in, act, 16, false),
+        ("residual_out", p.residual_out, act, 16, true),
+        ("out", p.out, act, 16, true),
+        ("quant_out", p.quant_out, quant_bytes, quant_align, true),
+        ("scale_out", p.scale_out, scale_bytes, scale_align, true),
+        ("gamma", shared(p.gamma), gamma_bytes, 16, false),
+        ("scale_in", shared(p.scale_in), 4, 4, false),
+    ];
+    Ok(all
+        .into_iter()
+        .filter(|&(_, t, bytes, _, _)| t.ptr != 0 && bytes != 0)
+        .map(|(name, tensor, bytes, align, written)| TensorUse {
+            name,
+            tensor,
+            bytes,
+            align,
+            written,
+        })
+        .collect())
+}
+
+/// The host-side checks of a call's tensors before any launch: every address and rank
+/// stride a multiple of the kernel's access size ([`TensorUse::align`]; a misaligned
+/// vector access faults the GPU), and the ranks' copies of every output at least its
+/// bytes apart (closer, two ranks would write the same bytes). Whether the memory is
+/// there is the device's check (it knows its allocations).
+///
+/// # Errors
+/// [`Error::Invalid`] naming the tensor; as [`tensor_uses`].
+pub fn check_tensor_uses(call: &FusedCall) -> Result<Vec<TensorUse>> {
+    let uses = tensor_uses(call)?;
+    for u in &uses {
+        let TensorUse {
+            name,
+            tensor,
+            align,
+            ..
+        } = *u;
+        if tensor.ptr % align != 0 {
+            return Err(Error::Invalid(format!(
+                "tensor {name}: address {:#x} is not a multiple of {align} bytes (the kernel's access size)",
+                tensor.ptr
+            )));
+        }
+        if call.ranks > 1 && tensor.rank_stride % align != 0 {
+            return Err(Error::Invalid(format!(
+                "tensor {name}: rank stride {} bytes is not a multiple of {align}",
+                tensor.rank_stride
+            )));
+        }
+        if u.written && call.ranks > 1 && tensor.rank_stride < u.bytes {
+            return Err(Error::Invalid(format!(
+                "tensor {name}: ranks {} bytes apart overlap its {} bytes per rank (T = {}, H = {})",
+                tensor.rank_stride, u.bytes, call.tokens, call.hidden
+            )));
+        }
+    }
+    Ok(uses)
 }
 
 #[cfg(test)]
@@ -481,6 +615,129 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("flashinfer"));
+    }
+
+    #[test]
+    fn tensor_checks_name_the_tensor() {
+        use crate::variants::{Epilogue, Quant};
+        let t = |ptr, rank_stride| RankTensor { ptr, rank_stride };
+        // W = 2, T = 4, H = 256 bf16: 2,048 bytes per rank and activation; per-token FP8
+        // scales are 16 bytes.
+        let act = 4 * 256 * 2;
+        let call = |quant, params| FusedCall {
+            variant: Variant {
+                kind: KernelKind::Local,
+                dtype: Dtype::Bf16,
+                epilogue: Epilogue {
+                    residual: true,
+                    norm: true,
+                    quant,
+                },
+            },
+            tokens: 4,
+            hidden: 256,
+            ranks: 2,
+            params,
+        };
+        let good = KernelParams {
+            x: t(0x10000, act),
+            residual_in: t(0x20000, act),
+            residual_out: t(0x30000, act),
+            out: t(0x40000, act),
+            quant_out: t(0x50000, 1024),
+            scale_out: t(0x60000, 16),
+            gamma: 0x70000,
+            scale_in: 0x70800,
+            ..KernelParams::default()
+        };
+        let uses = check_tensor_uses(&call(Quant::Fp8PerToken, good)).unwrap();
+        let sizes: Vec<(&str, u64, u64)> =
+            uses.iter().map(|u| (u.name, u.bytes, u.align)).collect();
+        assert_eq!(
+            sizes,
+            [
+                ("x", act, 16),
+                ("residual_in", act, 16),
+                ("residual_out", act, 16),
+                ("out", act, 16),
+                ("quant_out", 1024, 8),
+                ("scale_out", 16, 4),
+                ("gamma", 512, 16),
+                ("scale_in", 4, 4),
+            ]
+        );
+        let bad =
+            |p: KernelParams, quant| check_tensor_uses(&call(quant, p)).unwrap_err().to_string();
+        let e = bad(
+            KernelParams {
+                x: t(0x10008, act),
+                ..good
+            },
+            Quant::Fp8PerToken,
+        );
+        assert!(
+            e.contains("tensor x: address 0x10008 is not a multiple of 16"),
+            "{e}"
+        );
+        let e = bad(
+            KernelParams {
+                gamma: 0x70004,
+                ..good
+            },
+            Quant::Fp8PerToken,
+        );
+        assert!(e.contains("tensor gamma:"), "{e}");
+        let e = bad(
+            KernelParams {
+                out: t(0x40000, act + 8),
+                ..good
+            },
+            Quant::Fp8PerToken,
+        );
+        assert!(e.contains("tensor out: rank stride 2056 bytes"), "{e}");
+        let e = bad(
+            KernelParams {
+                scale_out: t(0x60000, 12),
+                ..good
+            },
+            Quant::Fp8PerToken,
+        );
+        assert!(
+            e.contains("tensor scale_out: ranks 12 bytes apart overlap its 16 bytes"),
+            "{e}"
+        );
+        let e = bad(
+            KernelParams {
+                quant_out: t(0x50004, 1024),
+                ..good
+            },
+            Quant::Fp8PerToken,
+        );
+        assert!(
+            e.contains("tensor quant_out: address 0x50004 is not a multiple of 8"),
+            "{e}"
+        );
+        // NVFP4: 4-byte data stores, byte scales (swizzled: 128 padded rows x 16 columns).
+        let nv = KernelParams {
+            quant_out: t(0x50004, 512),
+            scale_out: t(0x60001, 128 * 16),
+            ..good
+        };
+        let uses = check_tensor_uses(&call(Quant::Nvfp4Swizzled, nv)).unwrap();
+        assert_eq!(
+            uses.iter()
+                .find(|u| u.name == "scale_out")
+                .map(|u| (u.bytes, u.align)),
+            Some((2048, 1))
+        );
+        // Dead outputs are not checked; an input read by every rank may be shared.
+        let dead = KernelParams {
+            out: t(0, 0),
+            x: t(0x10000, 0),
+            ..good
+        };
+        let uses = check_tensor_uses(&call(Quant::Fp8PerToken, dead)).unwrap();
+        assert!(uses.iter().all(|u| u.name != "out"));
     }
 
     #[test]

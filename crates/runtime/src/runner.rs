@@ -328,7 +328,9 @@ impl<D: Device> Runner<D> {
     }
 
     /// Waits for every launch and replay enqueued so far, then reads (and clears) the
-    /// error word of every workspace.
+    /// error word of every workspace. A workspace whose kernel gave up waiting for a
+    /// peer is reset ([`Device::reset_workspace`]: sentinels refilled, call state zero)
+    /// before this returns, so the next call on it starts from a clean protocol state.
     ///
     /// # Errors
     /// [`Error::Node`] naming the node(s) launched since the last sync (comma-separated
@@ -360,6 +362,17 @@ impl<D: Device> Runner<D> {
                     nodes
                         .get(n)
                         .is_some_and(|s| &s.kernels.workspace == request)
+                };
+                // A timed-out call leaves the ranks disagreeing on the call count and
+                // partial data in a buffer: reset before the workspace is used again.
+                let e = match e {
+                    Error::KernelTimeout(_) => match dev.reset_workspace(ws) {
+                        Ok(()) => e,
+                        Err(r) => Error::Invalid(format!(
+                            "{e}; resetting the workspace afterwards failed: {r}"
+                        )),
+                    },
+                    e => e,
                 };
                 first.get_or_insert(e.in_node(&names(&on_ws)));
             }

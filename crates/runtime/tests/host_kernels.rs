@@ -452,13 +452,14 @@ __device__ __forceinline__ bool arf_ftz_vec_ready(const uint4 v) {
 ";
     let include = "#include \"arfuse_common.cuh\"\n";
     assert_eq!(variants::FUSED_SOURCE.matches(include).count(), 1);
+    // Both polls: a vector's (arf_poll_vec) and the batched slots' (arf_reduce_slots).
     assert_eq!(
-        variants::FUSED_SOURCE.matches("!arf_vec_ready(d)").count(),
-        1
+        variants::FUSED_SOURCE.matches("!arf_vec_ready(d").count(),
+        2
     );
     let patched = variants::FUSED_SOURCE
         .replace(include, &format!("{include}{ftz}"))
-        .replace("!arf_vec_ready(d)", "!arf_ftz_vec_ready(d)");
+        .replace("!arf_vec_ready(d", "!arf_ftz_vec_ready(d");
     let mut racy = HashMap::new();
     for s in [Strategy::OneShot, Strategy::TwoShot] {
         let v = case_of(world, dtype, e, s, 1, HIDDEN).variant();

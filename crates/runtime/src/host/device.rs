@@ -27,7 +27,6 @@
 use super::compile::{Build, Compiler};
 use super::launch::{run_rank_set, HostKernel, LaunchOptions, RankLaunch};
 use super::memory::{HostWorkspace, Slots};
-use crate::check;
 use crate::device::{self, Allocation, Device, FusedCall, KernelParams};
 use crate::error::{Error, Result};
 use crate::variants::Variant;
@@ -286,45 +285,36 @@ impl HostDevice {
             })
     }
 
-    /// The allocations every tensor of `p` lies in, for `ranks` ranks of the call's
-    /// sizes (an upper bound of what the kernel touches).
+    /// The allocations every tensor of the call lies in, for its ranks at the call's
+    /// sizes ([`device::tensor_uses`]: an upper bound of what the kernel touches).
     fn regions_of(&self, call: &FusedCall, p: &KernelParams) -> Result<Vec<Arc<Region>>> {
-        let e = call.variant.dtype.bytes() as u64;
-        let act = u64::from(call.tokens)
-            .checked_mul(u64::from(call.hidden))
-            .and_then(|n| n.checked_mul(e))
-            .ok_or(Error::Overflow("activation bytes"))?;
-        let (quant, scale) =
-            check::quant_bytes_of(call.variant.epilogue.quant, call.tokens, call.hidden)?;
         let mut out: Vec<Arc<Region>> = Vec::new();
         let mut add = |r: Arc<Region>| {
             if !out.iter().any(|o| Arc::ptr_eq(o, &r)) {
                 out.push(r);
             }
         };
-        for (name, t, bytes) in [
-            ("x", p.x, act),
-            ("residual_in", p.residual_in, act),
-            ("residual_out", p.residual_out, act),
-            ("out", p.out, act),
-            ("quant_out", p.quant_out, quant),
-            ("scale_out", p.scale_out, scale),
-        ] {
-            if t.ptr == 0 || bytes == 0 {
-                continue;
-            }
-            for r in 0..u64::from(call.ranks) {
+        let call = FusedCall {
+            params: *p,
+            ..*call
+        };
+        for u in device::tensor_uses(&call)? {
+            let ranks = if u.tensor.rank_stride == 0 {
+                1
+            } else {
+                call.ranks
+            };
+            for r in 0..u64::from(ranks) {
                 let at = r
-                    .checked_mul(t.rank_stride)
-                    .and_then(|o| o.checked_add(t.ptr))
+                    .checked_mul(u.tensor.rank_stride)
+                    .and_then(|o| o.checked_add(u.tensor.ptr))
                     .ok_or(Error::Overflow("tensor address"))?;
-                add(self.region_of(at, bytes, &format!("tensor {name} of rank {r}"))?);
-            }
-        }
-        let gamma = u64::from(call.hidden) * if p.gamma_f32 != 0 { 4 } else { e };
-        for (name, ptr, bytes) in [("gamma", p.gamma, gamma), ("scale_in", p.scale_in, 4)] {
-            if ptr != 0 {
-                add(self.region_of(ptr, bytes, &format!("tensor {name}"))?);
+                let what = if ranks == 1 {
+                    format!("tensor {}", u.name)
+                } else {
+                    format!("tensor {} of rank {r}", u.name)
+                };
+                add(self.region_of(at, u.bytes, &what)?);
             }
         }
         Ok(out)
@@ -358,10 +348,7 @@ impl HostDevice {
             p.timeout_ns = t;
         }
         let regions = self.regions_of(call, &p)?;
-        let grid_x = call
-            .tokens
-            .min(device::MAX_GRID_CTAS)
-            .min(self.opts.max_ctas.max(1));
+        let grid_x = device::grid_width(call.tokens, self.opts.max_ctas.max(1));
         Ok(Job {
             mode,
             kernel,
@@ -583,6 +570,12 @@ impl Device for HostDevice {
     fn take_error(&mut self, ws: &HostDeviceWorkspace) -> Result<()> {
         self.run_queue()?;
         ws.inner.0.take_error_shared()
+    }
+
+    fn reset_workspace(&mut self, ws: &HostDeviceWorkspace) -> Result<()> {
+        self.refuse_while_capturing(|| format!("resetting workspace ({})", ws.workspace()))?;
+        self.run_queue()?;
+        ws.inner.0.reset_shared()
     }
 
     fn alloc(&mut self, bytes: u64) -> Result<HostMem> {
