@@ -19,7 +19,10 @@
 //! compiler pass never links CUDA.
 //!
 //! ```no_run
-//! let bytes = std::fs::read("ir-fixtures/models/llama31_8b_tp8.json")?;
+//! // A graph file (arfuse JSON, torch.export JSON or .pt2), e.g. the checkout's
+//! // ir-fixtures/models/llama31_8b_tp8.json.
+//! let path = std::env::args().nth(1).ok_or("usage: lower GRAPH")?;
+//! let bytes = std::fs::read(&path).map_err(|e| format!("{path}: {e}"))?;
 //! let graph = arfuse::import::load_any(&bytes)?.graph;
 //! let target = arfuse::Target::preset("h200-sxm-x8")?;
 //! let lowered = arfuse::lower(&graph, &target)?;
@@ -28,10 +31,16 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+// Inlined, so that `cargo doc -p arfuse` documents each layer under this crate.
+#[doc(inline)]
 pub use arfuse_import as import;
+#[doc(inline)]
 pub use arfuse_ir as ir;
+#[doc(inline)]
 pub use arfuse_policy as policy;
+#[doc(inline)]
 pub use arfuse_reference as reference;
+#[doc(inline)]
 pub use arfuse_rewrite as rewrite;
 
 pub mod splice;

@@ -285,7 +285,11 @@ fn hostile_files_are_refused_for_the_right_reason() {
         ("cycle_three_nodes.json", "[cycle]"),
         ("self_loop_all_reduce.json", "[cycle]"),
         ("dim_u64_max.json", "[overflow]"),
-        ("byte_count_overflow_symbols.json", "[overflow]"),
+        // A symbol bound above MAX_SYMBOL_VALUE: refused once, at the symbol.
+        (
+            "byte_count_overflow_symbols.json",
+            "symbols.T [limit]: max 18446744073709551615 is above the limit",
+        ),
         ("byte_count_overflow_dtype.json", "[overflow]"),
         (
             "nvfp4_hidden_not_multiple_of_block.json",

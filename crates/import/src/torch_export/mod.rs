@@ -62,8 +62,9 @@ pub const MAX_TENSOR_VALUES: usize = 400_000;
 /// Most individual notes kept (counted findings are always one line each).
 pub const MAX_NOTES: usize = 200;
 /// The upper bound given to a symbol whose range has no finite maximum (or one above
-/// this), so that byte counts stay finite; noted when used.
-pub const UNBOUNDED_SYMBOL_MAX: u64 = i32::MAX as u64;
+/// this), so that byte counts stay finite; noted when used. The IR's limit
+/// ([`arfuse_ir::MAX_SYMBOL_VALUE`]).
+pub const UNBOUNDED_SYMBOL_MAX: u64 = arfuse_ir::MAX_SYMBOL_VALUE;
 
 /// Targets that are runtime checks: dropped, never users.
 pub const CHECK_TARGETS: &[&str] = &[
