@@ -285,10 +285,12 @@ fn hostile_files_are_refused_for_the_right_reason() {
         ("cycle_three_nodes.json", "[cycle]"),
         ("self_loop_all_reduce.json", "[cycle]"),
         ("dim_u64_max.json", "[overflow]"),
-        // A symbol bound above MAX_SYMBOL_VALUE: refused once, at the symbol.
+        ("byte_count_overflow_symbols.json", "[overflow]"),
+        // A symbol bound above MAX_SYMBOL_VALUE: refused once, at the symbol (not again
+        // for each of the two tensors it shapes).
         (
-            "byte_count_overflow_symbols.json",
-            "symbols.T [limit]: max 18446744073709551615 is above the limit",
+            "symbol_max_above_limit.json",
+            "1 problem(s) in the graph:\n  - symbols.T [limit]: max 2147483648 is above the limit",
         ),
         ("byte_count_overflow_dtype.json", "[overflow]"),
         (

@@ -282,8 +282,8 @@ fn symbol_range(v: &serde_json::Value) -> Result<SymbolRange, String> {
             None => Err(format!("field {f:?} is missing")),
             Some(x) => x.as_u64().ok_or_else(|| {
                 format!(
-                    "field {f:?} is {x}, not a whole number (symbol bounds are integers from \
-                     0 to {})",
+                    "field {f:?} is {x}, not a non-negative 64-bit integer (symbol bounds \
+                     are integers from 0 to {})",
                     crate::MAX_SYMBOL_VALUE
                 )
             }),

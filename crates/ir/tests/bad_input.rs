@@ -121,8 +121,8 @@ fn a_number_of_the_wrong_type_names_its_field() {
     let e = error(&graph(r#"{"T": {"min": 1, "max": 1e30}}"#, ""));
     assert!(
         e.contains(
-            "symbols.T [symbol]: field \"max\" is 1e+30, not a whole number (symbol bounds are \
-             integers from 0 to 2147483647)"
+            "symbols.T [symbol]: field \"max\" is 1e+30, not a non-negative 64-bit integer (symbol bounds \
+             are integers from 0 to 2147483647)"
         ),
         "{e}"
     );
