@@ -12,12 +12,17 @@
 //! - [`policy`]: backend, strategy and workspace planning (usable alone).
 //! - [`rewrite`]: the e-graph fusion pass; [`lower`] is its entry point.
 //! - [`reference`](mod@reference): CPU reference semantics and the equivalence check.
+//! - [`splice`](mod@splice): what a graph compiler changes in its own graph to apply a
+//!   lowering (the torch.compile pass of the Python package uses it).
 //!
 //! The GPU runtime (`arfuse-runtime`, cudarc) is a separate crate so that using the
 //! compiler pass never links CUDA.
 //!
 //! ```no_run
-//! let bytes = std::fs::read("ir-fixtures/models/llama31_8b_tp8.json")?;
+//! // A graph file (arfuse JSON, torch.export JSON or .pt2), e.g. the checkout's
+//! // ir-fixtures/models/llama31_8b_tp8.json.
+//! let path = std::env::args().nth(1).ok_or("usage: lower GRAPH")?;
+//! let bytes = std::fs::read(&path).map_err(|e| format!("{path}: {e}"))?;
 //! let graph = arfuse::import::load_any(&bytes)?.graph;
 //! let target = arfuse::Target::preset("h200-sxm-x8")?;
 //! let lowered = arfuse::lower(&graph, &target)?;
@@ -26,11 +31,19 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+// Inlined, so that `cargo doc -p arfuse` documents each layer under this crate.
+#[doc(inline)]
 pub use arfuse_import as import;
+#[doc(inline)]
 pub use arfuse_ir as ir;
+#[doc(inline)]
 pub use arfuse_policy as policy;
+#[doc(inline)]
 pub use arfuse_reference as reference;
+#[doc(inline)]
 pub use arfuse_rewrite as rewrite;
+
+pub mod splice;
 
 pub use arfuse_ir::Graph;
 pub use arfuse_policy::Target;

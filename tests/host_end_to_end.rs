@@ -5,8 +5,11 @@
 //! kernel sources on the CPU, every rank its own launch stream) at both ends of every
 //! range of its plan (one-shot, two-shot, unfused), and compared with what
 //! arfuse-reference's evaluator computes for that node (the node cut out of the graph
-//! with its inputs, `arfuse_reference::evaluate`, on the GPU check's inputs), with the
-//! GPU check's bit-exact comparison (`arfuse_runtime::check::compare`). The node's dead outputs
+//! with its inputs, `arfuse_reference::evaluate`, on the GPU check's inputs): the
+//! kernels' outputs bit-exact against the contract in the kernels' sum order
+//! (`arfuse_runtime::check::{expected_with_eps, compare}`, the node's eps), and that contract against the
+//! evaluator (the same residual bits, the norm within 1 ulp: the evaluator sums the
+//! squares in the IR's sequential order). The node's dead outputs
 //! (those the lowered graph does not list) are passed as null and must stay untouched.
 
 use arfuse::ir::{Graph, InputKind, Node, Op, TensorType, Value};
@@ -287,7 +290,38 @@ fn every_fused_node_of_a_lowered_llama_runs_on_the_host_device_as_the_reference_
                 norm_round_twice: k.norm_round_twice,
             };
             let inputs = check::make_inputs(&case, 0x11a ^ u64::from(t)).expect("inputs");
-            let want = reference_outputs(&alone, &k, &case, &inputs);
+            // The evaluator sums the RMSNorm squares sequentially (the IR's order), the
+            // kernels in their block tree (`SumOrder::KernelTree`): the kernels are held
+            // bit-exactly to the contract in their order (`check::expected`), and that
+            // contract to the evaluator: the same residual bits, the norm within 1 ulp.
+            let evaluated = reference_outputs(&alone, &k, &case, &inputs);
+            let want = check::expected_with_eps(&case, &inputs, f64::from(k.eps))
+                .expect("expected outputs");
+            // Only the outputs the lowered graph reads are written (as the evaluator's).
+            let want: Vec<RankOutputs> = want
+                .into_iter()
+                .map(|w| RankOutputs {
+                    out: if live(arfuse::ir::FusedOutput::Norm) {
+                        w.out
+                    } else {
+                        Vec::new()
+                    },
+                    residual_out: if live(arfuse::ir::FusedOutput::Residual) {
+                        w.residual_out
+                    } else {
+                        Vec::new()
+                    },
+                    ..w
+                })
+                .collect();
+            let agree = check::compare(&case, &inputs, &want, &evaluated).expect("compare");
+            if agree.exact_mismatches != 0 || agree.size_mismatches != 0 || agree.max_norm_ulp > 1 {
+                failures.push(format!(
+                    "{id} T={t}: the evaluator and the kernel-order contract disagree: {} (norm up to {} ulp)",
+                    agree.summary(),
+                    agree.max_norm_ulp
+                ));
+            }
             let dev = runner.device();
             x.upload(dev, &inputs.x);
             res.upload(dev, &inputs.residual);

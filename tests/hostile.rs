@@ -43,6 +43,12 @@ fn hostile_files_are_refused_for_the_right_reason() {
         ("self_loop_all_reduce.json", "[cycle]"),
         ("dim_u64_max.json", "[overflow]"),
         ("byte_count_overflow_symbols.json", "[overflow]"),
+        // A symbol bound above MAX_SYMBOL_VALUE: refused once, at the symbol (not again
+        // for each of the two tensors it shapes).
+        (
+            "symbol_max_above_limit.json",
+            "1 problem(s) in the graph:\n  - symbols.T [limit]: max 2147483648 is above the limit",
+        ),
         ("byte_count_overflow_dtype.json", "[overflow]"),
         (
             "nvfp4_hidden_not_multiple_of_block.json",

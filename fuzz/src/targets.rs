@@ -520,7 +520,10 @@ pub fn gen_graph(s: &mut Src) -> Graph {
     let t_max = if s.chance(200) {
         s.pick(&[1, 16, 8192, 16384, 1 << 20])
     } else {
-        s.pick(&[u64::from(u32::MAX), 1 << 40, u64::MAX])
+        // The IR's largest bound (valid; byte counts of a few symbols times H stay in
+        // u64) twice as often as bounds beyond it (refused).
+        let most = af::ir::MAX_SYMBOL_VALUE;
+        s.pick(&[most, most, 1 << 40, u64::MAX])
     };
     let t_min = if s.chance(16) { s.pick(&[0, t_max]) } else { 1 };
     let h = if s.chance(24) {

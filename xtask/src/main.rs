@@ -1,7 +1,7 @@
 //! `cargo xtask`: the project's commands for people.
 //!
-//! - `cargo xtask lower [GRAPH|DIR] [--target PRESET|FILE] [--out FILE] [--report table|json] [--dot FILE] [--group NAME] [--shared-hidden H] [--all-reduce-op NAME[=GROUP]]`
-//! - `cargo xtask test [CARGO TEST ARGS]`
+//! - `cargo xtask lower [GRAPH|DIR] [--target PRESET|FILE | --world-size N] [--out FILE] [--report table|json] [--dot FILE] [--group NAME] [--shared-hidden H] [--all-reduce-op NAME[=GROUP]]`
+//! - `cargo xtask test [CARGO TEST ARGS]` (then the Python tests, `python.rs`)
 //! - `cargo xtask gpu-check [--build-only] [-- GPU_CHECK ARGS]`
 //! - `cargo xtask host-check [-- GPU_CHECK ARGS]`
 //!
@@ -13,13 +13,19 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+mod python;
+
 /// The bundled model graph `cargo xtask lower` lowers when given no path.
 const DEFAULT_GRAPH: &str = "ir-fixtures/models/llama31_8b_tp8.json";
 /// The target preset used when `--target` is not given.
 const DEFAULT_TARGET: &str = "h200-sxm-x8";
 
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "arfuse developer and user commands")]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "arfuse developer and user commands"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -42,9 +48,16 @@ enum Command {
         /// h200-sxm-x8.
         path: Option<PathBuf>,
         /// Target preset name (see `--list-targets`) or a TOML file. Default: the
-        /// presets the graph's `<name>.options.json` lists, else h200-sxm-x8.
-        #[arg(long, short)]
+        /// presets the graph's `<name>.options.json` lists, else the H200 SXM preset of
+        /// the tensor-parallel size the graph records; a graph with all-reduces that
+        /// records none needs `--target` or `--world-size`.
+        #[arg(long, short, conflicts_with = "world_size")]
         target: Option<String>,
+        /// The tensor-parallel size W the graph was exported for: plans for the H200 SXM
+        /// preset with W ranks (`h200-sxm-xW`, else the one preset with W ranks). A
+        /// graph that records no TP size needs this or `--target`.
+        #[arg(long = "world-size", value_name = "N")]
+        world_size: Option<u32>,
         /// Where to write the lowered graph (one graph and target only). Default:
         /// <checkout>/target/arfuse/<name>.<target>.lowered.json
         #[arg(long, short)]
@@ -67,13 +80,25 @@ enum Command {
         /// `group_name` argument (torch.export / FX graphs only).
         #[arg(long = "all-reduce-op", value_name = "NAME[=GROUP]")]
         all_reduce_ops: Vec<arfuse::import::CustomAllReduce>,
-        /// List the target presets and exit.
+        /// In the table report, one line per site (default: sites that differ only in
+        /// their layer index on one line).
+        #[arg(long)]
+        sites: bool,
+        /// List the target presets (GPU, W, nodes, interconnect, the backend each
+        /// resolves to) and exit.
         #[arg(long)]
         list_targets: bool,
     },
     /// Run every test: install the NVRTC wheel the kernel compile checks need (pip,
-    /// idempotent), then `cargo test --workspace` with any extra arguments.
+    /// idempotent), then `cargo test --workspace` with any extra arguments, then the
+    /// Python package's tests (a venv in <target dir>/python-venv with torch,
+    /// transformers, pytest and the package built from crates/python; a skipped Python
+    /// test fails the command; ARFUSE_PYTHON_TESTS=0 leaves them out, reported as NOT
+    /// RUN, and is refused under CI=true).
     Test {
+        /// Only the Python step (venv, package, pytest), no `cargo test`.
+        #[arg(long)]
+        python_only: bool,
         /// Extra arguments for `cargo test`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -107,18 +132,18 @@ fn main() -> ExitCode {
         Command::Lower {
             path,
             target,
+            world_size,
             out,
             report,
             dot,
             group,
             shared_hidden,
             all_reduce_ops,
+            sites,
             list_targets,
         } => {
             if list_targets {
-                for name in Target::preset_names() {
-                    println!("{name}");
-                }
+                print!("{}", targets_table());
                 return ExitCode::SUCCESS;
             }
             let import = arfuse::import::ImportOptions { all_reduce_ops };
@@ -126,8 +151,9 @@ fn main() -> ExitCode {
                 &root,
                 path,
                 target,
+                world_size,
                 out,
-                report,
+                Output { report, sites },
                 dot,
                 group,
                 shared_hidden,
@@ -136,7 +162,20 @@ fn main() -> ExitCode {
         }
         Command::GpuCheck { build_only, args } => gpu_check(&root, build_only, &args),
         Command::HostCheck { args } => host_check(&root, &args),
-        Command::Test { args } => test_cmd(&root, &args),
+        Command::Test { python_only, args } => {
+            if python_only {
+                python::test(&root).map(|outcome| {
+                    eprintln!("xtask test: Python tests {}", outcome.describe());
+                    if outcome == python::Outcome::Passed {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::FAILURE
+                    }
+                })
+            } else {
+                test_cmd(&root, &args)
+            }
+        }
     };
     match result {
         Ok(code) => code,
@@ -145,6 +184,64 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// How `lower` prints its report.
+struct Output {
+    report: ReportFormat,
+    /// One table line per site.
+    sites: bool,
+}
+
+/// `--list-targets`: one line per preset with its machine and the backend the
+/// policy resolves it to.
+fn targets_table() -> String {
+    let mut rows = vec![[
+        "preset".to_string(),
+        "GPU".into(),
+        "SM".into(),
+        "W".into(),
+        "nodes".into(),
+        "interconnect".into(),
+        "multicast".into(),
+        "backend".into(),
+    ]];
+    for p in arfuse::policy::PRESETS {
+        let backend = match arfuse::policy::resolve_backend(&p.target()) {
+            Ok(d) => d
+                .backend()
+                .map(|b| b.to_string())
+                .unwrap_or_else(|| "none (no fusion)".into()),
+            Err(e) => format!("error: {e}"),
+        };
+        rows.push([
+            p.name.to_string(),
+            p.gpu.to_string(),
+            p.sm.to_string(),
+            p.world_size.to_string(),
+            p.group_nodes.to_string(),
+            p.interconnect.to_string(),
+            if p.multicast_all_ranks { "yes" } else { "no" }.to_string(),
+            backend,
+        ]);
+    }
+    let mut width = [0usize; 8];
+    for r in &rows {
+        for (w, c) in width.iter_mut().zip(r) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let mut out = String::new();
+    for r in &rows {
+        let cells: Vec<String> = r
+            .iter()
+            .zip(width)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
 }
 
 fn workspace_root() -> PathBuf {
@@ -240,13 +337,7 @@ fn check_shared_hidden(sizes: &[u64]) -> Result<()> {
 /// The note printed (stderr) when a graph with all-reduces records no tensor-parallel
 /// size: nothing checks that the target's world size is the one it was exported for.
 fn assumed_world_size_note(graph: &Graph, target: &Target, target_name: &str) -> Option<String> {
-    let has_all_reduce = graph.nodes().any(|(_, n)| {
-        matches!(
-            n.op,
-            arfuse::ir::Op::AllReduce { .. } | arfuse::ir::Op::FusedAllreduceNorm(_)
-        )
-    });
-    if !has_all_reduce || graph.recorded_world_size().is_some() {
+    if !has_all_reduce(graph) || graph.recorded_world_size().is_some() {
         return None;
     }
     Some(format!(
@@ -361,11 +452,13 @@ fn graphs_in(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
-/// The targets to lower one input for: `--target` when given, else the presets its
-/// sibling `<name>.options.json` lists (the model corpus), else the default preset.
-fn targets_for(input: &Path, given: &Option<String>) -> Result<Vec<String>> {
+/// The targets to lower one input for, decided without reading it: `--target` (or
+/// `--world-size`'s preset) when given, else the presets its sibling
+/// `<name>.options.json` lists (the model corpus); `None` when neither decides (the
+/// graph itself must be read: [`target_from_graph`]).
+fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String>>> {
     if let Some(t) = given {
-        return Ok(vec![t.clone()]);
+        return Ok(Some(vec![t.clone()]));
     }
     let name = input
         .file_name()
@@ -384,10 +477,93 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Vec<String>> {
             .filter_map(|t| t.as_str().map(str::to_string))
             .collect();
         if !list.is_empty() {
-            return Ok(list);
+            return Ok(Some(list));
         }
     }
-    Ok(vec![DEFAULT_TARGET.to_string()])
+    Ok(None)
+}
+
+/// The preset `--world-size W` plans for, and the note saying which and what else
+/// has W ranks.
+fn world_size_choice(w: u32) -> Result<(String, String)> {
+    let p =
+        arfuse::policy::preset_for_world_size(w).with_context(|| format!("--world-size {w}"))?;
+    let others: Vec<&str> = arfuse::policy::presets_with_world_size(w)
+        .filter(|o| o.name != p.name)
+        .map(|o| o.name)
+        .collect();
+    let mut note = format!(
+        "--world-size {w}: planned for {} ({} x{w}, {})",
+        p.name, p.gpu, p.description
+    );
+    if !others.is_empty() {
+        note.push_str(&format!(
+            "; other presets with world_size {w}: {} (pass --target NAME)",
+            others.join(", ")
+        ));
+    }
+    Ok((p.name.to_string(), note))
+}
+
+/// The target of a graph lowered with neither `--target`, `--world-size` nor an
+/// options file, and a note when the choice deserves one. A graph that records its
+/// tensor-parallel size W is planned for the preset of W ([`world_size_choice`]); a
+/// graph without all-reduces for the default preset (nothing depends on W); a graph
+/// with all-reduces that records no size is refused (`Err` says why): its W would be a
+/// guess.
+fn target_from_graph(graph: &Graph) -> std::result::Result<(String, Option<String>), String> {
+    if !has_all_reduce(graph) {
+        return Ok((DEFAULT_TARGET.to_string(), None));
+    }
+    let Some(w) = graph.recorded_world_size() else {
+        return Err(
+            "the graph records no tensor-parallel size (metadata `tp` or `world_size`; \
+             torch.export output has none), so its world size would be a guess"
+                .to_string(),
+        );
+    };
+    let w =
+        u32::try_from(w).map_err(|_| format!("the graph records tp = {w}, no machine has that"))?;
+    let (name, note) =
+        world_size_choice(w).map_err(|e| format!("the graph records tp = {w}: {e:#}"))?;
+    Ok((
+        name,
+        Some(note.replacen(
+            &format!("--world-size {w}"),
+            &format!("recorded tp = {w}"),
+            1,
+        )),
+    ))
+}
+
+/// Every preset name grouped by world size, one line per W: `  W=2: a, b, c`.
+fn presets_by_world_size() -> String {
+    let mut sizes: Vec<u32> = arfuse::policy::PRESETS
+        .iter()
+        .map(|p| p.world_size)
+        .collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    sizes
+        .iter()
+        .map(|&w| {
+            let names: Vec<&str> = arfuse::policy::presets_with_world_size(w)
+                .map(|p| p.name)
+                .collect();
+            format!("  W={w}: {}", names.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// True when the graph has an all-reduce (plain or already fused).
+fn has_all_reduce(graph: &Graph) -> bool {
+    graph.nodes().any(|(_, n)| {
+        matches!(
+            n.op,
+            arfuse::ir::Op::AllReduce { .. } | arfuse::ir::Op::FusedAllreduceNorm(_)
+        )
+    })
 }
 
 #[allow(clippy::too_many_arguments)] // one per CLI option
@@ -395,8 +571,9 @@ fn lower_cmd(
     root: &Path,
     path: Option<PathBuf>,
     target: Option<String>,
+    world_size: Option<u32>,
     out: Option<PathBuf>,
-    report: ReportFormat,
+    Output { report, sites }: Output,
     dot: Option<PathBuf>,
     group: Option<String>,
     shared_hidden: Vec<u64>,
@@ -411,8 +588,17 @@ fn lower_cmd(
     } else {
         target
     };
-    // A bad target or --shared-hidden is reported once, before any graph is read.
+    // A bad target, --world-size or --shared-hidden is reported once, before any graph
+    // is read.
     check_shared_hidden(&shared_hidden)?;
+    let target = match world_size {
+        Some(w) => {
+            let (name, note) = world_size_choice(w)?;
+            eprintln!("note: {note}");
+            Some(name)
+        }
+        None => target,
+    };
     if let Some(t) = &target {
         let (t, _) = load_target(t)?;
         arfuse::policy::resolve_backend(&t).context("the target")?;
@@ -426,10 +612,43 @@ fn lower_cmd(
         bail!("no graph files (*.json, *.pt2) in {}", path.display());
     }
     let mut jobs: Vec<(PathBuf, String)> = Vec::new();
+    // Graphs read to choose their target, kept for the lowering below.
+    let mut preloaded: std::collections::BTreeMap<PathBuf, Result<Graph>> = Default::default();
+    let mut unplannable: Vec<String> = Vec::new();
     for input in &inputs {
-        for t in targets_for(input, &target)? {
-            jobs.push((input.clone(), t));
+        if let Some(list) = targets_for(input, &target)? {
+            jobs.extend(list.into_iter().map(|t| (input.clone(), t)));
+            continue;
         }
+        let graph = read_graph(input, import);
+        let t = match &graph {
+            // The read error is reported with the pair's other failures; the target does
+            // not matter.
+            Err(_) => DEFAULT_TARGET.to_string(),
+            Ok(g) => match target_from_graph(g) {
+                Ok((t, note)) => {
+                    if let Some(note) = note {
+                        eprintln!("note: {}: {note}", input.display());
+                    }
+                    t
+                }
+                Err(why) => {
+                    unplannable.push(format!("{}: {why}", input.display()));
+                    continue;
+                }
+            },
+        };
+        preloaded.insert(input.clone(), graph);
+        jobs.push((input.clone(), t));
+    }
+    if !unplannable.is_empty() {
+        bail!(
+            "{}\npass --target PRESET|FILE.toml, or --world-size N for the tensor-parallel size \
+             the model was exported for (N picks {}-xN); the presets by world size:\n{}",
+            unplannable.join("\n"),
+            arfuse::policy::DEFAULT_PRESET_FAMILY,
+            presets_by_world_size()
+        );
     }
     if jobs.len() > 1 && (out.is_some() || dot.is_some()) {
         bail!(
@@ -528,100 +747,46 @@ fn lower_cmd(
     let mut failed = 0usize;
     let mut json_reports = Vec::new();
     let mut loaded: Option<(PathBuf, Graph)> = None;
+    let output = Output { report, sites };
     for ((input, target_spec), out_path) in jobs.iter().zip(&out_paths) {
         let (target, target_name) = load_target(target_spec)?;
-        if loaded.as_ref().map(|(p, _)| p) != Some(input) {
-            match read_graph(input, import) {
-                Ok(g) => loaded = Some((input.clone(), g)),
-                Err(e) => {
-                    eprintln!("error: {e:#}");
-                    failed += 1;
-                    loaded = None;
-                    continue;
+        let pair = Pair {
+            input,
+            target: &target,
+            target_name: &target_name,
+            out_path,
+            default_out: out.is_none(),
+            dot: dot.as_deref(),
+        };
+        let graph = match &loaded {
+            Some((p, g)) if p == input => Ok(g),
+            _ => {
+                let g = match preloaded.remove(input) {
+                    Some(g) => g,
+                    None => read_graph(input, import),
+                };
+                match g {
+                    Ok(g) => Ok(&loaded.insert((input.clone(), g)).1),
+                    Err(e) => {
+                        loaded = None;
+                        Err(format!("{e:#}"))
+                    }
                 }
             }
-        }
-        let Some((_, graph)) = &loaded else { continue };
-        if let Some(g) = &options.group {
-            let groups: std::collections::BTreeSet<&str> = graph
-                .nodes()
-                .filter_map(|(_, n)| match &n.op {
-                    arfuse::ir::Op::AllReduce { group, .. } => Some(group.as_str()),
-                    arfuse::ir::Op::FusedAllreduceNorm(f) => Some(f.group.as_str()),
-                    _ => None,
-                })
-                .collect();
-            if !groups.is_empty() && !groups.contains(g.as_str()) {
-                let list: Vec<&str> = groups.into_iter().collect();
-                eprintln!(
-                    "error: {}: --group {g:?} matches no all-reduce; the graph's groups are {}",
-                    input.display(),
-                    list.join(", ")
-                );
-                failed += 1;
-                continue;
-            }
-        }
-        if let Some(note) = assumed_world_size_note(graph, &target, &target_name) {
-            eprintln!("note: {}: {note}", input.display());
-        }
-        let start = std::time::Instant::now();
-        let lowered = match arfuse::lower_with(graph, &target, &options) {
-            Ok(l) => l,
-            Err(e) => {
-                eprintln!("error: lowering {} for {target_name}: {e}", input.display());
-                failed += 1;
-                continue;
-            }
         };
-        let elapsed = start.elapsed();
-        // Only collectives arfuse does not understand: not a success, even with nothing
-        // to write wrong.
-        let r = &lowered.report;
-        if r.all_reduces_seen == 0 && r.already_fused == 0 && !r.unknown_collectives.is_empty() {
-            eprintln!(
-                "error: {}: no all-reduce arfuse understands, only collective-looking ops it \
-                 keeps opaque ({}); if they are all-reduces, name them with --all-reduce-op \
-                 NAME[=GROUP]",
-                input.display(),
-                r.unknown_collectives.join(", ")
-            );
-            failed += 1;
-            continue;
-        }
-        match report {
-            ReportFormat::Table => {
-                println!(
-                    "== {} on {target_name} ({} graph nodes, lowered in {:.1} ms)",
-                    input.display(),
-                    graph.len(),
-                    elapsed.as_secs_f64() * 1e3
-                );
-                println!("{}", lowered.report);
+        match graph.and_then(|g| lower_pair(&pair, g, &options, &output)) {
+            Ok(Some(json)) => json_reports.push(json),
+            Ok(None) => {}
+            Err(msg) => {
+                eprintln!("error: {msg}");
+                failed += 1;
+                // A failed pair is in the JSON report too, with its error.
+                json_reports.push(serde_json::json!({
+                    "input": input.display().to_string(),
+                    "target": target_name,
+                    "error": msg,
+                }));
             }
-            ReportFormat::Json => json_reports.push(serde_json::json!({
-                "input": input.display().to_string(),
-                "target": target_name,
-                "report": lowered.report,
-            })),
-        }
-        if out.is_none() {
-            if let Some(dir) = out_path.parent() {
-                std::fs::create_dir_all(dir)
-                    .with_context(|| format!("creating {}", dir.display()))?;
-            }
-        }
-        let mut files: Vec<(&Path, String)> = vec![(out_path, lowered.graph.to_json_string())];
-        if let Some(d) = &dot {
-            files.push((d, lowered.graph.to_dot()));
-        }
-        if let Err(e) = write_all_atomic(&files) {
-            eprintln!("error: {e:#} (nothing written)");
-            failed += 1;
-            continue;
-        }
-        for (p, _) in &files {
-            eprintln!("wrote {}", p.display());
         }
     }
     if matches!(report, ReportFormat::Json) {
@@ -632,6 +797,111 @@ fn lower_cmd(
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One (graph, target) pair of `lower` and where its outputs go.
+struct Pair<'a> {
+    input: &'a Path,
+    target: &'a Target,
+    target_name: &'a str,
+    out_path: &'a Path,
+    /// `out_path` is the default under `target/arfuse/` (its directory may be created).
+    default_out: bool,
+    dot: Option<&'a Path>,
+}
+
+/// Lowers one pair, prints its table report, writes its outputs; returns its JSON
+/// report entry (with `--report json`), or the error, naming the input.
+fn lower_pair(
+    pair: &Pair<'_>,
+    graph: &Graph,
+    options: &LowerOptions,
+    output: &Output,
+) -> std::result::Result<Option<serde_json::Value>, String> {
+    let Pair {
+        input,
+        target,
+        target_name,
+        out_path,
+        ..
+    } = *pair;
+    if let Some(g) = &options.group {
+        let groups: std::collections::BTreeSet<&str> = graph
+            .nodes()
+            .filter_map(|(_, n)| match &n.op {
+                arfuse::ir::Op::AllReduce { group, .. } => Some(group.as_str()),
+                arfuse::ir::Op::FusedAllreduceNorm(f) => Some(f.group.as_str()),
+                _ => None,
+            })
+            .collect();
+        if !groups.is_empty() && !groups.contains(g.as_str()) {
+            let list: Vec<&str> = groups.into_iter().collect();
+            return Err(format!(
+                "{}: --group {g:?} matches no all-reduce; the graph's groups are {}",
+                input.display(),
+                list.join(", ")
+            ));
+        }
+    }
+    if let Some(note) = assumed_world_size_note(graph, &target, &target_name) {
+        eprintln!("note: {}: {note}", input.display());
+    }
+    let start = std::time::Instant::now();
+    let lowered = match arfuse::lower_with(graph, &target, &options) {
+        Ok(l) => l,
+        Err(e) => {
+            return Err(format!(
+                "lowering {} for {target_name}: {e}",
+                input.display()
+            ))
+        }
+    };
+    let elapsed = start.elapsed();
+    // Only collectives arfuse does not understand: not a success, even with nothing
+    // to write wrong.
+    let r = &lowered.report;
+    if r.all_reduces_seen == 0 && r.already_fused == 0 && !r.unknown_collectives.is_empty() {
+        return Err(format!(
+            "{}: no all-reduce arfuse understands, only collective-looking ops it \
+                 keeps opaque ({}); if they are all-reduces, name them with --all-reduce-op \
+                 NAME[=GROUP]",
+            input.display(),
+            r.unknown_collectives.join(", ")
+        ));
+    }
+    if let ReportFormat::Table = output.report {
+        println!(
+            "== {} on {target_name} ({} graph nodes, lowered in {:.1} ms)",
+            input.display(),
+            graph.len(),
+            elapsed.as_secs_f64() * 1e3
+        );
+        if output.sites {
+            println!("{}", lowered.report.display_every_site());
+        } else {
+            println!("{}", lowered.report);
+        }
+    }
+    if pair.default_out {
+        if let Some(dir) = out_path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        }
+    }
+    let mut files: Vec<(&Path, String)> = vec![(out_path, lowered.graph.to_json_string())];
+    if let Some(d) = pair.dot {
+        files.push((d, lowered.graph.to_dot()));
+    }
+    write_all_atomic(&files).map_err(|e| format!("{e:#} (nothing written)"))?;
+    for (p, _) in &files {
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(matches!(output.report, ReportFormat::Json).then(|| {
+        serde_json::json!({
+            "input": input.display().to_string(),
+            "target": target_name,
+            "report": lowered.report,
+        })
+    }))
 }
 
 fn cargo() -> std::process::Command {
@@ -662,7 +932,16 @@ fn test_cmd(root: &Path, args: &[String]) -> Result<ExitCode> {
         .args(args)
         .status()
         .context("running cargo test")?;
-    Ok(if status.success() {
+    // The Python package and its tests (torch.compile on gloo): see python.rs.
+    let python = python::test(root).context("the Python tests (crates/python/tests)")?;
+    eprintln!(
+        "xtask test: cargo test {}; Python tests {}",
+        if status.success() { "passed" } else { "FAILED" },
+        python.describe()
+    );
+    // Left out on request (not in CI), the Python tests do not fail the command; the
+    // line above says they did not run.
+    Ok(if status.success() && python != python::Outcome::Failed {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
@@ -829,6 +1108,60 @@ mod tests {
         assert!(e.starts_with("--shared-hidden 0: "), "{e}");
         let e = check_shared_hidden(&[1 << 40]).unwrap_err().to_string();
         assert!(e.starts_with("--shared-hidden 1099511627776: "), "{e}");
+    }
+
+    #[test]
+    fn a_graph_without_tp_is_refused_and_a_recorded_tp_picks_its_preset() {
+        let root = workspace_root();
+        let none = arfuse::import::ImportOptions::default();
+        let exported = read_graph(
+            &root.join("ir-fixtures/exported/qwen3_30b_a3b_L2_tp4.exported_program.json"),
+            &none,
+        )
+        .unwrap();
+        let why = target_from_graph(&exported).unwrap_err();
+        assert!(
+            why.starts_with("the graph records no tensor-parallel size"),
+            "{why}"
+        );
+        // A corpus graph records tp = 4: the H200 SXM preset with 4 ranks, said so.
+        let corpus =
+            read_graph(&root.join("ir-fixtures/models/gemma3_1b_tp4.json"), &none).unwrap();
+        let (t, note) = target_from_graph(&corpus).unwrap();
+        assert_eq!(t, "h200-sxm-x4");
+        let note = note.unwrap();
+        assert!(
+            note.starts_with("recorded tp = 4: planned for h200-sxm-x4 (H200 SXM x4, "),
+            "{note}"
+        );
+        assert!(
+            note.contains("h100-sxm-x4, b200-x4, b300-x4, rtx-pro-6000-x4"),
+            "{note}"
+        );
+    }
+
+    #[test]
+    fn world_size_names_the_preset_it_picks() {
+        let (t, note) = world_size_choice(2).unwrap();
+        assert_eq!(t, "h200-sxm-x2");
+        assert_eq!(
+            note,
+            "--world-size 2: planned for h200-sxm-x2 (H200 SXM x2, HGX node, NVSwitch, \
+             multicast (NVLS) on every GPU); other presets with world_size 2: h100-sxm-x2, \
+             b200-x2 (pass --target NAME)"
+        );
+        let e = format!("{:#}", world_size_choice(6).unwrap_err());
+        assert_eq!(
+            e,
+            "--world-size 6: no preset has world_size 6 (the presets have 2, 4, 8, 16); pass \
+             --target with a TOML file for this machine"
+        );
+        let list = presets_by_world_size();
+        assert_eq!(list.lines().count(), 4, "{list}");
+        assert!(
+            list.starts_with("  W=2: h100-sxm-x2, h200-sxm-x2, b200-x2\n"),
+            "{list}"
+        );
     }
 
     #[test]

@@ -278,3 +278,150 @@ fn out_never_overwrites_a_file_the_run_reads_and_a_missing_directory_fails_first
         String::from_utf8_lossy(&o.stdout)
     );
 }
+
+#[test]
+fn a_graph_without_a_tp_size_needs_a_target_or_a_world_size() {
+    let tmp = TempDir::new("no-tp");
+    let out = tmp.path("e.json");
+    // No --target: refused before anything is lowered, the presets listed by W.
+    let o = lower(&[EXPORTED, "--out", &out]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains(
+            "llama31_8b_L2_tp8.exported_program.json: the graph records no tensor-parallel size"
+        ),
+        "{e}"
+    );
+    assert!(
+        e.contains("pass --target PRESET|FILE.toml, or --world-size N"),
+        "{e}"
+    );
+    assert!(
+        e.contains("  W=2: h100-sxm-x2, h200-sxm-x2, b200-x2\n"),
+        "{e}"
+    );
+    assert!(
+        e.contains("  W=4: h100-sxm-x4, h200-sxm-x4, b200-x4, b300-x4, rtx-pro-6000-x4\n"),
+        "{e}"
+    );
+    assert!(
+        o.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    assert!(!Path::new(&out).exists());
+
+    // --world-size 8 picks h200-sxm-x8 and says so.
+    let o = lower(&[EXPORTED, "--world-size", "8", "--out", &out]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains("note: --world-size 8: planned for h200-sxm-x8 (H200 SXM x8, "),
+        "{e}"
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains(" on h200-sxm-x8 "));
+    assert!(Path::new(&out).exists());
+
+    // --world-size and --target together are refused by the parser.
+    let o = lower(&[EXPORTED, "--world-size", "8", "--target", "b200-x8"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("cannot be used with"), "{}", stderr(&o));
+}
+
+#[test]
+fn the_table_groups_layers_and_sites_lists_every_one() {
+    let tmp = TempDir::new("sites");
+    let out = tmp.path("l.json");
+    let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", &out]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let t = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        t.contains("  T (tokens)       strategy  buffer use, bytes  why\n"),
+        "{t}"
+    );
+    assert!(
+        t.contains("65 sites in 4 lines, `*` a layer index (--sites: one line each):"),
+        "{t}"
+    );
+    assert!(
+        t.lines().any(|l| l
+            .starts_with("  layers.*.self_attn.o_proj -> layers.*.post_attention_layernorm")
+            && l.ends_with("fused   0-31 (32 sites)")),
+        "{t}"
+    );
+    assert!(!t.contains("domain.md"), "{t}");
+    let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", &out, "--sites"]);
+    let t = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        t.contains("layers.31.self_attn.o_proj -> layers.31.post_attention_layernorm"),
+        "{t}"
+    );
+    assert!(!t.contains("layers.*"), "{t}");
+}
+
+#[test]
+fn a_failed_pair_is_in_the_json_report_with_its_error() {
+    let tmp = TempDir::new("json-fail");
+    // tp = 8 graph on a W = 4 target: refused.
+    let o = lower(&[
+        LLAMA,
+        "--target",
+        "h200-sxm-x4",
+        "--out",
+        &tmp.path("x.json"),
+        "--report",
+        "json",
+    ]);
+    assert!(!o.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let entry = &v.as_array().unwrap()[0];
+    assert_eq!(entry["target"], "h200-sxm-x4");
+    assert!(entry["input"]
+        .as_str()
+        .unwrap()
+        .ends_with("llama31_8b_tp8.json"));
+    let err = entry["error"].as_str().unwrap();
+    assert!(
+        err.starts_with("lowering ") && err.contains("h200-sxm-x4"),
+        "{err}"
+    );
+    assert!(entry.get("report").is_none());
+}
+
+#[test]
+fn list_targets_and_help() {
+    let o = lower(&["--list-targets"]);
+    let t = String::from_utf8_lossy(&o.stdout).into_owned();
+    let lines: Vec<&str> = t.lines().collect();
+    assert_eq!(lines.len(), 1 + Target::preset_names().len(), "{t}");
+    assert!(
+        lines[0].starts_with("preset") && lines[0].ends_with("interconnect    multicast  backend"),
+        "{t}"
+    );
+    let h200x2 = lines
+        .iter()
+        .find(|l| l.starts_with("h200-sxm-x2 "))
+        .unwrap();
+    let cells: Vec<&str> = h200x2.split_whitespace().collect();
+    assert_eq!(
+        cells,
+        [
+            "h200-sxm-x2",
+            "H200",
+            "SXM",
+            "90",
+            "2",
+            "1",
+            "nvswitch",
+            "yes",
+            "mnnvl"
+        ]
+    );
+    assert!(
+        t.contains("rtx-pro-6000-x4") && t.contains("none (no fusion)"),
+        "{t}"
+    );
+    let o = lower(&["--help"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("Usage: cargo xtask lower "));
+}

@@ -31,8 +31,8 @@ pub mod torch_export;
 pub use error::ImportError;
 pub use options::{CustomAllReduce, CustomAllReduceParseError, ImportOptions};
 
-use arfuse_ir::{Graph, Op};
-use std::collections::BTreeSet;
+use arfuse_ir::{Graph, Op, Value};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Largest input accepted, in bytes, for every format (for a `.pt2` archive: the
 /// archive and, separately, the program JSON inside it). The same 256 MiB as the arfuse
@@ -67,6 +67,15 @@ pub struct Imported {
     pub notes: Vec<String>,
     /// The original targets of every `opaque` node in the graph.
     pub opaque_targets: BTreeSet<String>,
+    /// For torch.export and FX input: the IR value each torch tensor name (a graph
+    /// input, or an output of a node; for an FX graph, the FX node's name) was imported
+    /// as. A forwarded tensor (`wait_tensor`, a view that changes nothing) maps to the
+    /// value it was forwarded to, so several names can map to one value; the outputs of
+    /// dropped checks and non-tensor values are absent. The binding is the one made
+    /// when the tensor was produced: an in-place op that later rebinds the name for
+    /// its readers does not change it. Lets a graph compiler map a lowered graph back
+    /// onto its own nodes (`arfuse::splice`). Empty for arfuse JSON.
+    pub tensors: BTreeMap<String, Value>,
 }
 
 impl Imported {
@@ -83,6 +92,7 @@ impl Imported {
             graph,
             notes,
             opaque_targets,
+            tensors: BTreeMap::new(),
         }
     }
 }

@@ -617,3 +617,80 @@ fn gzip_compressed_json_imports_the_same() {
     let err = load_any(&cut).unwrap_err().to_string();
     assert!(err.starts_with("gzip:"), "{err}");
 }
+
+#[test]
+fn tensor_names_map_to_the_values_they_were_imported_as() {
+    // The in-place all-reduce of the test above: `pre` keeps the value it was produced
+    // as (its readers after `all_reduce_` are rebound, the map is not), `wt` is
+    // forwarded to the all-reduce, graph inputs map to their input nodes.
+    let imp = import(
+        vec![
+            node(
+                "pre",
+                "aten.mul.Tensor",
+                vec![arg("self", t("x")), arg("other", t("x"))],
+                "m",
+            ),
+            functional_ar("ar", "_c10d_functional.all_reduce_.default", "pre", "sum"),
+            node(
+                "wt",
+                "_c10d_functional.wait_tensor.default",
+                vec![arg("tensor", t("ar"))],
+                "m",
+            ),
+        ],
+        vec![("pre", bf16x()), ("ar", bf16x()), ("wt", bf16x())],
+        &["wt"],
+    );
+    let g = &imp.graph;
+    let id = |name: &str| g.node(imp.tensors[name].node).id.clone();
+    assert_eq!(id("x"), "x");
+    assert_eq!(id("w"), "w");
+    assert_eq!(id("pre"), "pre");
+    assert!(matches!(g.node(imp.tensors["pre"].node).op, Op::Mul));
+    assert_eq!(id("ar"), "ar");
+    assert_eq!(imp.tensors["wt"], imp.tensors["ar"]);
+    assert_eq!(imp.tensors.len(), 7, "{:?}", imp.tensors.keys());
+}
+
+#[test]
+fn arfuse_per_token_quant_op_is_the_ir_quant() {
+    let q = json!({
+        "target": "torch.ops.arfuse.quant_fp8_per_token.default",
+        "inputs": [arg("input", t("x"))],
+        "outputs": [ { "as_tensor": { "name": "q" } }, { "as_tensor": { "name": "s" } } ],
+        "metadata": {}
+    });
+    let imp = import(
+        vec![q],
+        vec![
+            ("q", meta(29, &[json!("s0"), json!(8)])),
+            ("s", meta(7, &[json!("s0"), json!(1)])),
+        ],
+        &["q", "s"],
+    );
+    let g = &imp.graph;
+    let n = g.node(g.outputs()[0].node);
+    assert!(matches!(n.op, Op::QuantFp8PerToken), "{:?}", n.op);
+    assert_eq!(g.outputs()[1], Value::new(g.outputs()[0].node, 1));
+    assert_eq!(imp.tensors["s"], g.outputs()[1]);
+    assert!(imp.opaque_targets.is_empty());
+    // With the wrong output types (scales not f32), it stays opaque, with the reason.
+    let q = json!({
+        "target": "torch.ops.arfuse.quant_fp8_per_token.default",
+        "inputs": [arg("input", t("x"))],
+        "outputs": [ { "as_tensor": { "name": "q" } }, { "as_tensor": { "name": "s" } } ],
+        "metadata": {}
+    });
+    let imp = import(
+        vec![q],
+        vec![
+            ("q", meta(29, &[json!("s0"), json!(8)])),
+            ("s", meta(13, &[json!("s0"), json!(1)])),
+        ],
+        &["q"],
+    );
+    assert!(imp
+        .opaque_targets
+        .contains("arfuse.quant_fp8_per_token.default"));
+}

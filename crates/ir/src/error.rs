@@ -82,13 +82,24 @@ impl fmt::Display for Problem {
 /// Most problems kept in one report (later ones are counted, not stored).
 pub const MAX_PROBLEMS: usize = 100;
 
+/// Most problems with one kind and message (each on another node) stored; the rest
+/// are counted ([`Problems::identical_omitted`]) and shown as one line with a count.
+pub const MAX_IDENTICAL_LISTED: usize = 5;
+
 /// Every problem found in a graph.
+///
+/// Problems with the same kind and message (one mistake repeated on many nodes) are
+/// shown as one line: the count and the first node ids.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub struct Problems {
-    /// The problems, at most [`MAX_PROBLEMS`].
+    /// The problems, at most [`MAX_PROBLEMS`], and at most [`MAX_IDENTICAL_LISTED`] of
+    /// any one kind and message.
     pub list: Vec<Problem>,
-    /// How many more were found but not stored.
+    /// How many more were found but not stored (those in `identical_omitted` included).
     pub omitted: usize,
+    /// Of the omitted ones, how many repeat the kind and message of a stored problem,
+    /// by (kind, message).
+    pub identical_omitted: std::collections::BTreeMap<(ProblemKind, String), usize>,
 }
 
 impl Problems {
@@ -96,14 +107,37 @@ impl Problems {
         Problems {
             list: Vec::new(),
             omitted: 0,
+            identical_omitted: Default::default(),
         }
     }
 
     pub(crate) fn push(&mut self, p: Problem) {
-        if self.list.len() < MAX_PROBLEMS {
+        let same = self
+            .list
+            .iter()
+            .filter(|q| q.kind == p.kind && q.message == p.message)
+            .count();
+        if self.list.len() < MAX_PROBLEMS && same < MAX_IDENTICAL_LISTED {
             self.list.push(p);
-        } else {
-            self.omitted += 1;
+            return;
+        }
+        self.omitted += 1;
+        if same > 0 {
+            *self
+                .identical_omitted
+                .entry((p.kind, p.message))
+                .or_insert(0) += 1;
+        }
+    }
+
+    /// Adds every problem of `other`.
+    pub(crate) fn extend(&mut self, other: Problems) {
+        for p in other.list {
+            self.push(p);
+        }
+        self.omitted += other.omitted;
+        for (k, n) in other.identical_omitted {
+            *self.identical_omitted.entry(k).or_insert(0) += n;
         }
     }
 
@@ -124,11 +158,46 @@ impl Problems {
 impl fmt::Display for Problems {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} problem(s) in the graph:", self.count())?;
+        // Stored problems grouped by (kind, message), in order of first appearance.
+        let mut groups: Vec<(&Problem, Vec<&str>)> = Vec::new();
         for p in &self.list {
-            write!(f, "\n  - {p}")?;
+            match groups
+                .iter_mut()
+                .find(|(q, _)| q.kind == p.kind && q.message == p.message)
+            {
+                Some((_, locs)) => locs.push(&p.location),
+                None => groups.push((p, vec![&p.location])),
+            }
         }
-        if self.omitted > 0 {
-            write!(f, "\n  ... and {} more", self.omitted)?;
+        let mut grouped_omitted = 0;
+        for (p, locs) in groups {
+            let more = self
+                .identical_omitted
+                .get(&(p.kind, p.message.clone()))
+                .copied()
+                .unwrap_or(0);
+            grouped_omitted += more;
+            if locs.len() == 1 && more == 0 {
+                write!(f, "\n  - {p}")?;
+                continue;
+            }
+            let total = locs.len() + more;
+            write!(
+                f,
+                "\n  - {total} times [{}]: {} (at {}{})",
+                p.kind,
+                p.message,
+                locs.join(", "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                }
+            )?;
+        }
+        let rest = self.omitted.saturating_sub(grouped_omitted);
+        if rest > 0 {
+            write!(f, "\n  ... and {rest} more")?;
         }
         Ok(())
     }

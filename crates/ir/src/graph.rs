@@ -18,6 +18,11 @@ pub const MAX_PORTS: usize = 1_024;
 pub const MAX_RANK: usize = 8;
 /// Longest node id, in bytes.
 pub const MAX_ID_LEN: usize = 256;
+/// Largest value a symbol's range may reach (`symbols.T.max`): 2^31 - 1, which is
+/// also what the torch.export importer gives a dimension with no finite maximum. No
+/// engine runs a token count or sequence length near it, and products of a few
+/// symbols with a hidden size stay inside u64 byte counts.
+pub const MAX_SYMBOL_VALUE: u64 = i32::MAX as u64;
 
 /// Index of a node in a [`Graph`]. Indices are dense, in topological order.
 pub type NodeId = NodeIndex<u32>;

@@ -30,8 +30,9 @@ struct RawGraph {
     format: String,
     #[allow(dead_code)]
     version: u64,
+    /// Checked field by field in [`symbol_range`], so that an error names the field.
     #[serde(default)]
-    symbols: UniqueMap<SymbolRange>,
+    symbols: UniqueMap<serde_json::Value>,
     nodes: BoundedNodes,
     #[serde(default)]
     outputs: Vec<String>,
@@ -263,11 +264,49 @@ mod erased {
     }
 }
 
+/// A symbol's `{"min": A, "max": B}`, every error naming the field (`max: 1e30 is not
+/// a whole number ...`).
+fn symbol_range(v: &serde_json::Value) -> Result<SymbolRange, String> {
+    let Some(obj) = v.as_object() else {
+        return Err(format!(
+            "expected an object {{\"min\": N, \"max\": N}}, got {v}"
+        ));
+    };
+    if let Some(k) = obj.keys().find(|k| *k != "min" && *k != "max") {
+        return Err(format!(
+            "unknown field {k:?}; a symbol has \"min\" and \"max\""
+        ));
+    }
+    let field = |f: &str| -> Result<u64, String> {
+        match obj.get(f) {
+            None => Err(format!("field {f:?} is missing")),
+            Some(x) => x.as_u64().ok_or_else(|| {
+                format!(
+                    "field {f:?} is {x}, not a non-negative 64-bit integer (symbol bounds \
+                     are integers from 0 to {})",
+                    crate::MAX_SYMBOL_VALUE
+                )
+            }),
+        }
+    };
+    Ok(SymbolRange {
+        min: field("min")?,
+        max: field("max")?,
+    })
+}
+
 fn build(raw: RawGraph) -> Result<Graph, Problems> {
     let mut problems = Problems::new();
     let mut g = Graph::new();
-    for (name, range) in raw.symbols.0 {
+    for (name, value) in raw.symbols.0 {
         let loc = format!("symbols.{name}");
+        let range = match symbol_range(&value) {
+            Ok(r) => r,
+            Err(m) => {
+                problems.push(Problem::new(loc, ProblemKind::Symbol, m));
+                continue;
+            }
+        };
         if !crate::shape::is_symbol_name(&name) {
             problems.push(Problem::new(
                 loc,
@@ -451,10 +490,7 @@ fn build(raw: RawGraph) -> Result<Graph, Problems> {
         ));
     }
     if let Err(more) = crate::validate::validate(&g) {
-        for p in more.list {
-            problems.push(p);
-        }
-        problems.omitted += more.omitted;
+        problems.extend(more);
     }
     problems.into_result().map(|()| g)
 }

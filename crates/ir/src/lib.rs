@@ -36,10 +36,10 @@ mod text;
 mod validate;
 
 pub use dtype::DType;
-pub use error::{LoadError, Problem, ProblemKind, Problems, MAX_PROBLEMS};
+pub use error::{LoadError, Problem, ProblemKind, Problems, MAX_IDENTICAL_LISTED, MAX_PROBLEMS};
 pub use graph::{
     check_node_id, BuildError, Graph, Node, NodeId, Use, Value, MAX_ID_LEN, MAX_NODES, MAX_PORTS,
-    MAX_RANK,
+    MAX_RANK, MAX_SYMBOL_VALUE,
 };
 pub use json::{FORMAT_TAG, FORMAT_VERSION, MAX_INPUT_BYTES};
 pub use op::{
@@ -49,4 +49,4 @@ pub use op::{
 };
 pub use shape::{is_symbol_name, Dim, DimParseError, Shape, SymbolRange, Symbols, TensorType};
 pub use text::{canonical_text, to_dot};
-pub use validate::{broadcast, NVFP4_BLOCK};
+pub use validate::{broadcast, valid_eps, NVFP4_BLOCK};

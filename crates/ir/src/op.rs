@@ -333,7 +333,7 @@ pub struct FusedAllReduceNorm {
 
 /// An operation. See the module documentation for inputs and outputs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Op {
     /// A graph input: activation, parameter or buffer.
     Input {
@@ -495,23 +495,12 @@ impl Op {
             return Err("attribute named \"op\" is not allowed".into());
         }
         let keys: Vec<String> = attrs.keys().cloned().collect();
-        let mut obj = attrs;
-        obj.insert("op".into(), serde_json::Value::String(name.to_string()));
-        let op: Op = serde_json::from_value(serde_json::Value::Object(obj)).map_err(|e| {
-            let msg = e.to_string();
-            // Only an unknown op name is "unknown op"; an unknown attribute value (a
-            // misspelt scale layout) keeps serde's message, which names it.
-            if msg.starts_with(&format!("unknown variant `{name}`")) {
-                format!("unknown op {name:?}; use \"opaque\" with a \"target\" for ops arfuse does not model")
-            } else if let Some(field) = msg.strip_prefix("missing field ") {
-                format!("op {name:?} needs attribute {field}")
-            } else {
-                msg
-            }
-        })?;
+        let op = parse_op(name, attrs.clone()).map_err(|msg| attr_error(name, &attrs, msg))?;
         if keys.is_empty() {
             return Ok(op);
         }
+        // Ops without attributes ignore extra keys while parsing: compare with what the
+        // op writes back.
         let known = op.attrs_json();
         let unknown: Vec<&str> = keys
             .iter()
@@ -519,14 +508,85 @@ impl Op {
             .map(String::as_str)
             .collect();
         if !unknown.is_empty() {
-            return Err(format!("unknown attribute(s) {unknown:?} for op {name:?}"));
+            let expected: Vec<&str> = known.keys().map(String::as_str).collect();
+            return Err(unknown_attrs_message(name, &unknown, &expected));
         }
         Ok(op)
     }
-
     /// True for collectives (their identity matters: never merged or duplicated).
     pub fn is_collective(&self) -> bool {
         matches!(self, Op::AllReduce { .. } | Op::FusedAllreduceNorm(_))
+    }
+}
+
+/// Parses `name` with `attrs`, giving serde's message on failure.
+fn parse_op(name: &str, attrs: serde_json::Map<String, serde_json::Value>) -> Result<Op, String> {
+    let mut obj = attrs;
+    obj.insert("op".into(), serde_json::Value::String(name.to_string()));
+    serde_json::from_value(serde_json::Value::Object(obj)).map_err(|e| e.to_string())
+}
+
+/// `unknown attribute(s) "epss" for op "rms_norm"; its attributes are eps, weight_bias`.
+fn unknown_attrs_message(name: &str, unknown: &[&str], expected: &[&str]) -> String {
+    let quoted: Vec<String> = unknown.iter().map(|k| format!("{k:?}")).collect();
+    let known = if expected.is_empty() {
+        "it takes none".to_string()
+    } else {
+        format!("its attributes are {}", expected.join(", "))
+    };
+    format!(
+        "unknown attribute{} {} for op {name:?}; {known}",
+        if unknown.len() == 1 { "" } else { "s" },
+        quoted.join(", ")
+    )
+}
+
+/// The attribute names in serde's "expected `a`, `b`" / "expected one of `a`, `b`" tail.
+fn backticked(text: &str) -> Vec<&str> {
+    text.split('`').skip(1).step_by(2).collect()
+}
+
+/// serde's message for a failed op parse, rewritten to name the op, the attribute and
+/// (for an unknown one) every attribute the op takes.
+fn attr_error(
+    name: &str,
+    attrs: &serde_json::Map<String, serde_json::Value>,
+    msg: String,
+) -> String {
+    // Only an unknown op name is "unknown op"; an unknown attribute value (a misspelt
+    // scale layout) keeps serde's message, which names it.
+    if msg.starts_with(&format!("unknown variant `{name}`")) {
+        return format!(
+            "unknown op {name:?}; use \"opaque\" with a \"target\" for ops arfuse does not model"
+        );
+    }
+    if let Some(rest) = msg.strip_prefix("unknown field `") {
+        // "unknown field `epss`, expected `eps` or `weight_bias`": serde names the first
+        // unknown key; every key the op does not take is listed.
+        let expected = match rest.split_once(", expected ") {
+            Some((_, tail)) => backticked(tail),
+            None => Vec::new(), // "there are no fields"
+        };
+        let unknown: Vec<&str> = attrs
+            .keys()
+            .map(String::as_str)
+            .filter(|k| !expected.contains(k))
+            .collect();
+        return unknown_attrs_message(name, &unknown, &expected);
+    }
+    if let Some(field) = msg.strip_prefix("missing field ") {
+        return format!("op {name:?} needs attribute {field}");
+    }
+    // A value of the wrong type or out of range: serde does not say which attribute;
+    // it is the one whose removal changes the error.
+    let culprit = attrs.keys().find(|k| {
+        let mut without = attrs.clone();
+        without.remove(*k);
+        parse_op(name, without).err().as_deref() != Some(msg.as_str())
+    });
+    match culprit {
+        Some(k) => format!("attribute {k:?} of op {name:?}: {msg}"),
+        None => msg,
     }
 }
 
@@ -534,6 +594,37 @@ impl Op {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn attribute_errors_name_the_attribute_and_the_expected_ones() {
+        let err =
+            |name: &str, v: serde_json::Value| Op::from_name_attrs(name, &obj(v)).unwrap_err();
+        assert_eq!(
+            err("rms_norm", json!({"epss": 1e-6})),
+            "unknown attribute \"epss\" for op \"rms_norm\"; its attributes are eps, weight_bias"
+        );
+        assert_eq!(
+            err("rms_norm", json!({"eps": 1e-6, "foo": 1, "bar": 2})),
+            "unknown attributes \"bar\", \"foo\" for op \"rms_norm\"; its attributes are eps, \
+             weight_bias"
+        );
+        assert_eq!(
+            err("add", json!({"alpha": 1})),
+            "unknown attribute \"alpha\" for op \"add\"; it takes none"
+        );
+        assert_eq!(
+            err(
+                "quant_fp8_per_token_group",
+                json!({"group_size": 1.5, "scale_layout": "f32_row_major"})
+            ),
+            "attribute \"group_size\" of op \"quant_fp8_per_token_group\": invalid type: \
+             floating point `1.5`, expected u64"
+        );
+        assert_eq!(
+            err("rms_norm", json!({"eps": "small"})),
+            "attribute \"eps\" of op \"rms_norm\": invalid type: string \"small\", expected f64"
+        );
+    }
 
     fn obj(v: serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
         v.as_object().cloned().unwrap()

@@ -1,12 +1,18 @@
 //! Type checking: arity, dtypes, shapes, attributes and byte-count overflow.
 
 use crate::error::{Problem, ProblemKind, Problems};
-use crate::graph::MAX_RANK;
+use crate::graph::{MAX_RANK, MAX_SYMBOL_VALUE};
 use crate::op::{FusedOutput, FusedQuant, GroupScaleLayout};
 use crate::{DType, Dim, Graph, Node, Op, Shape, TensorType};
 
 /// NVFP4 block size in elements (domain.md section 1).
 pub const NVFP4_BLOCK: u64 = 16;
+
+/// True for an RMSNorm epsilon the IR accepts: finite and in (0, 1) (real models use
+/// 1e-5 or 1e-6; 1 or more would swamp mean(x^2) of any normalised activation).
+pub fn valid_eps(eps: f64) -> bool {
+    eps.is_finite() && eps > 0.0 && eps < 1.0
+}
 
 impl Graph {
     /// Checks every node's arity, element types, shapes and attributes, every symbol
@@ -25,6 +31,16 @@ pub(crate) fn validate(g: &Graph) -> Result<(), Problems> {
                 format!("symbols.{name}"),
                 ProblemKind::Symbol,
                 format!("empty range: min {} > max {}", r.min, r.max),
+            ));
+        } else if r.max > MAX_SYMBOL_VALUE {
+            p.push(Problem::new(
+                format!("symbols.{name}"),
+                ProblemKind::Limit,
+                format!(
+                    "max {} is above the limit of {MAX_SYMBOL_VALUE} (MAX_SYMBOL_VALUE, 2^31 - 1); \
+                     give the largest value the engine runs with (e.g. its max batched tokens)",
+                    r.max
+                ),
             ));
         }
     }
@@ -70,12 +86,17 @@ impl Checker<'_> {
             let mut ok = true;
             for d in t.shape.dims() {
                 for s in d.symbols() {
-                    if !self.g.symbols().contains_key(s) {
-                        self.err(
-                            ProblemKind::Symbol,
-                            format!("output {k} uses symbol {s:?}, which is not declared in \"symbols\""),
-                        );
-                        ok = false;
+                    match self.g.symbols().get(s) {
+                        None => {
+                            self.err(
+                                ProblemKind::Symbol,
+                                format!("output {k} uses symbol {s:?}, which is not declared in \"symbols\""),
+                            );
+                            ok = false;
+                        }
+                        // Refused once at the symbol; its byte counts are not checked.
+                        Some(r) if r.max > MAX_SYMBOL_VALUE => ok = false,
+                        Some(_) => {}
                     }
                 }
             }
@@ -162,10 +183,12 @@ impl Checker<'_> {
     }
 
     fn eps(&mut self, eps: f64, weight_bias: f64) {
-        if !(eps.is_finite() && eps > 0.0) {
+        // Real epsilons are 1e-5 or 1e-6; 1 or more would swamp mean(x^2) for any
+        // normalised activation.
+        if !valid_eps(eps) {
             self.err(
                 ProblemKind::Attribute,
-                format!("eps must be finite and > 0, got {eps}"),
+                format!("eps must be finite and in (0, 1) (models use 1e-5 or 1e-6), got {eps}"),
             );
         }
         self.finite_attr("weight_bias", weight_bias);

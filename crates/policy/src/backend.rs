@@ -166,13 +166,13 @@ pub fn resolve_backend(target: &Target) -> Result<BackendDecision> {
         let why = if sm_family(sm) == SM_FAMILY_CONSUMER_BLACKWELL {
             format!(
                 "SM {sm} (12.x, consumer/workstation Blackwell) has no fused all-reduce \
-                 backend; only SM 9.0 and 10.x do (domain.md §3). Decided at plan time \
+                 backend; only SM 9.0 and 10.x do. Decided at plan time \
                  instead of failing at CUDA-graph capture; the unfused kernels are used"
             )
         } else {
             format!(
                 "SM {sm} is outside the supported architecture families 9.0 and 10.x \
-                 (100, 103, 107) (domain.md §3); the unfused kernels are used"
+                 (100, 103, 107); the unfused kernels are used"
             )
         };
         return match req {
@@ -190,7 +190,7 @@ pub fn resolve_backend(target: &Target) -> Result<BackendDecision> {
         let why = "the group is joined by bridged NVLink (H100-NVL / H200-NVL pairs), not \
                    an NVSwitch across all ranks: an mnnvl workspace can be created there but \
                    crashes at CUDA-graph capture, and the trtllm fallback measured 10x-34x \
-                   slower than no fusion (domain.md §3). The unfused path is the fast one \
+                   slower than no fusion. The unfused path is the fast one \
                    on this machine"
             .to_string();
         return match req {
@@ -215,25 +215,23 @@ fn resolve_multi_node(target: &Target) -> Result<BackendDecision> {
         Some(format!(
             "the group spans {nodes} nodes; across nodes only mnnvl can fuse and it needs \
              SM 10.x with an NVLink fabric (GB200/GB300 NVL72); SM {sm} over {} cannot \
-             (domain.md §3)",
+            ",
             target.interconnect
         ))
     } else if target.interconnect != Interconnect::NvlinkFabric {
         Some(format!(
             "the group spans {nodes} nodes joined by {}; NVLink multicast does not cross \
-             it, so mnnvl cannot run and trtllm cannot span nodes (domain.md §3)",
+             it, so mnnvl cannot run and trtllm cannot span nodes",
             target.interconnect
         ))
     } else if !target.multicast_all_ranks {
         Some(format!(
             "the group spans {nodes} nodes and multicast is not supported on every rank \
              (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED must hold on all ranks, else the \
-             mnnvl rendezvous deadlocks); trtllm cannot span nodes (domain.md §3)"
+             mnnvl rendezvous deadlocks); trtllm cannot span nodes"
         ))
     } else if !Backend::Mnnvl.supports_world_size(w) {
-        Some(format!(
-            "mnnvl supports 2..=64 ranks, the group has {w} (domain.md §3)"
-        ))
+        Some(format!("mnnvl supports 2..=64 ranks, the group has {w}"))
     } else {
         None
     };
@@ -243,7 +241,7 @@ fn resolve_multi_node(target: &Target) -> Result<BackendDecision> {
             reason: format!(
                 "the group spans {nodes} nodes of one NVLink fabric on SM {sm} with \
                  multicast on every rank: mnnvl is the only backend that crosses nodes \
-                 (domain.md §3)"
+                "
             ),
         }),
         (Some(why), RequestedBackend::Auto) => no_fusion(why),
@@ -260,7 +258,7 @@ fn resolve_single_node(target: &Target) -> Result<BackendDecision> {
     if !target.interconnect.is_switched_nvlink() {
         let why = format!(
             "the group's GPUs are connected by {}, without NVLink through a switch: trtllm \
-             needs NVLink peer-to-peer and mnnvl needs NVLink multicast (domain.md §3)",
+             needs NVLink peer-to-peer and mnnvl needs NVLink multicast",
             target.interconnect
         );
         return match req {
@@ -300,7 +298,7 @@ fn resolve_single_node(target: &Target) -> Result<BackendDecision> {
             Some(why) => Err(unavailable(
                 req,
                 format!(
-                    "{why} (domain.md §3). Fix: requested_backend = \"auto\" (falls back to \
+                    "{why}. Fix: requested_backend = \"auto\" (falls back to \
                      trtllm where it can) or \"trtllm\""
                 ),
             )),
@@ -312,24 +310,24 @@ fn resolve_single_node(target: &Target) -> Result<BackendDecision> {
             }),
             Some(why) => Err(unavailable(
                 req,
-                format!("{why} (domain.md §3). Fix: requested_backend = \"auto\" or \"mnnvl\""),
+                format!("{why}. Fix: requested_backend = \"auto\" or \"mnnvl\""),
             )),
         },
         RequestedBackend::Auto | RequestedBackend::Off => match (mnnvl_blocker, trtllm_blocker) {
             (None, _) => Ok(BackendDecision::Fuse {
                 backend: Backend::Mnnvl,
                 reason: "auto: single node, NVSwitch, multicast supported on every rank -> \
-                         mnnvl is preferred (domain.md §3)"
+                         mnnvl is preferred"
                     .to_string(),
             }),
             (Some(m), None) => Ok(BackendDecision::Fuse {
                 backend: Backend::Trtllm,
                 reason: format!(
                     "auto: single node with NVSwitch, but {m}; falling back to trtllm \
-                     (allowed only in auto mode; domain.md §3)"
+                     (allowed only in auto mode)"
                 ),
             }),
-            (Some(m), Some(t)) => no_fusion(format!("{m}, and {t} (domain.md §3)")),
+            (Some(m), Some(t)) => no_fusion(format!("{m}, and {t}")),
         },
     }
 }

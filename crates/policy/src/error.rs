@@ -35,6 +35,19 @@ pub enum PolicyError {
         known: String,
     },
 
+    /// No preset, or no single preset, has the world size asked for
+    /// ([`crate::preset_for_world_size`]).
+    #[error("{}", no_preset_message(*world_size, candidates, known))]
+    NoPresetForWorldSize {
+        /// The world size asked for.
+        world_size: u32,
+        /// Comma-separated presets with that world size when there are several (none of
+        /// the default family), else empty.
+        candidates: String,
+        /// Comma-separated world sizes the presets cover.
+        known: String,
+    },
+
     /// `requested_backend = "trtllm"` on a group that spans more than one node.
     /// CUDA IPC handles cannot cross nodes ("invalid resource handle"); domain.md §3.
     #[error(
@@ -96,6 +109,21 @@ pub enum PolicyError {
         /// The violations, one per line.
         details: String,
     },
+}
+
+/// The text of [`PolicyError::NoPresetForWorldSize`].
+fn no_preset_message(world_size: u32, candidates: &str, known: &str) -> String {
+    if candidates.is_empty() {
+        format!(
+            "no preset has world_size {world_size} (the presets have {known}); pass --target \
+             with a TOML file for this machine"
+        )
+    } else {
+        format!(
+            "several presets have world_size {world_size} and none is the default family's: \
+             {candidates}; pick one with --target"
+        )
+    }
 }
 
 /// Result alias used throughout the crate.

@@ -104,7 +104,9 @@ pub use limits::{
 pub use plan::{
     plan, plan_with_workspace, DispatchRange, Plan, PointSource, SiteDispatch, TokenPoint,
 };
-pub use presets::{Preset, PRESETS};
+pub use presets::{
+    preset_for_world_size, presets_with_world_size, Preset, DEFAULT_PRESET_FAMILY, PRESETS,
+};
 pub use strategy::{
     flashinfer_trtllm_auto_one_shot, mnnvl_auto_one_shot, preferred_strategy,
     trigger_completion_at_end, vllm_one_shot_selector, Strategy, VllmSelection,

@@ -155,7 +155,7 @@ pub fn check_hidden(hidden: u64, dtype: ActDtype) -> Result<()> {
             hidden,
             reason: format!(
                 "a row of {row} bytes exceeds the fused kernels' maximum of {MAX_ROW_BYTES} \
-                 bytes (H = 65,536 at bf16; domain.md §6); check that H is in elements"
+                 bytes (H = 65,536 at bf16); check that H is in elements"
             ),
         });
     }
@@ -183,14 +183,14 @@ pub fn row_unsupported_reason(
     if row % VECTOR_BYTES != 0 {
         return Ok(Some(format!(
             "H = {hidden} at {dtype} is a row of {row} bytes, not a multiple of the \
-             kernels' {VECTOR_BYTES}-byte vectors (domain.md §6)"
+             kernels' {VECTOR_BYTES}-byte vectors"
         )));
     }
     if row < MIN_ROW_BYTES {
         return Ok(Some(format!(
             "H = {hidden} at {dtype} is a row of {row} bytes, under one warp of 16-byte \
              vectors ({MIN_ROW_BYTES} bytes); sub-warp blocks hung the warp-shuffle \
-             reduction (domain.md §6)"
+             reduction"
         )));
     }
     Ok(None)

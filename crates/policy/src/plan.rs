@@ -305,7 +305,7 @@ impl Ctx<'_> {
         match why {
             Why::AboveMaxTokenNum => format!(
                 "T > max_token_num {} = min(floor({} bytes / (H*e)), max batched tokens) at \
-                 the workspace's H (domain.md §4)",
+                 the workspace's H",
                 self.m, self.max_bytes
             ),
             Why::Preferred(s) => format!(
@@ -590,7 +590,7 @@ fn plan_fused(
     let dtype = target.dtype;
     let m = limits::max_token_num(max_bytes, h_ws, dtype, target.max_batched_tokens)?;
     plan.notes.push(format!(
-        "size cap {max_bytes} bytes of all-reduce input per rank from {source}; \
+        "size cap {max_bytes} bytes of all-reduce input (cap per rank) from {source}; \
          max_token_num = min(floor({max_bytes} / ({h_ws}*{})), {}) = {m} at the widest \
          hidden size H={h_ws}",
         dtype.element_bytes(),
@@ -601,7 +601,7 @@ fn plan_fused(
             plan,
             format!(
                 "one token row of H={h_ws} ({dtype}) is larger than the size cap of \
-                 {max_bytes} bytes, so no T is eligible (domain.md §4)"
+                 {max_bytes} bytes, so no T is eligible"
             ),
         );
         return Ok(());
@@ -642,7 +642,7 @@ fn plan_fused(
     {
         plan.notes.push(format!(
             "the trtllm Lamport comm size W*M*H*e ({} bytes) exceeds {} bytes; one Lamport \
-             buffer is clamped there and one-shot is refused above it (domain.md §5)",
+             buffer is clamped there and one-shot is refused above it",
             ws.comm_buffer_bytes,
             limits::LAMPORT_MAX_COMM_BYTES
         ));
@@ -685,7 +685,7 @@ fn plan_fused(
     plan.notes.push(format!(
         "PDL: one-shot kernels and calls with T > {PDL_ADVANCE_LAUNCH_TOKENS} trigger \
          completion at their end; two-shot calls with T <= {PDL_ADVANCE_LAUNCH_TOKENS} may \
-         trigger early (domain.md §4)"
+         trigger early"
     ));
     Ok(())
 }
@@ -712,7 +712,7 @@ fn engine_order_in_deterministic_mode(
             .map(|r| (s.hidden, r))
     })?;
     Some(format!(
-        "deterministic mode needs one reduction order for every T (domain.md §3), and \
+        "deterministic mode needs one reduction order for every T, and \
          T={}..={} (H={h}) would run unfused through the engine's all-reduce, whose order \
          differs from arfuse's kernels'; bound max_batched_tokens and the capture sizes to \
          max_token_num {m}, or serve them with arfuse-runtime's unfused path \
@@ -789,15 +789,12 @@ fn size_cap(plan: &mut Plan, target: &Target) -> Option<(u64, String)> {
     match target.max_bytes_override {
         Some(b) => Some((b, "max_bytes_override".to_string())),
         None => match limits::max_bytes_entry(sm, w) {
-            Some(b) => Some((
-                b,
-                format!("the size table entry for SM {sm} W={w} (domain.md §4)"),
-            )),
+            Some(b) => Some((b, format!("the size table entry for SM {sm} W={w}"))),
             None => {
                 refuse(
                     plan,
                     format!(
-                        "the size table (domain.md §4) has no entry for SM {sm} W={w}, so no \
+                        "the size table has no entry for SM {sm} W={w}, so no \
                          size is known to be safe and fast; set max_bytes_override to fuse \
                          anyway"
                     ),
@@ -965,7 +962,7 @@ enum PlanStep {
 impl PlanStep {
     fn deterministic_refusal(why: String) -> PlanStep {
         PlanStep::Refused(Refusal(format!(
-            "deterministic mode needs one reduction order for every T (domain.md §3), and \
+            "deterministic mode needs one reduction order for every T, and \
              {why}"
         )))
     }

@@ -4,6 +4,7 @@
 //! are vLLM-like defaults: bf16 activations, 8192 max batched tokens and vLLM's default
 //! CUDA-graph capture sizes up to 512 tokens.
 
+use crate::error::{PolicyError, Result};
 use crate::target::{
     ActDtype, Interconnect, KernelLibrary, RequestedBackend, Target, UnfusedAllReduce,
 };
@@ -154,6 +155,51 @@ impl Preset {
     }
 }
 
+/// The preset family `--world-size W` picks first: H200 SXM, the machine of the
+/// default preset (`h200-sxm-x8`).
+pub const DEFAULT_PRESET_FAMILY: &str = "h200-sxm";
+
+/// Every preset whose all-reduce group has `world_size` ranks, in [`PRESETS`] order.
+pub fn presets_with_world_size(world_size: u32) -> impl Iterator<Item = &'static Preset> {
+    PRESETS.iter().filter(move |p| p.world_size == world_size)
+}
+
+/// The preset planned for when only the world size W is known: the
+/// [`DEFAULT_PRESET_FAMILY`] preset with W ranks (`h200-sxm-x{W}`), else the one
+/// preset with W ranks when there is exactly one.
+///
+/// # Errors
+/// [`PolicyError::NoPresetForWorldSize`] when no preset, or several presets of other
+/// families and none of the default family, have W ranks; it lists the world sizes the
+/// presets cover.
+pub fn preset_for_world_size(world_size: u32) -> Result<&'static Preset> {
+    let default_name = format!("{DEFAULT_PRESET_FAMILY}-x{world_size}");
+    if let Some(p) = PRESETS.iter().find(|p| p.name == default_name) {
+        return Ok(p);
+    }
+    let mut with_w = presets_with_world_size(world_size);
+    match (with_w.next(), with_w.next()) {
+        (Some(only), None) => Ok(only),
+        (first, second) => {
+            let candidates: Vec<&str> = first
+                .into_iter()
+                .chain(second)
+                .chain(with_w)
+                .map(|p| p.name)
+                .collect();
+            let mut sizes: Vec<u32> = PRESETS.iter().map(|p| p.world_size).collect();
+            sizes.sort_unstable();
+            sizes.dedup();
+            let sizes: Vec<String> = sizes.iter().map(u32::to_string).collect();
+            Err(PolicyError::NoPresetForWorldSize {
+                world_size,
+                candidates: candidates.join(", "),
+                known: sizes.join(", "),
+            })
+        }
+    }
+}
+
 /// The target of the preset called `name`, if any.
 pub(crate) fn preset(name: &str) -> Option<Target> {
     PRESETS.iter().find(|p| p.name == name).map(Preset::target)
@@ -168,7 +214,6 @@ pub(crate) fn names() -> &'static [&'static str] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::PolicyError;
 
     #[test]
     fn every_named_preset_exists_and_validates() {
@@ -198,6 +243,32 @@ mod tests {
         assert!(
             known.contains("h200-sxm-x8") && known.contains("b300-x4"),
             "{known}"
+        );
+    }
+
+    #[test]
+    fn a_world_size_picks_the_h200_family_or_the_only_preset_with_it() {
+        let names = |w| preset_for_world_size(w).map(|p| p.name);
+        assert_eq!(names(2), Ok("h200-sxm-x2"));
+        assert_eq!(names(4), Ok("h200-sxm-x4"));
+        assert_eq!(names(8), Ok("h200-sxm-x8"));
+        assert_eq!(names(16), Ok("h100-2node-ib-tp16"));
+        let err = preset_for_world_size(3).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "no preset has world_size 3 (the presets have 2, 4, 8, 16); pass --target with \
+             a TOML file for this machine"
+        );
+        let w4: Vec<&str> = presets_with_world_size(4).map(|p| p.name).collect();
+        assert_eq!(
+            w4,
+            [
+                "h100-sxm-x4",
+                "h200-sxm-x4",
+                "b200-x4",
+                "b300-x4",
+                "rtx-pro-6000-x4"
+            ]
         );
     }
 

@@ -84,6 +84,19 @@ pub enum Interconnect {
 }
 
 impl Interconnect {
+    /// What a target file without `multicast_all_ranks` assumes: true for
+    /// [`Interconnect::Nvswitch`] and [`Interconnect::NvlinkFabric`] (NVSwitch
+    /// machines from H100 on have NVLink multicast, NVLS; set the field to false when
+    /// the driver or fabric manager does not report it: the runtime falls back to
+    /// trtllm when the multicast workspace cannot be created), false for the rest
+    /// (PCIe has no NVLink; bridged NVLink and InfiniBand have no multicast across every
+    /// rank).
+    pub fn multicast_default(self) -> bool {
+        matches!(self, Interconnect::Nvswitch | Interconnect::NvlinkFabric)
+    }
+}
+
+impl Interconnect {
     /// The TOML spelling.
     pub const fn name(self) -> &'static str {
         match self {
@@ -229,7 +242,9 @@ pub struct Target {
     /// GPUs per node. world_size <= group_nodes * gpus_per_node.
     pub gpus_per_node: u32,
     /// `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED` on EVERY rank of the group (the AND
-    /// over the group; ranks that disagree deadlock the mnnvl rendezvous). Default false.
+    /// over the group; ranks that disagree deadlock the mnnvl rendezvous). Default, in
+    /// TOML: [`Interconnect::multicast_default`] (true on NVSwitch and an NVLink
+    /// fabric, where the GPUs have NVLink multicast, false otherwise).
     #[serde(default)]
     pub multicast_all_ranks: bool,
     /// How the group's GPUs are connected.
@@ -283,7 +298,14 @@ impl Target {
     /// Errors: [`PolicyError::Toml`] for syntax, unknown fields or wrong types;
     /// [`PolicyError::InvalidField`] from [`Target::validate`].
     pub fn from_toml_str(text: &str) -> Result<Target> {
-        let target: Target = toml::from_str(text).map_err(|e| PolicyError::Toml(e.to_string()))?;
+        let mut target: Target =
+            toml::from_str(text).map_err(|e| PolicyError::Toml(e.to_string()))?;
+        // The text parsed as a Target, so it parses as a table.
+        let table: toml::Table =
+            toml::from_str(text).map_err(|e| PolicyError::Toml(e.to_string()))?;
+        if !table.contains_key("multicast_all_ranks") {
+            target.multicast_all_ranks = target.interconnect.multicast_default();
+        }
         target.validate()?;
         Ok(target)
     }
@@ -443,10 +465,26 @@ mod tests {
         assert_eq!(t.dtype, ActDtype::Bf16);
         assert_eq!(t.requested_backend, RequestedBackend::Auto);
         assert!(!t.deterministic);
-        assert!(!t.multicast_all_ranks);
+        // Not given: NVSwitch has multicast.
+        assert!(t.multicast_all_ranks);
         assert!(t.capture_sizes.is_empty());
         assert_eq!(t.max_bytes_override, None);
         assert_eq!(t.kernels, KernelLibrary::Arfuse);
+    }
+
+    #[test]
+    fn multicast_defaults_from_the_interconnect_unless_given() {
+        let with = |interconnect: &str, extra: &str| {
+            let text = MINIMAL.replace("\"nvswitch\"", interconnect) + extra;
+            Target::from_toml_str(&text).unwrap().multicast_all_ranks
+        };
+        assert!(with("\"nvswitch\"", ""));
+        assert!(with("\"nvlink-fabric\"", ""));
+        assert!(!with("\"pcie\"", ""));
+        assert!(!with("\"bridged-nvlink\"", ""));
+        assert!(!with("\"infiniband\"", ""));
+        assert!(!with("\"nvswitch\"", "multicast_all_ranks = false\n"));
+        assert!(with("\"pcie\"", "multicast_all_ranks = true\n"));
     }
 
     #[test]

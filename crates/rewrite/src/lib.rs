@@ -48,7 +48,8 @@ mod site;
 
 pub use error::LowerError;
 pub use report::{
-    PatternCount, RangeReport, Report, RunnerReport, SiteReport, TargetReport, WorkspaceReport,
+    PatternCount, RangeReport, Report, RunnerLimits, RunnerReport, SiteReport, TargetReport,
+    WorkspaceReport,
 };
 
 use arfuse_ir::op::{FusedOutput, FusedQuant};
@@ -193,11 +194,11 @@ pub fn lower_with(
         iterations,
         egraph_nodes: eg.total_size(),
         egraph_classes: eg.number_of_classes(),
-        limits: (
-            options.iter_limit,
-            options.node_limit,
-            options.time_limit.as_secs(),
-        ),
+        limits: RunnerLimits {
+            iterations: options.iter_limit,
+            egraph_nodes: options.node_limit,
+            seconds: options.time_limit.as_secs(),
+        },
     };
 
     // Sites: per all-reduce, the first candidate that passes the IR checks.

@@ -85,8 +85,19 @@ pub struct RunnerReport {
     pub egraph_nodes: usize,
     /// E-classes at the end.
     pub egraph_classes: usize,
-    /// The limits it ran under: iterations, e-nodes, seconds.
-    pub limits: (usize, usize, u64),
+    /// The limits it ran under.
+    pub limits: RunnerLimits,
+}
+
+/// The limits the e-graph runner runs under (`LowerOptions`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct RunnerLimits {
+    /// Most iterations.
+    pub iterations: usize,
+    /// Most e-nodes.
+    pub egraph_nodes: usize,
+    /// Most seconds (wall clock).
+    pub seconds: u64,
 }
 
 /// The target, as the report prints it.
@@ -172,6 +183,112 @@ pub struct Report {
 }
 
 impl Report {
+    /// The table with one line per site (the default [`fmt::Display`] groups sites
+    /// that differ only in their layer index).
+    pub fn display_every_site(&self) -> impl fmt::Display + '_ {
+        EverySite(self)
+    }
+
+    /// The sites table: one line per site when `every`,
+    /// else one line per group of sites that share pattern, outputs, status and name
+    /// up to their layer indices.
+    fn sites_table(
+        &self,
+        f: &mut fmt::Formatter<'_>,
+        root: Option<&str>,
+        names: &[String],
+        every: bool,
+    ) -> fmt::Result {
+        if self.sites.is_empty() {
+            return Ok(());
+        }
+        let mut rows: Vec<SiteRow> = Vec::new();
+        for (s, n) in self.sites.iter().zip(names) {
+            let pattern = s.pattern.clone().unwrap_or_else(|| "-".into());
+            let outputs = if s.outputs.is_empty() {
+                "-".to_string()
+            } else {
+                s.outputs.join(",")
+            };
+            let status = if s.fused { "fused" } else { "not fused" };
+            let (template, index) = layer_template(n);
+            let same = |r: &&mut SiteRow| {
+                !r.layers.is_empty()
+                    && r.template == template
+                    && r.pattern == pattern
+                    && r.outputs == outputs
+                    && r.status == status
+            };
+            match (every, index) {
+                (false, Some(i)) => match rows.iter_mut().find(same) {
+                    Some(r) => r.layers.push(i),
+                    None => rows.push(SiteRow {
+                        first: n.clone(),
+                        template,
+                        pattern,
+                        outputs,
+                        status,
+                        layers: vec![i],
+                    }),
+                },
+                _ => rows.push(SiteRow {
+                    first: n.clone(),
+                    template: n.clone(),
+                    pattern,
+                    outputs,
+                    status,
+                    layers: Vec::new(),
+                }),
+            }
+        }
+        // A group of one is shown with its own name.
+        for r in &mut rows {
+            if r.layers.len() == 1 {
+                r.template = r.first.clone();
+                r.layers.clear();
+            }
+        }
+        let width =
+            |k: fn(&SiteRow) -> usize, min: usize| rows.iter().map(k).max().unwrap_or(0).max(min);
+        let wn = width(|r| r.template.len(), 4);
+        let wp = width(|r| r.pattern.len(), 7);
+        let wo = width(|r| r.outputs.len(), 7);
+        let ws = width(|r| r.status.len(), 6);
+        writeln!(
+            f,
+            "sites{}{}:",
+            root.map(|r| format!(" (modules under `{r}`)"))
+                .unwrap_or_default(),
+            if every || rows.len() == self.sites.len() {
+                String::new()
+            } else {
+                format!(
+                    "; {} sites in {} lines, `*` a layer index (--sites: one line each)",
+                    self.sites.len(),
+                    rows.len()
+                )
+            }
+        )?;
+        writeln!(
+            f,
+            "  {:<wn$}  {:<wp$}  {:<wo$}  {:<ws$}  layers",
+            "site", "pattern", "outputs", "status"
+        )?;
+        for r in &rows {
+            let layers = if r.layers.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{} ({} sites)", index_ranges(&r.layers), r.layers.len())
+            };
+            writeln!(
+                f,
+                "  {:<wn$}  {:<wp$}  {:<wo$}  {:<ws$}  {layers}",
+                r.template, r.pattern, r.outputs, r.status
+            )?;
+        }
+        Ok(())
+    }
+
     /// The report as pretty JSON.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
@@ -287,11 +404,79 @@ fn display_name(s: &SiteReport, root: Option<&str>) -> String {
     }
 }
 
+/// One line of the sites table: a site, or sites that differ only in layer indices.
+struct SiteRow {
+    /// The first site's name.
+    first: String,
+    /// The name shown: the first's, or with layer indices as `*` for a group.
+    template: String,
+    pattern: String,
+    outputs: String,
+    status: &'static str,
+    /// The group's layer indices (empty: one site shown by its name).
+    layers: Vec<u64>,
+}
+
+/// [`Report::display_every_site`].
+struct EverySite<'a>(&'a Report);
+
+impl fmt::Display for EverySite<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.render(f, true)
+    }
+}
+
+/// The name with every all-digit dotted segment (`layers.3.mlp`) replaced by `*`, and
+/// the first such number: `("layers.*.mlp", Some(3))`.
+fn layer_template(name: &str) -> (String, Option<u64>) {
+    let mut first = None;
+    let parts: Vec<String> = name
+        .split('.')
+        .map(|seg| match seg.parse::<u64>() {
+            Ok(i) if !seg.is_empty() && seg.bytes().all(|b| b.is_ascii_digit()) => {
+                first.get_or_insert(i);
+                "*".to_string()
+            }
+            _ => seg.to_string(),
+        })
+        .collect();
+    (parts.join("."), first)
+}
+
+/// `[0, 1, 2, 5, 7, 8]` as `0-2, 5, 7-8`.
+fn index_ranges(idx: &[u64]) -> String {
+    let mut sorted = idx.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j {
+            sorted[i].to_string()
+        } else {
+            format!("{}-{}", sorted[i], sorted[j])
+        });
+        i = j + 1;
+    }
+    out.join(", ")
+}
+
 /// A dispatch shared by sites: hidden size and ranges (bounds, strategy, bytes).
 type DispatchKey = (u64, Vec<(u64, u64, String, u64)>);
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.render(f, false)
+    }
+}
+
+impl Report {
+    /// The table; `every_site`: one line per site, else sites grouped by layer.
+    fn render(&self, f: &mut fmt::Formatter<'_>, every_site: bool) -> fmt::Result {
         let t = &self.target;
         writeln!(
             f,
@@ -349,7 +534,7 @@ impl fmt::Display for Report {
                     )?;
                     writeln!(
                         f,
-                        "  max_token_num {}; one Lamport buffer {}; allocated per rank {}",
+                        "  max_token_num {} tokens; one Lamport buffer {}; allocated per rank {}",
                         thousands(w.max_token_num),
                         opt_bytes(w.lamport_buffer_bytes),
                         opt_bytes(w.bytes_per_rank)
@@ -407,11 +592,16 @@ impl fmt::Display for Report {
                 thousands(*h),
                 if *count == 1 { "" } else { "s" }
             )?;
+            writeln!(
+                f,
+                "  {:<16} {:<9} {:>17}  {}",
+                "T (tokens)", "strategy", "buffer use, bytes", "why"
+            )?;
             for ((lo, hi, strategy, bytes), why) in ranges.iter().zip(why) {
                 let need = if strategy == "unfused" {
                     "-".to_string()
                 } else {
-                    format!("{} bytes", thousands(*bytes))
+                    thousands(*bytes)
                 };
                 writeln!(
                     f,
@@ -438,48 +628,7 @@ impl fmt::Display for Report {
             .iter()
             .map(|s| display_name(s, root.as_deref()))
             .collect();
-        if !self.sites.is_empty() {
-            let wn = names.iter().map(|n| n.len()).max().unwrap_or(0).max(4);
-            let wp = self
-                .sites
-                .iter()
-                .map(|s| s.pattern.as_deref().unwrap_or("-").len())
-                .max()
-                .unwrap_or(0)
-                .max(7);
-            let wo = self
-                .sites
-                .iter()
-                .map(|s| s.outputs.join(",").len())
-                .max()
-                .unwrap_or(0)
-                .max(7);
-            writeln!(
-                f,
-                "sites{}:",
-                root.as_deref()
-                    .map(|r| format!(" (modules under `{r}`)"))
-                    .unwrap_or_default()
-            )?;
-            writeln!(
-                f,
-                "  {:<wn$}  {:<wp$}  {:<wo$}  status",
-                "site", "pattern", "outputs"
-            )?;
-            for (s, n) in self.sites.iter().zip(&names) {
-                writeln!(
-                    f,
-                    "  {n:<wn$}  {:<wp$}  {:<wo$}  {}",
-                    s.pattern.as_deref().unwrap_or("-"),
-                    if s.outputs.is_empty() {
-                        "-".to_string()
-                    } else {
-                        s.outputs.join(",")
-                    },
-                    if s.fused { "fused" } else { "not fused" }
-                )?;
-            }
-        }
+        self.sites_table(f, root.as_deref(), &names, every_site)?;
 
         // Not fused, grouped by reason (in order of first appearance).
         let mut reasons: Vec<(String, Vec<&str>)> = Vec::new();
@@ -546,16 +695,31 @@ impl fmt::Display for Report {
             self.runner.iterations,
             self.runner.egraph_nodes,
             self.runner.egraph_classes,
-            self.runner.limits.0,
-            self.runner.limits.1,
-            self.runner.limits.2
+            self.runner.limits.iterations,
+            self.runner.limits.egraph_nodes,
+            self.runner.limits.seconds
         )
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{group_digits, thousands};
+    use super::{group_digits, index_ranges, layer_template, thousands};
+
+    #[test]
+    fn layer_templates_and_index_ranges() {
+        assert_eq!(
+            layer_template("layers.3.self_attn -> layers.3.post_attention_layernorm"),
+            (
+                "layers.*.self_attn -> layers.*.post_attention_layernorm".to_string(),
+                Some(3)
+            )
+        );
+        assert_eq!(layer_template("norm"), ("norm".to_string(), None));
+        assert_eq!(layer_template("v1.2x"), ("v1.2x".to_string(), None));
+        assert_eq!(index_ranges(&[0, 1, 2, 5, 7, 8]), "0-2, 5, 7-8");
+        assert_eq!(index_ranges(&[4]), "4");
+    }
 
     #[test]
     fn thousands_separators() {

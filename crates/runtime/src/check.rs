@@ -641,11 +641,21 @@ pub fn gamma_dtype(case: &Case) -> Dtype {
 }
 
 /// The outputs the contract prescribes for every rank of `case` on `inputs`
-/// (`arfuse_reference::contract`: all-reduce, residual add, RMSNorm, quant).
+/// (`arfuse_reference::contract`: all-reduce, residual add, RMSNorm with [`EPS`] in the
+/// kernels' sum order, quant).
 ///
 /// # Errors
 /// Input sizes that do not match the case ([`Error::Invalid`]); reference errors.
 pub fn expected(case: &Case, inputs: &Inputs) -> Result<Vec<RankOutputs>> {
+    expected_with_eps(case, inputs, EPS)
+}
+
+/// [`expected`] with the RMSNorm epsilon `eps` (a node's own, e.g. 1e-5) instead of
+/// [`EPS`].
+///
+/// # Errors
+/// As [`expected`].
+pub fn expected_with_eps(case: &Case, inputs: &Inputs, eps: f64) -> Result<Vec<RankOutputs>> {
     case.validate()?;
     let n = case.elements()?;
     let fmt = float_format(case.dtype);
@@ -685,7 +695,7 @@ pub fn expected(case: &Case, inputs: &Inputs) -> Result<Vec<RankOutputs>> {
         let y = contract::rms_norm_ordered(
             &h,
             &gamma,
-            EPS,
+            eps,
             f64::from(case.weight_bias),
             rounding,
             contract::SumOrder::KernelTree,

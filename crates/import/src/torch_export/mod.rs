@@ -41,6 +41,7 @@ mod schema;
 pub mod symbolic;
 
 pub use archive::MAX_ARCHIVE_MEMBERS;
+pub use ops::ARFUSE_QUANT_FP8_PER_TOKEN;
 
 use crate::{check_size, Format, ImportError, ImportOptions, Imported};
 use arfuse_ir::{
@@ -61,8 +62,9 @@ pub const MAX_TENSOR_VALUES: usize = 400_000;
 /// Most individual notes kept (counted findings are always one line each).
 pub const MAX_NOTES: usize = 200;
 /// The upper bound given to a symbol whose range has no finite maximum (or one above
-/// this), so that byte counts stay finite; noted when used.
-pub const UNBOUNDED_SYMBOL_MAX: u64 = i32::MAX as u64;
+/// this), so that byte counts stay finite; noted when used. The IR's limit
+/// ([`arfuse_ir::MAX_SYMBOL_VALUE`]).
+pub const UNBOUNDED_SYMBOL_MAX: u64 = arfuse_ir::MAX_SYMBOL_VALUE;
 
 /// Targets that are runtime checks: dropped, never users.
 pub const CHECK_TARGETS: &[&str] = &[
@@ -217,6 +219,8 @@ struct Builder<'p> {
     meta: HashMap<&'p str, &'p TensorMeta>,
     sym_ints: HashMap<&'p str, &'p Json>,
     tensors: HashMap<String, Bound>,
+    /// The value each tensor name was first bound to (not rebound by in-place ops).
+    produced: BTreeMap<String, Value>,
     dropped: HashSet<String>,
     fresh: HashMap<String, String>,
     prefix: Vec<String>,
@@ -430,6 +434,7 @@ impl<'p> Builder<'p> {
             meta,
             sym_ints,
             tensors: HashMap::new(),
+            produced: BTreeMap::new(),
             dropped: HashSet::new(),
             fresh: HashMap::new(),
             prefix,
@@ -684,6 +689,7 @@ impl<'p> Builder<'p> {
                     is_bool,
                 },
             );
+            self.produced.insert(name.to_string(), Value::new(n, 0));
         }
         self.folds = self.find_folds(&graph.nodes.0);
         for (i, node) in graph.nodes.0.iter().enumerate() {
@@ -705,7 +711,9 @@ impl<'p> Builder<'p> {
         }
         self.g.set_outputs(outputs)?;
         self.g.validate().map_err(ImportError::Invalid)?;
-        Ok(Imported::from_graph(self.g, self.notes.render()))
+        let mut imported = Imported::from_graph(self.g, self.notes.render());
+        imported.tensors = self.produced;
+        Ok(imported)
     }
 
     /// The tensor name of a graph input or output argument, or `None` (with a note)
@@ -894,6 +902,7 @@ impl<'p> Builder<'p> {
                 if let Some(t) = out_names.first() {
                     self.tensors
                         .insert(t.to_string(), Bound { value: v, is_bool });
+                    self.produced.insert(t.to_string(), v);
                 }
                 Ok(vec![v])
             }
@@ -934,6 +943,7 @@ impl<'p> Builder<'p> {
                             is_bool: outs[j].1,
                         },
                     );
+                    self.produced.insert(t.to_string(), value);
                     values.push(value);
                 }
                 Ok(values)

@@ -210,8 +210,34 @@ pub(super) fn lower(v: &NodeView<'_>) -> Plan {
         "aten.mm.default" | "aten.matmul.default" => matmul(v),
         "aten.embedding.default" => embedding(v),
         "aten.rms_norm.default" => rms_norm(v),
+        ARFUSE_QUANT_FP8_PER_TOKEN => quant_fp8_per_token(v),
         _ => Err(None),
     }
+}
+
+/// arfuse's own dynamic per-token FP8 quant op, `torch.ops.arfuse.quant_fp8_per_token`
+/// (registered by the Python package `arfuse`, contract clause 4): `(Tensor input) ->
+/// (Tensor quant, Tensor scale)`, e4m3 values `[..., H]` and f32 scales `[..., 1]`.
+pub const ARFUSE_QUANT_FP8_PER_TOKEN: &str = "arfuse.quant_fp8_per_token.default";
+
+/// `arfuse.quant_fp8_per_token(input)`: the IR's `quant_fp8_per_token` (two outputs,
+/// typed from the metadata; the IR validator checks them).
+fn quant_fp8_per_token(v: &NodeView<'_>) -> Plan {
+    let (b, _) = self_tensor(v)?;
+    let [(q, q_bool), (s, s_bool)] = v.outs else {
+        return Err(why(format!(
+            "{} tensor outputs, two expected (quant, scale)",
+            v.outs.len()
+        )));
+    };
+    if b.is_bool || *q_bool || *s_bool {
+        return Err(why("a bool tensor"));
+    }
+    Ok(Lowering::Nodes(vec![node(
+        Op::QuantFp8PerToken,
+        vec![PIn::Ext(b.value)],
+        vec![q.clone(), s.clone()],
+    )]))
 }
 
 /// Whether `target` mutates its first argument in place (ATen's naming: the op name

@@ -240,8 +240,7 @@ fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<
     if row % VECTOR_BYTES != 0 || row < MIN_ROW_BYTES {
         return Err(format!(
             "H = {h} at {} is a row of {row} bytes; the fused kernel needs a multiple of \
-             {VECTOR_BYTES} bytes and at least {MIN_ROW_BYTES} bytes (H >= {} at this dtype; \
-             domain.md §6)",
+             {VECTOR_BYTES} bytes and at least {MIN_ROW_BYTES} bytes (H >= {} at this dtype)",
             tx.dtype,
             MIN_ROW_BYTES / e
         ));

@@ -139,7 +139,8 @@ fn common(eg: &FxGraph, m: Normed, t: Id) -> Option<(Id, f64, DType)> {
         }
     }
     let eps = f64::from_bits(eg[m.eps].data.konst?);
-    if !(eps.is_finite() && eps > 0.0) {
+    // The IR's rule: a fused node with another eps would not validate.
+    if !arfuse_ir::valid_eps(eps) {
         return None;
     }
     let t = match eg[t].data.leaf {

@@ -1,0 +1,140 @@
+//! Bad input named precisely (issue 20 item 5): unknown attribute keys with the
+//! expected ones, eps in (0, 1), a symbol bound above the IR's limit refused once,
+//! identical problems grouped, number-type errors naming the field.
+
+use arfuse_ir::{Graph, LoadError, MAX_SYMBOL_VALUE};
+
+/// A graph with `symbols` and one input node `x : bf16[T, 64]` followed by `nodes`.
+fn graph(symbols: &str, nodes: &str) -> String {
+    format!(
+        r#"{{"format": "arfuse-graph", "version": 1, "symbols": {symbols},
+            "nodes": [{{"id": "x", "op": "input", "outputs": [{{"dtype": "bf16", "shape": ["T", 64]}}]}}{nodes}],
+            "outputs": ["x"]}}"#
+    )
+}
+
+fn error(text: &str) -> String {
+    match Graph::from_json_str(text) {
+        Err(e @ LoadError::Invalid(_)) => e.to_string(),
+        other => panic!("expected invalid graph, got {other:?}"),
+    }
+}
+
+const T: &str = r#"{"T": {"min": 1, "max": 8192}}"#;
+
+fn rms_norm(id: &str, attrs: &str) -> String {
+    format!(
+        r#", {{"id": "{id}", "op": "rms_norm", "attrs": {attrs}, "inputs": ["x", "w"],
+             "outputs": [{{"dtype": "bf16", "shape": ["T", 64]}}]}}"#
+    )
+}
+
+const WEIGHT: &str = r#", {"id": "w", "op": "input", "attrs": {"kind": "parameter"}, "outputs": [{"dtype": "bf16", "shape": [64]}]}"#;
+
+#[test]
+fn a_misspelt_attribute_is_named_with_the_expected_ones() {
+    let e = error(&graph(
+        T,
+        &format!("{WEIGHT}{}", rms_norm("n", r#"{"epss": 1e-6}"#)),
+    ));
+    assert!(
+        e.contains(
+            "n [attribute]: unknown attribute \"epss\" for op \"rms_norm\"; its attributes are \
+             eps, weight_bias"
+        ),
+        "{e}"
+    );
+    assert!(!e.contains("missing"), "{e}");
+}
+
+#[test]
+fn eps_must_be_in_zero_one() {
+    for eps in ["1e308", "1.0", "2"] {
+        let e = error(&graph(
+            T,
+            &format!("{WEIGHT}{}", rms_norm("n", &format!(r#"{{"eps": {eps}}}"#))),
+        ));
+        assert!(
+            e.contains(
+                "n [attribute]: eps must be finite and in (0, 1) (models use 1e-5 or 1e-6), got "
+            ),
+            "{eps}: {e}"
+        );
+    }
+    Graph::from_json_str(&graph(
+        T,
+        &format!("{WEIGHT}{}", rms_norm("n", r#"{"eps": 0.999}"#)),
+    ))
+    .unwrap();
+}
+
+#[test]
+fn a_symbol_bound_above_the_limit_is_refused_once() {
+    let nodes: String = (0..50)
+        .map(|i| {
+            format!(
+                r#", {{"id": "r{i}", "op": "rsqrt", "inputs": ["x"], "outputs": [{{"dtype": "bf16", "shape": ["T", 64]}}]}}"#
+            )
+        })
+        .collect();
+    let e = error(&graph(
+        &format!(r#"{{"T": {{"min": 1, "max": {}}}}}"#, u64::MAX),
+        &nodes,
+    ));
+    assert!(e.starts_with("1 problem(s) in the graph:"), "{e}");
+    assert!(
+        e.contains(&format!(
+            "symbols.T [limit]: max 18446744073709551615 is above the limit of {MAX_SYMBOL_VALUE} \
+             (MAX_SYMBOL_VALUE, 2^31 - 1)"
+        )),
+        "{e}"
+    );
+    // At the limit: loads.
+    Graph::from_json_str(&graph(
+        &format!(r#"{{"T": {{"min": 1, "max": {MAX_SYMBOL_VALUE}}}}}"#),
+        &nodes,
+    ))
+    .unwrap();
+}
+
+#[test]
+fn identical_problems_are_one_line_with_a_count_and_the_first_ids() {
+    let nodes: String = (0..65)
+        .map(|i| {
+            format!(
+                r#", {{"id": "f{i}", "op": "frobnicate", "inputs": ["x"], "outputs": [{{"dtype": "bf16", "shape": ["T", 64]}}]}}"#
+            )
+        })
+        .collect();
+    let e = error(&graph(T, &nodes));
+    assert_eq!(e.lines().count(), 2, "{e}");
+    assert_eq!(
+        e,
+        "65 problem(s) in the graph:\n  - 65 times [attribute]: unknown op \"frobnicate\"; use \
+         \"opaque\" with a \"target\" for ops arfuse does not model (at f0, f1, f2, f3, f4 and 60 \
+         more)"
+    );
+}
+
+#[test]
+fn a_number_of_the_wrong_type_names_its_field() {
+    let e = error(&graph(r#"{"T": {"min": 1, "max": 1e30}}"#, ""));
+    assert!(
+        e.contains(
+            "symbols.T [symbol]: field \"max\" is 1e+30, not a non-negative 64-bit integer (symbol bounds \
+             are integers from 0 to 2147483647)"
+        ),
+        "{e}"
+    );
+    let e = error(&graph(
+        T,
+        r#", {"id": "q", "op": "quant_fp8_per_token_group", "attrs": {"group_size": 1.5, "scale_layout": "f32_row_major"}, "inputs": ["x"], "outputs": []}"#,
+    ));
+    assert!(
+        e.contains(
+            "q [attribute]: attribute \"group_size\" of op \"quant_fp8_per_token_group\": invalid \
+             type: floating point `1.5`, expected u64"
+        ),
+        "{e}"
+    );
+}

@@ -1,0 +1,241 @@
+//! The CPU kernels of arfuse's torch custom ops (`arfuse.torch`): the fused all-reduce ->
+//! residual add -> RMSNorm (-> per-token FP8 quant) op and the standalone per-token FP8
+//! quant op, computed by `arfuse::reference::contract` (the rounding contract), so their
+//! bits are the contract's by construction.
+//!
+//! They work on the memory of CPU tensors that `arfuse.torch` allocated or made
+//! contiguous and checked (dtype, device, element count) and keeps alive for the call; it
+//! passes their addresses (`Tensor.data_ptr()`). These entry points are private
+//! (`_`-prefixed) for that reason: an address that is not such a tensor's is undefined
+//! behaviour.
+
+use arfuse::ir::NormRounding;
+use arfuse::reference::contract::{self, Epilogue, FusedParams, QuantOut};
+use arfuse::reference::numerics::fp8::e4m3_satfinite;
+use arfuse::reference::numerics::quant::dynamic_per_token_fp8_quant;
+use arfuse::reference::numerics::FloatFormat;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+/// Element types the kernels read and write, by torch's name (`torch.bfloat16` ->
+/// `bfloat16`).
+#[derive(Clone, Copy)]
+enum Elem {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl Elem {
+    fn parse(what: &str, name: &str) -> PyResult<Elem> {
+        match name {
+            "bfloat16" => Ok(Elem::Bf16),
+            "float16" => Ok(Elem::F16),
+            "float32" => Ok(Elem::F32),
+            _ => Err(PyValueError::new_err(format!(
+                "{what}: dtype {name} is not bfloat16, float16 or float32"
+            ))),
+        }
+    }
+
+    fn format(self) -> FloatFormat {
+        match self {
+            Elem::Bf16 => FloatFormat::Bf16,
+            Elem::F16 => FloatFormat::F16,
+            Elem::F32 => FloatFormat::F32,
+        }
+    }
+}
+
+/// `n` elements at `addr`, widened exactly to f32.
+///
+/// Safety: `addr` is the data of a live, contiguous CPU tensor of `n` elements of `e`.
+unsafe fn read(addr: usize, n: usize, e: Elem) -> Vec<f32> {
+    match e {
+        Elem::Bf16 | Elem::F16 => {
+            let bits = std::slice::from_raw_parts(addr as *const u16, n);
+            match e {
+                Elem::Bf16 => bits
+                    .iter()
+                    .map(|&b| half::bf16::from_bits(b).to_f32())
+                    .collect(),
+                _ => bits
+                    .iter()
+                    .map(|&b| half::f16::from_bits(b).to_f32())
+                    .collect(),
+            }
+        }
+        Elem::F32 => std::slice::from_raw_parts(addr as *const f32, n).to_vec(),
+    }
+}
+
+/// Writes `v` (values of `e`, so the narrowing is exact) to `addr`.
+///
+/// Safety: `addr` is the data of a live, contiguous CPU tensor of `v.len()` elements of
+/// `e` that nothing else reads or writes during the call.
+unsafe fn write(addr: usize, v: &[f32], e: Elem) {
+    match e {
+        Elem::Bf16 => {
+            let out = std::slice::from_raw_parts_mut(addr as *mut u16, v.len());
+            for (o, &x) in out.iter_mut().zip(v) {
+                *o = half::bf16::from_f32(x).to_bits();
+            }
+        }
+        Elem::F16 => {
+            let out = std::slice::from_raw_parts_mut(addr as *mut u16, v.len());
+            for (o, &x) in out.iter_mut().zip(v) {
+                *o = half::f16::from_f32(x).to_bits();
+            }
+        }
+        Elem::F32 => std::slice::from_raw_parts_mut(addr as *mut f32, v.len()).copy_from_slice(v),
+    }
+}
+
+/// Safety: as [`write`], for bytes.
+unsafe fn write_bytes(addr: usize, v: &[u8]) {
+    std::slice::from_raw_parts_mut(addr as *mut u8, v.len()).copy_from_slice(v);
+}
+
+fn check_shape(numel: usize, hidden: usize, addrs: &[(&str, usize)]) -> PyResult<usize> {
+    if hidden == 0 || numel % hidden != 0 {
+        return Err(PyValueError::new_err(format!(
+            "{numel} elements do not form rows of hidden size {hidden}"
+        )));
+    }
+    if let Some((what, _)) = addrs.iter().find(|(_, a)| *a == 0) {
+        return Err(PyValueError::new_err(format!("{what}: null data pointer")));
+    }
+    Ok(numel / hidden)
+}
+
+fn reference_error(e: arfuse::reference::ReferenceError) -> PyErr {
+    PyValueError::new_err(format!("{}: {e}", contract::CONTRACT_NAME))
+}
+
+/// The fused op on one rank: `ranks` holds every rank's input in rank order
+/// (`[world, numel]` contiguous, all-gathered by the caller), `residual` this rank's
+/// residual (0: none), `weight` `[hidden]`. Writes `norm_out` and `residual_out`
+/// (`numel` elements of `dtype`) and, for `quant = "fp8_per_token"`, `quant_out`
+/// (`numel` e4m3 bytes) and `scale_out` (`numel / hidden` f32). Contract clauses 1-4.
+#[pyfunction]
+#[pyo3(signature = (dtype, ranks, world, numel, hidden, residual, weight, weight_dtype, eps,
+    weight_bias, norm_round_twice, quant, norm_out, residual_out, quant_out, scale_out))]
+#[allow(clippy::too_many_arguments)]
+pub fn _fused_allreduce_rms_norm_cpu(
+    dtype: &str,
+    ranks: usize,
+    world: usize,
+    numel: usize,
+    hidden: usize,
+    residual: usize,
+    weight: usize,
+    weight_dtype: &str,
+    eps: f64,
+    weight_bias: f64,
+    norm_round_twice: bool,
+    quant: &str,
+    norm_out: usize,
+    residual_out: usize,
+    quant_out: usize,
+    scale_out: usize,
+) -> PyResult<()> {
+    let e = Elem::parse("input", dtype)?;
+    let we = Elem::parse("weight", weight_dtype)?;
+    let epilogue = match quant {
+        "none" => Epilogue::None,
+        "fp8_per_token" => Epilogue::Fp8PerToken,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "quant epilogue {other:?}: the CPU kernel computes none and fp8_per_token"
+            )))
+        }
+    };
+    let mut addrs = vec![
+        ("ranks", ranks),
+        ("weight", weight),
+        ("norm_out", norm_out),
+        ("residual_out", residual_out),
+    ];
+    if matches!(epilogue, Epilogue::Fp8PerToken) {
+        addrs.extend([("quant_out", quant_out), ("scale_out", scale_out)]);
+    }
+    let tokens = check_shape(numel, hidden, &addrs)?;
+    if world == 0 {
+        return Err(PyValueError::new_err("an all-reduce over zero ranks"));
+    }
+    let step = numel
+        .checked_mul(e.format().bytes() as usize)
+        .ok_or_else(|| PyValueError::new_err("input size overflows"))?;
+    // Safety (every read and write below): the caller passes the data of live,
+    // contiguous CPU tensors of the sizes stated above (`arfuse.torch._fused_cpu`).
+    let inputs: Vec<Vec<f32>> = (0..world)
+        .map(|r| unsafe { read(ranks + r * step, numel, e) })
+        .collect();
+    let slices: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+    let res = (residual != 0).then(|| unsafe { read(residual, numel, e) });
+    let gamma = unsafe { read(weight, hidden, we) };
+    let params = FusedParams {
+        t: e.format(),
+        eps,
+        weight_bias,
+        norm_rounding: if norm_round_twice {
+            NormRounding::Twice
+        } else {
+            NormRounding::Once
+        },
+        epilogue,
+    };
+    let out = contract::fused_allreduce_norm(&slices, res.as_deref(), &gamma, params)
+        .map_err(reference_error)?;
+    unsafe {
+        write(norm_out, &out.norm_out, e);
+        write(residual_out, &out.residual_out, e);
+    }
+    match out.quant {
+        None => {}
+        Some(QuantOut::Fp8PerToken { values, scales }) if scales.len() == tokens => {
+            // The contract returns e4m3 values decoded to f32; encoding them again is
+            // exact (NaN is the contract's 0x7F).
+            let codes: Vec<u8> = values.iter().map(|&v| e4m3_satfinite(v)).collect();
+            unsafe {
+                write_bytes(quant_out, &codes);
+                write(scale_out, &scales, Elem::F32);
+            }
+        }
+        Some(_) => {
+            return Err(PyValueError::new_err(
+                "the contract returned another quant output than asked for",
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// Dynamic per-token FP8 quant of `x` (`numel` elements of `dtype` in rows of `hidden`):
+/// writes `quant_out` (`numel` e4m3 bytes) and `scale_out` (`numel / hidden` f32),
+/// contract clause 4 (the fused op's epilogue, the same function).
+#[pyfunction]
+pub fn _quant_fp8_per_token_cpu(
+    dtype: &str,
+    x: usize,
+    numel: usize,
+    hidden: usize,
+    quant_out: usize,
+    scale_out: usize,
+) -> PyResult<()> {
+    let e = Elem::parse("input", dtype)?;
+    let tokens = check_shape(
+        numel,
+        hidden,
+        &[("x", x), ("quant_out", quant_out), ("scale_out", scale_out)],
+    )?;
+    // Safety: as in `_fused_allreduce_rms_norm_cpu` (`arfuse.torch._quant_cpu`).
+    let y = unsafe { read(x, numel, e) };
+    let (codes, scales) =
+        dynamic_per_token_fp8_quant(&y, tokens, hidden).map_err(reference_error)?;
+    unsafe {
+        write_bytes(quant_out, &codes);
+        write(scale_out, &scales, Elem::F32);
+    }
+    Ok(())
+}
