@@ -1,8 +1,11 @@
 // arfuse_common.cuh -- device helpers shared by every arfuse kernel.
 //
-// Compiled with NVRTC only; no CUDA headers are included (bf16/f16/fp8/fp4 conversions
-// use PTX `cvt` directly), so the same text compiles with NVRTC 12.x and 13.x and with
-// the PyPI NVRTC wheel, which ships no include files.
+// Compiled with NVRTC; no CUDA headers are included (bf16/f16/fp8/fp4 conversions use
+// PTX `cvt` directly), so the same text compiles with NVRTC 12.x and 13.x and with the
+// PyPI NVRTC wheel, which ships no include files. The same text is also compiled for the
+// CPU (g++, C++20) with -DARF_HOST=1: every inline-PTX helper below then has a host body
+// (the `#if defined(ARF_HOST)` branches), and arfuse_host.h supplies the CUDA built-ins
+// and the executor (crates/runtime/src/host.rs). NVRTC never takes those branches.
 //
 // Compile-time configuration (set by crates/runtime/src/variants.rs as -D defines):
 //   ARF_DTYPE    0 = bf16, 1 = f16, 2 = f32 (activation dtype T)
@@ -16,15 +19,18 @@
 //                7 fp8 group fp32 row-major with power-of-two (ue8m0) values
 // Which outputs are written is decided at run time: a null output pointer is dead.
 //
-// Rounding contract (shared with crates/runtime/src/protocol.rs and model.rs):
+// Rounding contract (crates/reference/src/contract.rs, the one definition):
 //   s   = ((0.0f + x_0) + x_1) + ... + x_{W-1}   fp32, fixed rank order, starting from
 //         +0.0 so that an all -0.0 column gives +0.0 on every strategy (the Lamport
 //         transport replaces -0.0 by +0.0, which cannot change a sum that starts at +0)
 //   a   = round_T(s)                              (the unfused all-reduce output)
 //   h   = round_T(float(a) + float(residual))     -> residual_out
-//   r   = 1.0f / sqrtf(sum_i(float(h_i)^2) / H + eps)   sum in fp32, block-tree
-//         order (the contract sums sequentially: the one allowed difference);
-//         correctly rounded sqrt and division (NVRTC defaults), no FMA (--fmad=false)
+//   r   = 1.0f / sqrtf(sum_i(float(h_i)^2) / H + eps)   sum in fp32 in the block
+//         tree of arf_block_sum over blockDim = arfuse_block_threads(H, e) threads
+//         (the contract's SumOrder::KernelTree): it depends on H and e only, never
+//         on T, the grid or the strategy, so one-shot, two-shot and the local kernel
+//         give the same bits for a row in any batch; correctly rounded sqrt and
+//         division (NVRTC defaults), no FMA (--fmad=false)
 //   y   = round_T((float(h) * r) * (float(gamma) + weight_bias))   (one rounding;
 //         gamma in T, or f32 when p.gamma_f32, the Gemma form 1 + w.float()), or
 //         with p.norm_round_twice the Llama order
@@ -33,6 +39,10 @@
 //   quant applied to float(y), in the operation order of contract v2 clause 4 (see the
 //   quant part of arf_epilogue; crates/reference/src/contract.rs names the sources).
 #pragma once
+
+#if defined(ARF_HOST)
+#include "arfuse_host.h"
+#endif
 
 #ifndef ARF_DTYPE
 #error "ARF_DTYPE must be defined"
@@ -130,10 +140,14 @@ __device__ __forceinline__ float arf_bits_to_f32(u32 b) {
 #if ARF_DTYPE == 0
   return __uint_as_float(b << 16);
 #elif ARF_DTYPE == 1
+#if defined(ARF_HOST)
+  return arf_host::cvt_f32_f16((unsigned short)b);
+#else
   float f;
   unsigned short h = (unsigned short)b;
   asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
   return f;
+#endif
 #else
   return __uint_as_float(b);
 #endif
@@ -141,10 +155,14 @@ __device__ __forceinline__ float arf_bits_to_f32(u32 b) {
 
 // Round to nearest even into the activation dtype; returns the bit pattern.
 __device__ __forceinline__ u32 arf_f32_to_bits(float f) {
-#if ARF_DTYPE == 0
+#if ARF_DTYPE == 0 && defined(ARF_HOST)
+  return arf_host::cvt_rn_bf16_f32(f);
+#elif ARF_DTYPE == 0
   unsigned short h;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
+#elif ARF_DTYPE == 1 && defined(ARF_HOST)
+  return arf_host::cvt_rn_f16_f32(f);
 #elif ARF_DTYPE == 1
   unsigned short h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
@@ -211,43 +229,78 @@ __device__ __forceinline__ uint4 arf_ld(u64 addr) {
   return *reinterpret_cast<const uint4*>(addr);
 }
 __device__ __forceinline__ void arf_st(u64 addr, uint4 v) {
+#if defined(ARF_HOST)
+  arf_host::chaos_point();
+#endif
   *reinterpret_cast<uint4*>(addr) = v;
 }
 // Loads of data another rank (possibly another GPU) writes: volatile = relaxed at
 // system scope, never served from a stale L1 line.
 __device__ __forceinline__ uint4 arf_ld_sys(u64 addr) {
+#if defined(ARF_HOST)
+  return arf_host::ld_relaxed_v4(addr);
+#else
   uint4 v;
   asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(addr)
                : "memory");
   return v;
+#endif
 }
 // Stores to another rank's memory (relaxed, system scope). Callers order them after
 // earlier writes with arf_fence_sys() (fence + relaxed store = release).
 __device__ __forceinline__ void arf_st_sys(u64 addr, uint4 v) {
+#if defined(ARF_HOST)
+  arf_host::st_relaxed_v4(addr, v);
+#else
   asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(addr), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
                : "memory");
+#endif
 }
-__device__ __forceinline__ void arf_fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void arf_fence_sys() {
+#if defined(ARF_HOST)
+  arf_host::chaos_point();
+  arf_host::fence_acq_rel();
+#else
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void arf_st_release_sys(u64 addr, u32 v) {
+#if defined(ARF_HOST)
+  arf_host::chaos_point();
+  arf_host::store_release(addr, v);
+#else
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
+#endif
 }
 __device__ __forceinline__ u32 arf_ld_acquire_sys(u64 addr) {
+#if defined(ARF_HOST)
+  return arf_host::load_acquire(addr);
+#else
   u32 v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
   return v;
+#endif
 }
 __device__ __forceinline__ u32 arf_ld_volatile_u32(u64 addr) {
+#if defined(ARF_HOST)
+  return arf_host::load_relaxed(addr);
+#else
   u32 v;
   asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
   return v;
+#endif
 }
 __device__ __forceinline__ u64 arf_globaltimer() {
+#if defined(ARF_HOST)
+  return arf_host::globaltimer();
+#else
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+#endif
 }
 
 // Poll bookkeeping: every 1024 polls read the clock; give up (set the error word and
@@ -257,6 +310,9 @@ struct ArfPoll {
   u32 spins;
 };
 __device__ __forceinline__ bool arf_poll_expired(ArfPoll& st, const ArfParams& p, u32 code) {
+#if defined(ARF_HOST)
+  arf_host::spin_yield();  // every poll of a spin-wait lets the other threads run
+#endif
   if ((++st.spins & 1023u) != 0u) return false;
   const u64 now = arf_globaltimer();
   if (st.t0 == 0) st.t0 = now;
@@ -270,12 +326,18 @@ __device__ __forceinline__ bool arf_poll_expired(ArfPoll& st, const ArfParams& p
 
 // ---------------------------------------------------------------- PDL
 // Wait for the previous kernel in the stream (no-op without the PDL attribute).
-__device__ __forceinline__ void arf_grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void arf_grid_dependency_wait() {
+#if !defined(ARF_HOST)  // host: launches are ordered by the launcher, PDL does not exist
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 // Let the next kernel launch. Called only after the last store of the CTA, so
 // completion is always signalled at the end (domain.md section 4: early signalling
 // let a dependent read an unwritten buffer).
 __device__ __forceinline__ void arf_trigger_dependents() {
+#if !defined(ARF_HOST)
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 // ---------------------------------------------------------------- thread index
@@ -289,9 +351,13 @@ __device__ __forceinline__ void arf_trigger_dependents() {
 // what spilled at the 64-register cap of 1024-thread blocks. Recomputing costs a few
 // integer instructions per pass; no floating-point operation changes.
 __device__ __forceinline__ int arf_tid() {
+#if defined(ARF_HOST)
+  return (int)threadIdx.x;
+#else
   int t;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
   return t;
+#endif
 }
 // Index of this thread's vector v of a token (see arf_tid).
 __device__ __forceinline__ int arf_vec_idx(int v) { return arf_tid() + v * (int)blockDim.x; }
@@ -333,9 +399,13 @@ __device__ __forceinline__ float arf_group_max(float v, int width) {
 // e4m3 (fp8) with satfinite, round to nearest even: two values -> two bytes
 // (`lo` in the low byte).
 __device__ __forceinline__ u32 arf_e4m3x2(float lo, float hi) {
+#if defined(ARF_HOST)
+  return arf_host::cvt_rn_satfinite_e4m3_f32(lo) | (arf_host::cvt_rn_satfinite_e4m3_f32(hi) << 8);
+#else
   unsigned short r;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   return r;
+#endif
 }
 // One vector of ARF_VEC activations -> ARF_VEC e4m3 bytes at `dst`:
 // e4m3(clamp(y / scale, -448, 448)), as contract v2 clause 4 (a true division). The
@@ -375,11 +445,15 @@ __device__ __forceinline__ float arf_e4m3_to_f32(u32 b) {
 // e2m1 (fp4) pair with satfinite, round to nearest even: `lo` in the low nibble.
 // The cvt needs sm_100a or later.
 __device__ __forceinline__ u32 arf_e2m1x2(float lo, float hi) {
+#if defined(ARF_HOST)
+  return arf_host::cvt_rn_satfinite_e2m1_f32(lo) | (arf_host::cvt_rn_satfinite_e2m1_f32(hi) << 4);
+#else
   u32 r;
   asm("{ .reg .b8 t; cvt.rn.satfinite.e2m1x2.f32 t, %1, %2; cvt.u32.u8 %0, t; }"
       : "=r"(r)
       : "f"(hi), "f"(lo));
   return r;
+#endif
 }
 #endif
 // Byte offset of the NVFP4 scale of (row t, 16-element block column c) in the

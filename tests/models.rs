@@ -138,6 +138,28 @@ fn glm5_fp8_on_h200_is_the_seed_case_handled() {
     }
 }
 
+/// Issue 17: deterministic mode keeps fusion with arfuse's kernels (every strategy and
+/// arfuse-runtime's unfused path reduce in one order) and the report says so.
+#[test]
+fn deterministic_llama_fuses_every_site_and_states_batch_invariance() {
+    let f = load(&root().join("ir-fixtures/models/llama31_8b_tp8.options.json"));
+    let mut target = Target::preset("h200-sxm-x8").unwrap();
+    target.deterministic = true;
+    let lowered = arfuse::lower(&f.graph, &target).unwrap();
+    let r = &lowered.report;
+    assert_eq!((r.all_reduces_fused, r.all_reduces_seen), (65, 65));
+    let text = r.to_string();
+    assert!(
+        text.contains("batch-invariant: one reduction order on all paths"),
+        "{text}"
+    );
+    // With the engine's all-reduce serving T > 64 it is refused, with the reason.
+    target.unfused_all_reduce = arfuse::policy::UnfusedAllReduce::Engine;
+    let lowered = arfuse::lower(&f.graph, &target).unwrap();
+    assert_eq!(lowered.report.all_reduces_fused, 0);
+    assert!(lowered.report.to_string().contains("engine's all-reduce"));
+}
+
 #[test]
 fn lowering_twice_changes_nothing_and_is_deterministic() {
     for f in fixtures()

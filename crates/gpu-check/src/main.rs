@@ -270,27 +270,6 @@ fn download_outputs(gpu: &Gpu, io: &Io, case: &Case) -> anyhow::Result<Vec<RankO
         .collect())
 }
 
-/// An arfuse workspace (trtllm mapping: virtual ranks on one GPU) whose one Lamport
-/// buffer holds either strategy up to `max_t` tokens: one-shot's `T*W*H*e` is the
-/// larger of the two needs.
-fn check_workspace(
-    world: u32,
-    hidden: u32,
-    dtype: Dtype,
-    max_t: u32,
-) -> anyhow::Result<arfuse_policy::Workspace> {
-    let need = u64::from(max_t) * u64::from(world) * u64::from(hidden) * dtype.bytes() as u64;
-    let ws = arfuse_policy::Workspace::arfuse(
-        arfuse_policy::Backend::Trtllm,
-        world,
-        u64::from(hidden),
-        dtype.policy(),
-        Some(u64::from(max_t)),
-        arfuse_policy::Workspace::arfuse_buffer_for(need)?,
-    )?;
-    Ok(ws)
-}
-
 fn fused_call(case: &Case, p: KernelParams) -> FusedCall {
     FusedCall {
         variant: case.variant(),
@@ -466,8 +445,11 @@ fn correctness(gpu: &mut Gpu, args: &Args) -> anyhow::Result<usize> {
     groups.sort();
     groups.dedup();
     for (world, dtype) in groups {
-        let ws = VirtualWorkspace::create(gpu, &check_workspace(world, args.hidden, dtype, max_t)?)
-            .with_context(|| format!("workspace W={world} {}", dtype.name()))?;
+        let ws = VirtualWorkspace::create(
+            gpu,
+            &check::workspace_for(world, dtype, args.hidden, max_t)?,
+        )
+        .with_context(|| format!("workspace W={world} {}", dtype.name()))?;
         let io = Io::new(gpu, world, dtype, args.hidden, max_t)?;
         for case in cases
             .iter()
@@ -588,7 +570,7 @@ fn timings(gpu: &mut Gpu, args: &Args) -> anyhow::Result<()> {
     let copy_gbs = 2.0 * big as f64 / (median(copy) * 1e-3) / 1e9;
     println!("\ndevice-to-device copy: {copy_gbs:.0} GB/s (1 GiB, read + write)");
     let max_t = *check::TOKENS.iter().max().unwrap_or(&1);
-    let ws = VirtualWorkspace::create(gpu, &check_workspace(world, hidden, dtype, max_t)?)?;
+    let ws = VirtualWorkspace::create(gpu, &check::workspace_for(world, dtype, hidden, max_t)?)?;
     let io = Io::new(gpu, world, dtype, hidden, max_t)?;
     let mut quants = vec![Quant::None, Quant::Fp8PerToken];
     if gpu.info().sm >= 100 {

@@ -29,7 +29,9 @@
 //!    iff `T*H*W*e <= 1 MiB`; FlashInfer's: vLLM's selector, which defers to
 //!    FlashInfer's AUTO rule for mnnvl; §4) is used only when the call fits; otherwise
 //!    the other fused strategy (FlashInfer's two-shot only for T >= W), otherwise unfused. In
-//!    deterministic mode the plan is one-shot for every T or no fusion at all.
+//!    deterministic mode, arfuse's kernels keep this dispatch (every path reduces in the
+//!    contract's one order; an unfused T must then be served by arfuse-runtime's own
+//!    path, [`UnfusedAllReduce`]), FlashInfer's are one-shot for every T or no fusion.
 //! 6. The result is a [`Plan`] of token ranges, each with its bytes and reason, and
 //!    [`verify`] re-checks any plan against any workspace.
 //!
@@ -108,7 +110,9 @@ pub use strategy::{
     trigger_completion_at_end, vllm_one_shot_selector, Strategy, VllmSelection,
     FLASHINFER_TRTLLM_AUTO_MIB, MNNVL_AUTO_ONE_SHOT_BYTES, PDL_ADVANCE_LAUNCH_TOKENS,
 };
-pub use target::{ActDtype, Interconnect, KernelLibrary, RequestedBackend, Target};
+pub use target::{
+    ActDtype, Interconnect, KernelLibrary, RequestedBackend, Target, UnfusedAllReduce,
+};
 pub use verify::{verify, Violation};
 pub use workspace::{
     required_bytes, ArfuseLayout, Misfit, Workspace, ARFUSE_BUFFER_ALIGN_BYTES, ARFUSE_STATE_BYTES,

@@ -12,7 +12,7 @@ use crate::bytes;
 use crate::error::{PolicyError, Result};
 use crate::limits;
 use crate::strategy::{self, Strategy, PDL_ADVANCE_LAUNCH_TOKENS};
-use crate::target::{ActDtype, KernelLibrary, Target};
+use crate::target::{ActDtype, KernelLibrary, Target, UnfusedAllReduce};
 use crate::verify::{verify_inner, Violation};
 use crate::workspace::{Misfit, Workspace};
 
@@ -131,6 +131,12 @@ pub struct Plan {
     pub dtype: ActDtype,
     /// Deterministic mode: one reduction order for every T.
     pub deterministic: bool,
+    /// Which all-reduce serves the unfused T.
+    pub unfused_all_reduce: UnfusedAllReduce,
+    /// Every path of the plan (each fused strategy and the unfused one) reduces in one
+    /// order, so a token's outputs do not depend on the batch it is in: arfuse's kernels
+    /// with arfuse-runtime's unfused path, or one fused strategy for every T.
+    pub batch_invariant: bool,
     /// The engine's max batched tokens (tokens).
     pub max_batched_tokens: u64,
     /// Largest T planned (tokens): max batched tokens or the largest extra point.
@@ -499,6 +505,8 @@ fn build(target: &Target, hidden_sizes: &[u64], given: Option<&Workspace>) -> Re
         world_size: target.world_size,
         dtype: target.dtype,
         deterministic: target.deterministic,
+        unfused_all_reduce: target.unfused_all_reduce,
+        batch_invariant: false,
         max_batched_tokens: target.max_batched_tokens,
         max_planned_tokens: t_max,
         max_bytes: None,
@@ -526,6 +534,7 @@ fn build(target: &Target, hidden_sizes: &[u64], given: Option<&Workspace>) -> Re
             .collect();
     }
     finish(&mut plan, raw_points)?;
+    note_batch_invariance(&mut plan);
     let violations = verify_inner(&plan, plan.workspace.as_ref());
     if !violations.is_empty() {
         return Err(PolicyError::Internal {
@@ -712,6 +721,10 @@ fn dispatch_sites(
         );
         return Ok(None);
     }
+    if let Some(why) = engine_order_in_deterministic_mode(shape.target, &sites, shape.m) {
+        refuse(plan, why);
+        return Ok(None);
+    }
     Ok(Some(sites))
 }
 
@@ -743,6 +756,85 @@ fn take_fused(
          trigger early (domain.md §4)"
     ));
     Ok(())
+}
+
+/// Deterministic mode with arfuse's kernels: every fused strategy reduces in the
+/// contract's order, but a T the plan leaves unfused runs through the engine's
+/// all-reduce when `unfused_all_reduce = "engine"`, in another order: the reason to
+/// refuse, naming the range and the fixes.
+fn engine_order_in_deterministic_mode(
+    target: &Target,
+    sites: &[SiteDispatch],
+    m: u64,
+) -> Option<String> {
+    if !target.deterministic
+        || target.kernels != KernelLibrary::Arfuse
+        || target.unfused_all_reduce != UnfusedAllReduce::Engine
+    {
+        return None;
+    }
+    let (h, r) = sites.iter().find_map(|s| {
+        s.ranges
+            .iter()
+            .find(|r| !r.strategy.is_fused())
+            .map(|r| (s.hidden, r))
+    })?;
+    Some(format!(
+        "deterministic mode needs one reduction order for every T (domain.md §3), and \
+         T={}..={} (H={h}) would run unfused through the engine's all-reduce, whose order \
+         differs from arfuse's kernels'; bound max_batched_tokens and the capture sizes to \
+         max_token_num {m}, or serve them with arfuse-runtime's unfused path \
+         (unfused_all_reduce = \"arfuse\")",
+        r.lo, r.hi
+    ))
+}
+
+/// Whether the strategies `used` (over every site and T of a plan) reduce in one
+/// order, for `kernels` with unfused T served by `unfused`: arfuse's one-shot and
+/// two-shot and arfuse-runtime's unfused path all follow the contract's order (rank
+/// order from +0.0, the RMSNorm sum in the kernels' block tree for H); FlashInfer's
+/// strategies each have their own, and the engine's all-reduce another.
+pub(crate) fn one_reduction_order(
+    kernels: KernelLibrary,
+    unfused: UnfusedAllReduce,
+    used: &std::collections::BTreeSet<Strategy>,
+) -> bool {
+    let has_unfused = used.contains(&Strategy::Unfused);
+    match kernels {
+        KernelLibrary::Arfuse => !has_unfused || unfused == UnfusedAllReduce::Arfuse,
+        KernelLibrary::Flashinfer => used.len() <= 1 && !has_unfused,
+    }
+}
+
+/// Sets [`Plan::batch_invariant`] and says why in the notes.
+fn note_batch_invariance(plan: &mut Plan) {
+    if plan.backend().is_none() {
+        return;
+    }
+    let used: std::collections::BTreeSet<Strategy> = plan
+        .sites
+        .iter()
+        .flat_map(|s| s.ranges.iter().map(|r| r.strategy))
+        .collect();
+    plan.batch_invariant = one_reduction_order(plan.kernels, plan.unfused_all_reduce, &used);
+    let note = match (plan.batch_invariant, plan.kernels) {
+        (true, KernelLibrary::Arfuse) => "batch-invariant: one reduction order on all paths \
+             (arfuse's one-shot, two-shot and unfused path: the all-reduce in rank order from \
+             +0.0, the RMSNorm sum in the kernels' block tree for H), so a token's outputs \
+             do not depend on the batch it is in"
+            .to_string(),
+        (true, KernelLibrary::Flashinfer) => {
+            "batch-invariant: one fused strategy for every T".to_string()
+        }
+        (false, KernelLibrary::Arfuse) => "not batch-invariant: the unfused T run through \
+             the engine's all-reduce (unfused_all_reduce = \"engine\"), whose reduction \
+             order differs from arfuse's kernels'"
+            .to_string(),
+        (false, KernelLibrary::Flashinfer) => "not batch-invariant: FlashInfer's one-shot, \
+             two-shot and unfused paths reduce in different orders"
+            .to_string(),
+    };
+    plan.notes.push(note);
 }
 
 /// Hidden sizes the target's kernels cannot run, with the reason; those sites stay
@@ -820,10 +912,11 @@ impl Shape<'_> {
     ///
     /// - FlashInfer's kernels: FlashInfer's default sizing for M (domain.md §5), or one
     ///   mnnvl buffer holding one-shot up to M in deterministic mode.
-    /// - arfuse's kernels: exactly what the dispatch uses. The rule's strategy for every
+    /// - arfuse's kernels (deterministic or not: every strategy reduces in the contract's
+    ///   order): exactly what the dispatch uses. The rule's strategy for every
     ///   (site, T) is found against the largest buffer the kernels allow
     ///   ([`limits::LAMPORT_MAX_COMM_BYTES`]), and ONE buffer is sized for the largest
-    ///   of those calls (one-shot everywhere in deterministic mode). Every call the rule
+    ///   of those calls. Every call the rule
     ///   picked needs at most that buffer, and every call it refused needs more than the
     ///   largest buffer, so dispatching again against the sized workspace makes the same
     ///   choices (the plan is verified after).
@@ -839,11 +932,7 @@ impl Shape<'_> {
                 Workspace::flashinfer(self.backend, w, self.h_ws, dtype, self.m).map(Some)
             }
             KernelLibrary::Arfuse => {
-                let need = if t.deterministic {
-                    // One-shot for every T up to M; a buffer the kernels cannot have is
-                    // capped, and the per-site check then refuses with the bytes.
-                    Some(required_bytes_one_shot(self, self.m)?.min(limits::LAMPORT_MAX_COMM_BYTES))
-                } else {
+                let need = {
                     let probe = Workspace::arfuse(
                         self.backend,
                         w,
@@ -888,11 +977,11 @@ impl Shape<'_> {
         let mut sites = Vec::new();
         for &h in self.hiddens {
             let ranges = match self.unsupported.get(&h) {
-                Some(why) if self.target.deterministic => {
+                Some(why) if self.fixed_strategy() => {
                     return Err(PlanStep::deterministic_refusal(why.clone()))
                 }
                 Some(why) => vec![unfused_all(self.t_max, why)],
-                None if self.target.deterministic => {
+                None if self.fixed_strategy() => {
                     self.deterministic_blocker(ws, h)?;
                     let reason = format!(
                         "deterministic mode: one-shot (fixed rank-order reduction) for every \
@@ -906,6 +995,12 @@ impl Shape<'_> {
             sites.push(SiteDispatch { hidden: h, ranges });
         }
         Ok(sites)
+    }
+
+    /// Deterministic mode with kernels whose strategies reduce in different orders
+    /// (FlashInfer's): one fused strategy for every T.
+    fn fixed_strategy(&self) -> bool {
+        self.target.deterministic && self.target.kernels == KernelLibrary::Flashinfer
     }
 
     /// Why deterministic mode cannot run one-shot for every T at `h` in `ws`.
@@ -927,19 +1022,6 @@ impl Shape<'_> {
         }
         Ok(())
     }
-}
-
-/// Bytes of one-shot at `t` tokens and the workspace's H.
-fn required_bytes_one_shot(shape: &Shape<'_>, t: u64) -> Result<u64> {
-    crate::workspace::required_bytes(
-        shape.target.kernels,
-        shape.backend,
-        Strategy::OneShot,
-        t,
-        shape.h_ws,
-        shape.target.world_size,
-        shape.target.dtype,
-    )
 }
 
 /// Why a dispatch step stopped: an error, or a refusal of the whole plan.
@@ -1120,7 +1202,7 @@ impl Plan {
             max_bytes,
             ws,
         };
-        if self.deterministic {
+        if self.deterministic && self.kernels == KernelLibrary::Flashinfer {
             // Capacity shrinks with H, so the widest site's one-shot-everywhere proof
             // covers a narrower one.
             let reason = format!(

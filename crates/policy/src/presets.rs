@@ -4,7 +4,9 @@
 //! are vLLM-like defaults: bf16 activations, 8192 max batched tokens and vLLM's default
 //! CUDA-graph capture sizes up to 512 tokens.
 
-use crate::target::{ActDtype, Interconnect, KernelLibrary, RequestedBackend, Target};
+use crate::target::{
+    ActDtype, Interconnect, KernelLibrary, RequestedBackend, Target, UnfusedAllReduce,
+};
 
 /// One named machine: its hardware facts (domain.md §3 and §7) and a line for people.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,6 +146,7 @@ impl Preset {
             compile_range_boundaries: Vec::new(),
             num_speculative_tokens: 0,
             deterministic: false,
+            unfused_all_reduce: UnfusedAllReduce::Arfuse,
             requested_backend: RequestedBackend::Auto,
             kernels: KernelLibrary::Arfuse,
             max_bytes_override: None,

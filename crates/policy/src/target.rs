@@ -175,6 +175,37 @@ impl fmt::Display for KernelLibrary {
     }
 }
 
+/// Which all-reduce serves the token counts a plan does not fuse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum UnfusedAllReduce {
+    /// arfuse-runtime's own unfused path (its all-reduce kernel, then the local
+    /// kernel), in the rounding contract's order: rank order from +0.0, the RMSNorm
+    /// sum in the kernels' block tree, so an unfused T gives the same bits as a fused
+    /// one. The default.
+    #[default]
+    Arfuse,
+    /// The engine's own all-reduce (NCCL or a custom all-reduce) and norm kernels:
+    /// another reduction order.
+    Engine,
+}
+
+impl UnfusedAllReduce {
+    /// The TOML spelling (`"arfuse"`, `"engine"`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            UnfusedAllReduce::Arfuse => "arfuse",
+            UnfusedAllReduce::Engine => "engine",
+        }
+    }
+}
+
+impl fmt::Display for UnfusedAllReduce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 fn default_one() -> u32 {
     1
 }
@@ -221,10 +252,17 @@ pub struct Target {
     /// tokens each). Default 0.
     #[serde(default)]
     pub num_speculative_tokens: u64,
-    /// Deterministic / batch-invariant mode: the plan never mixes reduction orders
-    /// across T (domain.md §3). Default false.
+    /// Deterministic / batch-invariant mode: every T the graph can run with reduces in
+    /// one order (domain.md §3). arfuse's kernels reduce in the contract's order on
+    /// every strategy, so the plan may mix them; FlashInfer's do not, so it is one-shot
+    /// for every T or no fusion. Default false.
     #[serde(default)]
     pub deterministic: bool,
+    /// Which all-reduce serves the T the plan leaves unfused (default `arfuse`:
+    /// arfuse-runtime's own unfused path, in the contract's order; `engine`: the
+    /// engine's NCCL or custom all-reduce, in another order).
+    #[serde(default)]
+    pub unfused_all_reduce: UnfusedAllReduce,
     /// The backend asked for (default `auto`).
     #[serde(default)]
     pub requested_backend: RequestedBackend,

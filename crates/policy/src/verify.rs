@@ -117,7 +117,8 @@ pub enum Violation {
         /// The error.
         detail: String,
     },
-    /// Deterministic mode with more than one reduction order across T (domain.md §3).
+    /// Deterministic mode with more than one reduction order across T (domain.md §3):
+    /// FlashInfer's strategies mixed, or T served by the engine's all-reduce.
     MixedReductionOrders {
         /// The strategies present.
         strategies: Vec<Strategy>,
@@ -335,7 +336,11 @@ pub(crate) fn verify_inner(plan: &Plan, workspace: Option<&Workspace>) -> Vec<Vi
             check_fused(plan, ws, h, r, &mut out);
         }
     }
-    if plan.deterministic && used.len() > 1 {
+    // A plan that fuses nothing runs every T through the engine's own path: one order.
+    if plan.deterministic
+        && plan.backend().is_some()
+        && !crate::plan::one_reduction_order(plan.kernels, plan.unfused_all_reduce, &used)
+    {
         out.push(Violation::MixedReductionOrders {
             strategies: used.into_iter().collect(),
         });

@@ -5,8 +5,8 @@
 use arfuse_policy::{
     plan, plan_with_workspace, preferred_strategy, resolve_backend, trtllm_lamport_max_tokens,
     verify, ActDtype, Backend, BackendDecision, DispatchRange, Interconnect, KernelLibrary,
-    PolicyError, RequestedBackend, Strategy, Target, Violation, Workspace, LAMPORT_MAX_COMM_BYTES,
-    MIB,
+    PolicyError, RequestedBackend, Strategy, Target, UnfusedAllReduce, Violation, Workspace,
+    LAMPORT_MAX_COMM_BYTES, MIB,
 };
 
 fn preset(name: &str) -> Target {
@@ -369,7 +369,8 @@ fn missing_table_entry_is_a_visible_reason() {
 
 #[test]
 fn deterministic_large_engine_plans_no_fusion_with_reason() {
-    let mut t = preset("h200-sxm-x8");
+    // FlashInfer's kernels: one-shot and two-shot reduce in different orders.
+    let mut t = flashinfer("h200-sxm-x8");
     t.deterministic = true;
     let p = plan(&t, &[6144]).unwrap();
     assert_eq!(p.backend(), None);
@@ -382,7 +383,7 @@ fn deterministic_large_engine_plans_no_fusion_with_reason() {
 
 #[test]
 fn deterministic_decode_engine_is_one_shot_everywhere() {
-    let mut t = preset("h200-sxm-x8");
+    let mut t = flashinfer("h200-sxm-x8");
     t.deterministic = true;
     t.max_batched_tokens = 32;
     t.capture_sizes = vec![1, 2, 4, 8, 16, 24, 32];
@@ -393,6 +394,7 @@ fn deterministic_decode_engine_is_one_shot_everywhere() {
         assert_eq!(shape(&site.ranges), vec![(1, 32, Strategy::OneShot)]);
     }
     assert!(verify(&p, &ws).is_empty());
+    assert!(p.batch_invariant);
     // A plan from outside that mixes orders is reported.
     let mixed = p.with_strategy(16, 32, Strategy::TwoShot).unwrap();
     assert!(verify(&mixed, &ws)
@@ -400,12 +402,73 @@ fn deterministic_decode_engine_is_one_shot_everywhere() {
         .any(|v| matches!(v, Violation::MixedReductionOrders { .. })));
 }
 
+/// Issue 17: arfuse's kernels reduce in the contract's order on every strategy and on
+/// arfuse-runtime's unfused path, so deterministic mode keeps the normal dispatch
+/// (one-shot to T=16, two-shot to 64 at H=4096 on 8x H200) and says it is
+/// batch-invariant; with the engine's all-reduce serving the unfused T it refuses,
+/// naming the range and the fixes, unless the plan fuses every T.
 #[test]
-fn deterministic_never_mixes_one_shot_and_two_shot() {
+fn deterministic_arfuse_keeps_mixed_strategies_and_states_batch_invariance() {
+    let mut t = preset("h200-sxm-x8");
+    t.deterministic = true;
+    let p = plan(&t, &[4096]).unwrap();
+    assert_eq!(p.backend(), Some(Backend::Mnnvl));
+    assert_eq!(
+        shape(p.dispatch()),
+        vec![
+            (1, 16, Strategy::OneShot),
+            (17, 64, Strategy::TwoShot),
+            (65, 8192, Strategy::Unfused)
+        ]
+    );
+    assert!(p.batch_invariant);
+    assert!(
+        p.notes
+            .iter()
+            .any(|n| n.starts_with("batch-invariant: one reduction order")),
+        "{:?}",
+        p.notes
+    );
+    assert!(p.verify_own().is_empty());
+    // Not deterministic: the same dispatch, also batch-invariant.
+    let mut nd = t.clone();
+    nd.deterministic = false;
+    let q = plan(&nd, &[4096]).unwrap();
+    assert_eq!(q.sites, p.sites);
+    assert!(q.batch_invariant);
+
+    t.unfused_all_reduce = UnfusedAllReduce::Engine;
+    let p = plan(&t, &[4096]).unwrap();
+    assert_eq!(p.backend(), None);
+    let why = p.decision.reason();
+    assert!(
+        why.contains("T=65..=8192 (H=4096) would run unfused through the engine's all-reduce")
+            && why.contains("max_token_num 64")
+            && why.contains("unfused_all_reduce = \"arfuse\""),
+        "{why}"
+    );
+    // Bounded to the fused range, the engine's all-reduce never runs.
+    t.max_batched_tokens = 64;
+    t.capture_sizes.retain(|&c| c <= 64);
+    let p = plan(&t, &[4096]).unwrap();
+    assert!(p.batch_invariant && p.backend().is_some());
+    assert_eq!(
+        p.dispatch().last().map(|r| (r.hi, r.strategy)),
+        Some((64, Strategy::TwoShot))
+    );
+    // Not deterministic with the engine's path: fused, but not batch-invariant.
+    let mut nd = preset("h200-sxm-x8");
+    nd.unfused_all_reduce = UnfusedAllReduce::Engine;
+    let p = plan(&nd, &[4096]).unwrap();
+    assert!(!p.batch_invariant && p.notes.iter().any(|n| n.starts_with("not batch-invariant")));
+}
+
+#[test]
+fn deterministic_flashinfer_never_mixes_one_shot_and_two_shot() {
     for name in Target::preset_names() {
         for h in [2048u64, 4096, 6144, 7168, 8192, 16384] {
             for mbt in [8, 16, 64, 8192] {
-                let mut t = preset(name);
+                let mut t = flashinfer(name);
                 t.deterministic = true;
                 t.max_batched_tokens = mbt;
                 t.capture_sizes.retain(|&c| c <= mbt);

@@ -97,6 +97,7 @@ fn target(sm: u32, w: u32, multicast: bool, dtype: ActDtype, mbt: u64) -> Target
         compile_range_boundaries: vec![],
         num_speculative_tokens: 0,
         deterministic: false,
+        unfused_all_reduce: arfuse_policy::UnfusedAllReduce::Arfuse,
         requested_backend: RequestedBackend::Auto,
         kernels: KernelLibrary::Arfuse,
         max_bytes_override: None,
@@ -229,6 +230,8 @@ proptest! {
         let mut t = target(sm, w, multicast, ActDtype::Bf16, mbt);
         t.capture_sizes.retain(|&c| c <= mbt);
         t.deterministic = true;
+        // FlashInfer's kernels: one strategy for every T, or no fusion.
+        t.kernels = KernelLibrary::Flashinfer;
         let p = plan(&t, &[256 + 128 * k, 256]).unwrap();
         let mut used: Vec<Strategy> =
             p.sites.iter().flat_map(|s| s.ranges.iter().map(|r| r.strategy)).collect();
@@ -236,6 +239,15 @@ proptest! {
         used.dedup();
         prop_assert_eq!(used.len(), 1);
         prop_assert!(p.verify_own().is_empty());
+        // arfuse's kernels: the non-deterministic dispatch, batch-invariant whenever
+        // it fuses.
+        t.kernels = KernelLibrary::Arfuse;
+        let d = plan(&t, &[256 + 128 * k, 256]).unwrap();
+        t.deterministic = false;
+        let n = plan(&t, &[256 + 128 * k, 256]).unwrap();
+        prop_assert_eq!(&d.sites, &n.sites);
+        prop_assert_eq!(d.batch_invariant, d.backend().is_some());
+        prop_assert!(d.verify_own().is_empty());
     }
 
     /// Arbitrary (absurd) numbers: errors or sound plans, never a panic or overflow.

@@ -74,6 +74,33 @@ pub enum Error {
     /// The host protocol model timed out (a rank waited too long: a protocol bug).
     #[error("protocol model: {0}")]
     Model(String),
+    /// The host C++ compiler (`CXX`, else `g++`) cannot be run.
+    #[error("host C++ compiler {compiler} is unusable: {reason}")]
+    HostCompiler {
+        /// The compiler command.
+        compiler: String,
+        /// Why (not found, `--version` failed, ...).
+        reason: String,
+    },
+    /// The host C++ compiler rejected a kernel variant; `stderr` is its output.
+    #[error("host build ({build}) of variant {variant} failed:\n{stderr}")]
+    HostCompile {
+        /// Variant name (see [`crate::variants::Variant::name`]).
+        variant: String,
+        /// Which host build (`plain`, `sanitized`).
+        build: String,
+        /// The compiler's standard error.
+        stderr: String,
+    },
+    /// A host-compiled kernel could not be loaded or run (executor error: a divergent
+    /// or deadlocked `__syncthreads`, a partial-warp shuffle, a bad launch shape, ...).
+    #[error("host kernel {variant}: {msg}")]
+    HostKernel {
+        /// Variant name.
+        variant: String,
+        /// What went wrong.
+        msg: String,
+    },
     /// An error while running one fused node of a graph.
     #[error("node {node}: {source}")]
     Node {

@@ -23,6 +23,9 @@
 //! - [`node`]: IR fused node + plan -> variants per token count, the plan's workspace.
 //! - [`runner`]: one node end to end (prepare, launch, capture, unfused path).
 //! - [`cuda`]: device probe, allocations, virtual-rank workspaces, launches, graphs.
+//! - [`host`]: the host device: the same kernel sources compiled with the machine's
+//!   C++ compiler and run on the CPU (CTAs as OS threads, CUDA threads as fibers, each
+//!   rank its own launch stream), for testing the kernels without a GPU.
 //! - [`workspace`]: the backend fallback chain with cached failures (device-independent).
 //! - [`variants`]: the kernel variants in `kernels/` and their NVRTC compilation.
 //! - [`nvrtc`]: finding and calling NVRTC (PyPI wheel, CUDA toolkit, or system).
@@ -37,6 +40,7 @@
 pub mod check;
 pub mod cuda;
 pub mod error;
+pub mod host;
 pub mod node;
 pub mod nvrtc;
 pub mod protocol;
