@@ -41,6 +41,25 @@
 // has pushed its data for it (one-shot: every rank reads every rank's slot; two-shot:
 // every owner reads every rank's scatter slot, and every rank reads the owners'
 // gathered rows, so even the ranks that own no token when T < W wait for all).
+//
+// Fences. The clears of call n (buffer (n + 2) % 3) need no fence before the pushes of
+// call n: those go to buffer n % 3, and a peer writes buffer (n + 2) % 3 of this rank
+// again only in call n + 2, which it reaches only after reading this rank's push of
+// call n + 1, issued by the NEXT kernel; a kernel's writes are performed in this GPU's
+// L2 (the point of coherence of its memory, where a peer's stores land too) before the
+// next kernel of the stream runs past arf_grid_dependency_wait, so the clears are in
+// place before any push that lets a peer come back to the buffer. (The kernels used to
+// issue a system fence on every thread before the pushes.) The same two boundaries
+// order the call state (arf_call_end) before the next kernel reads it, so its writes
+// need no fence either; the one device fence kept there orders each CTA's read of the
+// call number before its arrival (a load followed by a relaxed atomic: without it a
+// CTA's read could formally see the counter the last arrival advances).
+//
+// The arrival atomic stays (per-CTA call counters were the alternative): the grid
+// width follows T (min(T, 256, what is co-resident)), so the CTAs of one call are not
+// those of the next, and a counter per CTA would need every CTA of the widest grid
+// launched on every call. One atomicAdd per CTA at the end of a call is off the data's
+// path.
 struct ArfCall {
   u64 ws;   // this rank's workspace
   u64 cur;  // byte offset of this call's Lamport buffer in every rank's workspace
@@ -75,13 +94,13 @@ __device__ __forceinline__ void arf_call_end(const ArfParams& p, int rank, u32 c
   __syncthreads();
   if (threadIdx.x == 0) {
     u32* st = reinterpret_cast<u32*>(p.peer[rank] + p.off_state);
-    __threadfence();
+    __threadfence();  // this CTA's read of the call number before its arrival
     const u32 arrived = atomicAdd(st + 1, 1u);
     if (arrived == gridDim.x - 1u) {
+      // Read by the next kernel only (no fence: see "Fences").
       st[1] = 0u;
       st[2 + (call + 2u) % 3u] = 0u;
       st[2 + call % 3u] = (u32)used;
-      __threadfence();
       st[0] = call + 1u;
     }
   }
@@ -102,21 +121,65 @@ __device__ __forceinline__ uint4 arf_poll_vec(const ArfParams& p, u64 addr, ArfP
   return d;
 }
 
-// Sum of the W slots of one vector, polled, in rank order from +0.0 (contract v1
-// clause 1), rounded to T. Slot s of the vector is at base + s * slot_bytes.
+// Slots loaded at once before any is waited for: the W peers' data arrive in any order,
+// so issuing the loads together overlaps their round trips (a loop that polls slot 0
+// to readiness before it even loads slot 1 pays W round trips in a row; with pairs, W/2).
+// Two slots are 8 registers; 4 made ptxas spill (4-128 bytes) in 18 one-shot W = 8
+// per-token-group FP8 and two-shot f32 FP8 variants at the 64-register budget of
+// 1024-thread blocks (NVRTC 12.9, sm_90a), so W > 2 polls in pairs.
+#define ARF_POLL_BATCH 2
+static_assert(ARF_W % ARF_POLL_BATCH == 0, "the world size is a multiple of the poll batch");
+
+// Sum of the W slots of one vector, polled, in rank order from +0.0 (contract clause
+// 1), rounded to T. Slot s of the vector is at base + s * slot_bytes. Each batch of
+// ARF_POLL_BATCH slots is loaded first, then every slot not yet written is polled again
+// on its own; the sum still takes the slots in rank order.
 __device__ __forceinline__ uint4 arf_reduce_slots(const ArfParams& p, u64 base, u64 slot_bytes, ArfPoll& poll,
                                                   volatile int* bail, u32 code) {
   float acc[ARF_VEC];
 #pragma unroll
   for (int i = 0; i < ARF_VEC; ++i) acc[i] = 0.0f;
 #pragma unroll 1
-  for (int s = 0; s < ARF_W; ++s) {
-    float f[ARF_VEC];
-    arf_unpack(arf_poll_vec(p, base + (u64)s * slot_bytes, poll, bail, code), f);
+  for (int s0 = 0; s0 < ARF_W; s0 += ARF_POLL_BATCH) {
+    uint4 d[ARF_POLL_BATCH];
 #pragma unroll
-    for (int i = 0; i < ARF_VEC; ++i) acc[i] += f[i];
+    for (int j = 0; j < ARF_POLL_BATCH; ++j) d[j] = arf_ld_sys(base + (u64)(s0 + j) * slot_bytes);
+#pragma unroll
+    for (int j = 0; j < ARF_POLL_BATCH; ++j) {
+      while (!arf_vec_ready(d[j]) && !*bail) {
+        if (arf_poll_expired(poll, p, code)) {
+          *bail = 1;
+          break;
+        }
+        d[j] = arf_ld_sys(base + (u64)(s0 + j) * slot_bytes);
+      }
+      float f[ARF_VEC];
+      arf_unpack(d[j], f);
+#pragma unroll
+      for (int i = 0; i < ARF_VEC; ++i) acc[i] += f[i];
+    }
   }
   return arf_pack(acc);
+}
+
+// Prefetches into L2 the residual and weight vectors the epilogue of token t reads,
+// before the token's polling (see arf_prefetch_l2).
+__device__ __forceinline__ void arf_prefetch_epilogue(const ArfParams& p, int rank, int t, int vpt, int nvec) {
+#if ARF_RESIDUAL
+  const u64 res = arf_rank_ptr(p.residual_in, rank) + (u64)t * (u64)p.H * ARF_EB;
+#endif
+#pragma unroll
+  for (int v = 0; v < ARF_MAX_VPT; ++v) {
+    const int idx = arf_vec_idx(v);
+    if (v < vpt && idx < nvec) {
+#if ARF_RESIDUAL
+      arf_prefetch_l2(res + (u64)idx * 16u);
+#endif
+#if ARF_NORM
+      arf_prefetch_l2(p.gamma + (u64)idx * (p.gamma_f32 ? ARF_VEC * 4u : 16u));
+#endif
+    }
+  }
 }
 
 #if ARF_STRATEGY == 1
@@ -133,9 +196,9 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
   if (threadIdx.x == 0) s_bail = 0;
   const ArfCall c = arf_call_begin(p, rank, s_call);
 
-  // 1. Push this rank's tokens (-0.0 written as +0.0: -0.0 is the sentinel).
+  // 1. Push this rank's tokens (-0.0 written as +0.0: -0.0 is the sentinel). No
+  // fence before the pushes (see "Fences" above).
   const u64 x = arf_rank_ptr(p.x, rank);
-  arf_fence_sys();  // order this kernel's clears (and earlier writes) before the pushes
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
@@ -153,6 +216,7 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
   // s_call per token rather than held in registers across the epilogue (see arf_tid).
   ArfPoll poll = {0, 0};
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
+    arf_prefetch_epilogue(p, rank, t, vpt, nvec);
     const u64 tok = c.ws + p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride + (u64)t * row_bytes;
     uint4 a[ARF_MAX_VPT];
 #pragma unroll
@@ -202,8 +266,8 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
   const ArfCall c = arf_call_begin(p, rank, s_call);
   const u64 x = arf_rank_ptr(p.x, rank);
 
-  // 1. Reduce-scatter, push: token t goes to slot `rank` of its owner's buffer.
-  arf_fence_sys();  // order this kernel's clears (and earlier writes) before the pushes
+  // 1. Reduce-scatter, push: token t goes to slot `rank` of its owner's buffer. No
+  // fence before the pushes (see "Fences" above).
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     const int o = arf_owner_of(t, p.T);
     const u64 dst = p.peer[o] + c.cur + ((u64)rank * rows + (u64)(t - arf_owner_start(o, p.T))) * row_bytes;
@@ -237,6 +301,7 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
 
   // 3. Every rank polls the gathered rows of this CTA's tokens and runs the epilogue.
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
+    arf_prefetch_epilogue(p, rank, t, vpt, nvec);
     const u64 row = c.ws + p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride +
                     ((u64)ARF_W * rows + (u64)t) * row_bytes;
     uint4 a[ARF_MAX_VPT];
@@ -264,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(1024) arf_fused(const ArfParams p) 
 #else
   arf_twoshot(p, rank, vpt, nvec, red);
 #endif
-  if (blockIdx.x == 0) arf_zero_scale_padding(arf_rank_ptr(p.scale_out, rank), p.T, p.H);
+  arf_zero_scale_padding(arf_rank_ptr(p.scale_out, rank), p.T, p.H);
   __syncthreads();
   arf_trigger_dependents();
 }

@@ -248,8 +248,10 @@ __device__ __forceinline__ uint4 arf_ld_sys(u64 addr) {
   return v;
 #endif
 }
-// Stores to another rank's memory (relaxed, system scope). Callers order them after
-// earlier writes with arf_fence_sys() (fence + relaxed store = release).
+// Stores to another rank's memory (relaxed, system scope). The Lamport data is its own
+// flag (an element is written once it is not the sentinel), so no store needs ordering
+// against another of the same call; across calls the kernel boundaries order them
+// ("Fences" in allreduce_fused.cu).
 __device__ __forceinline__ void arf_st_sys(u64 addr, uint4 v) {
 #if defined(ARF_HOST)
   arf_host::st_relaxed_v4(addr, v);
@@ -259,12 +261,14 @@ __device__ __forceinline__ void arf_st_sys(u64 addr, uint4 v) {
                : "memory");
 #endif
 }
-__device__ __forceinline__ void arf_fence_sys() {
+// Asks for the 128-byte line at `addr` to be brought into L2 (no register, no wait):
+// the residual and weight a token's epilogue reads, issued before the token's polling
+// so the loads after it hit L2. A hint only; the host build has no caches to fill.
+__device__ __forceinline__ void arf_prefetch_l2(u64 addr) {
 #if defined(ARF_HOST)
-  arf_host::chaos_point();
-  arf_host::fence_acq_rel();
+  (void)addr;
 #else
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(addr));
 #endif
 }
 __device__ __forceinline__ void arf_st_release_sys(u64 addr, u32 v) {
@@ -705,22 +709,27 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
 // [T, round_up(T, 4)) of every word column but the last (the last has T rows only;
 // writing its padding rows would pass the end of the caller's tensor), and the
 // unused bytes of the last column when (H/128) % 4 != 0. Swizzled NVFP4: rows
-// [T, round_up(T, 128)) and columns [H/16, round_up(H/16, 4)). Called once per rank by
-// CTA 0; takes scalars (not the parameter struct) and is not inlined, so it adds no
-// stack or register pressure.
+// [T, round_up(T, 128)) and columns [H/16, round_up(H/16, 4)). Every CTA of the rank
+// calls it and writes its share (element k of the padding goes to global thread k of
+// the grid, strided by the grid's threads: about 130 KB at H = 16,384, T = 1 were one
+// CTA's work). Takes scalars (not the parameter struct) and is not inlined, so it adds
+// no stack or register pressure. The bytes are disjoint from the scales the epilogue
+// writes (a packed word's used bytes versus its unused ones), so no ordering is needed.
 __device__ __noinline__ void arf_zero_scale_padding(u64 sout, int T, int H) {
   if (sout == 0) return;
+  const u32 first = blockIdx.x * blockDim.x + threadIdx.x;
+  const u32 step = gridDim.x * blockDim.x;
 #if ARF_QUANT == ARF_Q_FP8_GROUP_PACKED
   const u32 groups = (u32)H / 128u;
   const u32 tpad = ((u32)T + 3u) & ~3u;
   const u32 cols = (groups + 3u) / 4u;
   const u32 pad = tpad - (u32)T;
   u32* w = reinterpret_cast<u32*>(sout);
-  for (u32 k = threadIdx.x; k < (cols - 1u) * pad; k += blockDim.x) w[(u64)(k / pad) * tpad + T + k % pad] = 0u;
+  for (u32 k = first; k < (cols - 1u) * pad; k += step) w[(u64)(k / pad) * tpad + T + k % pad] = 0u;
   if (groups % 4u != 0u) {
     unsigned char* b = reinterpret_cast<unsigned char*>(sout);
     const u32 used = groups % 4u;
-    for (u32 t = threadIdx.x; t < (u32)T; t += blockDim.x)
+    for (u32 t = first; t < (u32)T; t += step)
       for (u32 k = used; k < 4u; ++k) b[((u64)(cols - 1u) * tpad + t) * 4u + k] = 0;
   }
 #elif ARF_QUANT == ARF_Q_NVFP4_SWIZZLED
@@ -728,13 +737,15 @@ __device__ __noinline__ void arf_zero_scale_padding(u64 sout, int T, int H) {
   const int rows_pad = ((T + 127) / 128) * 128;
   const int cols_pad = ((sf_cols + 3) / 4) * 4;
   unsigned char* s8 = reinterpret_cast<unsigned char*>(sout);
-  for (int k = threadIdx.x; k < (rows_pad - T) * cols_pad; k += blockDim.x)
+  for (int k = (int)first; k < (rows_pad - T) * cols_pad; k += (int)step)
     s8[arf_nvfp4_sf_offset(T + k / cols_pad, k % cols_pad, sf_cols)] = 0;
   const int extra = cols_pad - sf_cols;
-  for (int k = threadIdx.x; k < T * extra; k += blockDim.x)
+  for (int k = (int)first; k < T * extra; k += (int)step)
     s8[arf_nvfp4_sf_offset(k / extra, sf_cols + k % extra, sf_cols)] = 0;
 #else
   (void)T;
   (void)H;
+  (void)first;
+  (void)step;
 #endif
 }

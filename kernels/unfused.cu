@@ -27,7 +27,7 @@ extern "C" __global__ void __launch_bounds__(1024) arf_local(const ArfParams p) 
     }
     arf_epilogue(p, rank, t, a, vpt, nvec, red);
   }
-  if (blockIdx.x == 0) arf_zero_scale_padding(arf_rank_ptr(p.scale_out, rank), p.T, p.H);
+  arf_zero_scale_padding(arf_rank_ptr(p.scale_out, rank), p.T, p.H);
   __syncthreads();
   arf_trigger_dependents();
 }

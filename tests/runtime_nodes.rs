@@ -6,7 +6,7 @@
 //! description, not the launch.
 
 use arfuse::Target;
-use arfuse_runtime::cuda::check_fits;
+use arfuse_runtime::device::check_fits;
 use arfuse_runtime::node::{NodeKernels, Route};
 use arfuse_runtime::variants::{self, KernelKind};
 use std::collections::BTreeMap;
@@ -249,7 +249,7 @@ fn one_capacity_input_moves_every_consumer_together() {
         )),
         "{text}"
     );
-    let e = arfuse_runtime::cuda::check_fits(
+    let e = arfuse_runtime::device::check_fits(
         &small_plan.workspace,
         arfuse_runtime::variants::Strategy::TwoShot,
         64,

@@ -3,6 +3,7 @@
 //! - `cargo xtask lower [GRAPH|DIR] [--target PRESET|FILE] [--out FILE] [--report table|json] [--dot FILE] [--group NAME] [--shared-hidden H] [--all-reduce-op NAME[=GROUP]]`
 //! - `cargo xtask test [CARGO TEST ARGS]`
 //! - `cargo xtask gpu-check [--build-only] [-- GPU_CHECK ARGS]`
+//! - `cargo xtask host-check [-- GPU_CHECK ARGS]`
 //!
 //! Run `cargo xtask help` for details.
 
@@ -87,6 +88,16 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Run the GPU check's correctness part on the host device (the kernel sources
+    /// compiled for the CPU, every rank its own launch stream with seeded skew): every
+    /// pattern x dtype x W in {2, 4, 8} x strategy x T in {1, 7, 16, 40, 42, 128, 1024}
+    /// at H = 8192, then the fused node through the Runner. Arguments after `--` go to
+    /// `gpu_check` (e.g. `-- --hidden 4096 --world 8`).
+    HostCheck {
+        /// Arguments for `gpu_check` (`--device host` is always passed).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -124,6 +135,7 @@ fn main() -> ExitCode {
             )
         }
         Command::GpuCheck { build_only, args } => gpu_check(&root, build_only, &args),
+        Command::HostCheck { args } => host_check(&root, &args),
         Command::Test { args } => test_cmd(&root, &args),
     };
     match result {
@@ -657,7 +669,8 @@ fn test_cmd(root: &Path, args: &[String]) -> Result<ExitCode> {
     })
 }
 
-fn gpu_check(root: &Path, build_only: bool, args: &[String]) -> Result<ExitCode> {
+/// Builds `target/release/gpu_check` and returns its path.
+fn build_gpu_check(root: &Path) -> Result<PathBuf> {
     let status = cargo()
         .current_dir(root)
         .args([
@@ -673,11 +686,18 @@ fn gpu_check(root: &Path, build_only: bool, args: &[String]) -> Result<ExitCode>
     if !status.success() {
         bail!("building gpu_check failed");
     }
-    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
+    Ok(target_dir(root).join("release/gpu_check"))
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .map(|d| if d.is_absolute() { d } else { root.join(d) })
-        .unwrap_or_else(|| root.join("target"));
-    let bin = target_dir.join("release/gpu_check");
+        .unwrap_or_else(|| root.join("target"))
+}
+
+fn gpu_check(root: &Path, build_only: bool, args: &[String]) -> Result<ExitCode> {
+    let bin = build_gpu_check(root)?;
     if build_only {
         println!("{}", bin.display());
         return Ok(ExitCode::SUCCESS);
@@ -694,6 +714,46 @@ fn gpu_check(root: &Path, build_only: bool, args: &[String]) -> Result<ExitCode>
         eprintln!("gpu-check: no CUDA driver on this machine, nothing was checked (exit status 2)");
     }
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
+
+/// The arguments `cargo xtask host-check` gives `gpu_check`: the host device, its
+/// kernel cache under the target directory, and (unless `args` names them) H = 8192
+/// and 2 graph replays per case (each replay is a launch of every rank on the CPU).
+fn host_check_args(target: &Path, args: &[String]) -> Vec<String> {
+    let given = |flag: &str| {
+        args.iter()
+            .any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+    };
+    let mut out = vec!["--device".to_string(), "host".to_string()];
+    for (flag, value) in [
+        (
+            "--host-cache",
+            target.join("tmp/arfuse-host").display().to_string(),
+        ),
+        ("--hidden", "8192".to_string()),
+        ("--replays", "2".to_string()),
+    ] {
+        if !given(flag) {
+            out.push(flag.to_string());
+            out.push(value);
+        }
+    }
+    out.extend(args.iter().cloned());
+    out
+}
+
+fn host_check(root: &Path, args: &[String]) -> Result<ExitCode> {
+    let bin = build_gpu_check(root)?;
+    let t0 = std::time::Instant::now();
+    let status = std::process::Command::new(&bin)
+        .args(host_check_args(&target_dir(root), args))
+        .current_dir(root)
+        .status()
+        .with_context(|| format!("running {}", bin.display()))?;
+    eprintln!("host-check: {:.0} s", t0.elapsed().as_secs_f64());
+    Ok(ExitCode::from(
+        u8::try_from(status.code().unwrap_or(1)).unwrap_or(1),
+    ))
 }
 
 #[cfg(test)]
@@ -737,6 +797,28 @@ mod tests {
             out(".lowered.json", "b200-x8"),
             expect("graph.b200-x8.lowered.json")
         );
+    }
+
+    #[test]
+    fn host_check_passes_the_host_device_and_keeps_the_users_choices() {
+        let t = Path::new("/t");
+        let a = host_check_args(t, &[]);
+        assert_eq!(
+            a,
+            [
+                "--device",
+                "host",
+                "--host-cache",
+                "/t/tmp/arfuse-host",
+                "--hidden",
+                "8192",
+                "--replays",
+                "2"
+            ]
+        );
+        let a = host_check_args(t, &["--hidden=4096".into(), "--world".into(), "8".into()]);
+        assert_eq!(a.iter().filter(|x| x.starts_with("--hidden")).count(), 1);
+        assert!(a.ends_with(&["--hidden=4096".to_string(), "--world".into(), "8".into()]));
     }
 
     #[test]

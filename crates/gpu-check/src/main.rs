@@ -11,11 +11,13 @@
 //!    Then one fused node through the public API (`NodeKernels`, `runner::Runner`) with a
 //!    plan of one-shot, two-shot and unfused ranges, at both ends of every range,
 //!    directly and from per-size CUDA graphs (`node_check`).
-//! 2. Timings (W = 8 unless `--timing-world`): median microseconds per call replayed
-//!    from a CUDA graph of fused vs unfused (arfuse's all-reduce-only kernel + local
-//!    kernel), achieved GB/s over the bytes every virtual rank reads and writes
-//!    (`check::bytes_moved`) against a measured device-to-device copy, and the issue's
-//!    targets (>= 2x for T <= 128, <= 4 us at T = 1, >= 80% of copy at large T).
+//! 2. Timings (W = 8 unless `--timing-world`; `timings`): median microseconds per call
+//!    replayed from a CUDA graph. Latency at T = 1, 2, 4, 8 with PDL on and off, fused
+//!    vs unfused (arfuse's all-reduce-only kernel + local kernel); bandwidth at T = 256,
+//!    1024, 4096 as GB/s over the algorithm's bytes (`check::bytes_moved`) and over the
+//!    fewest bytes any algorithm moves (`check::minimum_bytes`), each against a
+//!    measured device-to-device copy; the targets (>= 2x unfused at small T, <= 4 us at
+//!    T = 1, >= 80% of the copy at large T).
 //! 3. The same unfused sequence written with torch ops (`torch_baseline.py` next to this
 //!    crate, run with the machine's `python3`), when PyTorch is there.
 //!
@@ -23,17 +25,30 @@
 //! nothing was checked (no CUDA driver on this machine); 64 bad arguments.
 
 mod node_check;
+mod timings;
 
 use anyhow::{anyhow, Context};
 use arfuse_runtime::check::{self, Case, Inputs, Liveness, RankOutputs, FILL_BYTE};
-use arfuse_runtime::cuda::{
-    self, DeviceBuffer, FusedCall, Gpu, KernelParams, RankTensor, VirtualWorkspace,
-};
-use arfuse_runtime::variants::{Dtype, Epilogue, KernelKind, Quant, Strategy, Variant};
+use arfuse_runtime::cuda::Gpu;
+use arfuse_runtime::device::{self, Allocation, Device, FusedCall, KernelParams, RankTensor};
+use arfuse_runtime::host::{Compiler, HostDevice, HostOptions, LaunchOptions};
+use arfuse_runtime::variants::{Dtype, Quant, Strategy, Variant};
+use arfuse_runtime::workspace::Backend;
 use arfuse_runtime::Error;
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Which device runs the check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DeviceKind {
+    /// The CUDA GPU 0 (W virtual ranks in one cooperative launch).
+    Cuda,
+    /// The host device: the same kernel sources compiled with the machine's C++
+    /// compiler, every rank its own launch stream with seeded skew (no timings).
+    Host,
+}
 
 #[derive(Parser, Debug)]
 #[command(
@@ -41,6 +56,19 @@ use std::time::Instant;
     about = "Checks arfuse's fused kernels on this GPU against the reference contract, then times them"
 )]
 struct Args {
+    /// The device: cuda (GPU 0) or host (the kernels compiled for the CPU; correctness
+    /// only).
+    #[arg(long, value_enum, default_value = "cuda")]
+    device: DeviceKind,
+    /// Host device: where compiled kernel objects are cached.
+    #[arg(long, default_value = "target/tmp/arfuse-host")]
+    host_cache: std::path::PathBuf,
+    /// Host device: seed of the ranks' random start delays and CTA orders.
+    #[arg(long, default_value_t = 1)]
+    host_seed: u64,
+    /// Host device: most CTAs per rank of a launch (each CTA is an OS thread).
+    #[arg(long, default_value_t = 4)]
+    host_ctas: u32,
     /// Hidden size H of every case (elements).
     #[arg(long, default_value_t = 4096)]
     hidden: u32,
@@ -65,6 +93,10 @@ struct Args {
     /// Skip the timings.
     #[arg(long)]
     no_timings: bool,
+    /// Launch without programmatic dependent launch (PDL) in the correctness part
+    /// (the latency table times both ways regardless).
+    #[arg(long)]
+    no_pdl: bool,
     /// World size of the timing table.
     #[arg(long, default_value_t = 8)]
     timing_world: u32,
@@ -84,21 +116,27 @@ struct Args {
 }
 
 /// Device buffers for W ranks' tensors of the largest case, reused by every case.
-struct Io {
-    x: DeviceBuffer,
-    residual: DeviceBuffer,
-    out: DeviceBuffer,
-    residual_out: DeviceBuffer,
-    quant: DeviceBuffer,
-    scale: DeviceBuffer,
-    gamma: DeviceBuffer,
-    scale_in: DeviceBuffer,
+struct Io<B> {
+    x: B,
+    residual: B,
+    out: B,
+    residual_out: B,
+    quant: B,
+    scale: B,
+    gamma: B,
+    scale_in: B,
     /// Unfused baseline: the all-reduce output the local kernel reads.
-    ar_out: DeviceBuffer,
+    ar_out: B,
 }
 
-impl Io {
-    fn new(gpu: &Gpu, world: u32, dtype: Dtype, hidden: u32, max_t: u32) -> anyhow::Result<Io> {
+impl<B: Allocation> Io<B> {
+    fn new<D: Device<Buffer = B>>(
+        gpu: &mut D,
+        world: u32,
+        dtype: Dtype,
+        hidden: u32,
+        max_t: u32,
+    ) -> anyhow::Result<Io<B>> {
         // Largest output of any case at (W, dtype, H, max T): try every quant.
         let mut big = check::OutputBytes::default();
         for e in arfuse_runtime::variants::all_epilogues() {
@@ -121,17 +159,16 @@ impl Io {
             }
         }
         let w = u64::from(world);
-        let alloc = |b: u64| gpu.alloc(b.max(16) * w);
-        let alloc_out = |b: u64| gpu.alloc(out_stride(b.max(16)) * w);
+        let mut alloc = |b: u64| gpu.alloc(b.max(16) * w);
         Ok(Io {
             x: alloc(big.out)?,
             residual: alloc(big.out)?,
-            out: alloc_out(big.out)?,
-            residual_out: alloc_out(big.out)?,
-            quant: alloc_out(big.quant)?,
-            scale: alloc_out(big.scale)?,
-            gamma: gpu.alloc(u64::from(hidden) * 4)?,
-            scale_in: gpu.alloc(4)?,
+            out: alloc(out_stride(big.out.max(16)))?,
+            residual_out: alloc(out_stride(big.out.max(16)))?,
+            quant: alloc(out_stride(big.quant.max(16)))?,
+            scale: alloc(out_stride(big.scale.max(16)))?,
+            gamma: alloc(u64::from(hidden) * 4)?,
+            scale_in: alloc(4)?,
             ar_out: alloc(big.out)?,
         })
     }
@@ -149,7 +186,7 @@ fn out_stride(n: u64) -> u64 {
 }
 
 /// An output tensor of `n` bytes per rank at a stride of [`out_stride`].
-fn out_tensor(buf: &DeviceBuffer, n: u64, live: bool) -> RankTensor {
+fn out_tensor(buf: &impl Allocation, n: u64, live: bool) -> RankTensor {
     if live && n > 0 {
         RankTensor {
             ptr: buf.ptr(),
@@ -160,7 +197,7 @@ fn out_tensor(buf: &DeviceBuffer, n: u64, live: bool) -> RankTensor {
     }
 }
 
-fn rank_tensor(buf: &DeviceBuffer, per_rank: u64, live: bool) -> RankTensor {
+fn rank_tensor(buf: &impl Allocation, per_rank: u64, live: bool) -> RankTensor {
     if live && per_rank > 0 {
         RankTensor {
             ptr: buf.ptr(),
@@ -171,7 +208,7 @@ fn rank_tensor(buf: &DeviceBuffer, per_rank: u64, live: bool) -> RankTensor {
     }
 }
 
-fn params(io: &Io, case: &Case, live: Liveness) -> anyhow::Result<KernelParams> {
+fn params<B: Allocation>(io: &Io<B>, case: &Case, live: Liveness) -> anyhow::Result<KernelParams> {
     let b = case.output_bytes()?;
     Ok(KernelParams {
         x: rank_tensor(&io.x, b.out, true),
@@ -193,12 +230,16 @@ fn params(io: &Io, case: &Case, live: Liveness) -> anyhow::Result<KernelParams> 
         weight_bias: case.weight_bias as f32,
         gamma_f32: i32::from(case.gamma_f32),
         norm_round_twice: i32::from(case.norm_round_twice),
-        timeout_ns: cuda::DEFAULT_TIMEOUT_NS,
+        timeout_ns: device::DEFAULT_TIMEOUT_NS,
         ..KernelParams::default()
     })
 }
 
-fn upload_inputs(gpu: &Gpu, io: &Io, inputs: &Inputs) -> anyhow::Result<()> {
+fn upload_inputs<D: Device>(
+    gpu: &mut D,
+    io: &Io<D::Buffer>,
+    inputs: &Inputs,
+) -> anyhow::Result<()> {
     gpu.upload(&io.x, 0, &inputs.x.concat())?;
     if !inputs.residual.is_empty() {
         gpu.upload(&io.residual, 0, &inputs.residual.concat())?;
@@ -210,7 +251,7 @@ fn upload_inputs(gpu: &Gpu, io: &Io, inputs: &Inputs) -> anyhow::Result<()> {
 
 /// Fills every output of the case, guards included, with FILL_BYTE (so unwritten
 /// bytes show).
-fn fill_outputs(gpu: &Gpu, io: &Io, case: &Case) -> anyhow::Result<()> {
+fn fill_outputs<D: Device>(gpu: &mut D, io: &Io<D::Buffer>, case: &Case) -> anyhow::Result<()> {
     let b = case.output_bytes()?;
     let w = u64::from(case.world);
     for (buf, n) in [
@@ -229,10 +270,14 @@ fn fill_outputs(gpu: &Gpu, io: &Io, case: &Case) -> anyhow::Result<()> {
 
 /// Every rank's slice of each output; an error when a guard byte after a slice was
 /// written (the kernel wrote past the output's end).
-fn download_outputs(gpu: &Gpu, io: &Io, case: &Case) -> anyhow::Result<Vec<RankOutputs>> {
+fn download_outputs<D: Device>(
+    gpu: &mut D,
+    io: &Io<D::Buffer>,
+    case: &Case,
+) -> anyhow::Result<Vec<RankOutputs>> {
     let b = case.output_bytes()?;
     let w = case.world as usize;
-    let get = |buf: &DeviceBuffer, n: u64, what: &str| -> anyhow::Result<Vec<Vec<u8>>> {
+    let mut get = |buf: &D::Buffer, n: u64, what: &str| -> anyhow::Result<Vec<Vec<u8>>> {
         if n == 0 {
             return Ok(vec![Vec::new(); w]);
         }
@@ -318,10 +363,10 @@ impl Outcome {
     }
 }
 
-fn run_case(
-    gpu: &mut Gpu,
-    ws: &VirtualWorkspace,
-    io: &Io,
+fn run_case<D: Device>(
+    gpu: &mut D,
+    ws: &D::Workspace,
+    io: &Io<D::Buffer>,
     case: &Case,
     replays: u32,
 ) -> anyhow::Result<Outcome> {
@@ -333,31 +378,28 @@ fn run_case(
 
     // 1. Direct launch, every output live.
     fill_outputs(gpu, io, case)?;
-    cuda::launch_fused(gpu, ws, &fused_call(case, params(io, case, all)?))?;
-    gpu.sync()?;
-    ws.take_error(gpu)?;
+    gpu.launch_fused(ws, &fused_call(case, params(io, case, all)?))?;
+    gpu.take_error(ws)?;
     let full = download_outputs(gpu, io, case)?;
     o.direct = Some(check::compare(case, &inputs, &want, &full)?);
 
     // 2. Some outputs dead: live ones identical, dead ones untouched.
     if let Some(live) = Liveness::partial(case)? {
         fill_outputs(gpu, io, case)?;
-        cuda::launch_fused(gpu, ws, &fused_call(case, params(io, case, live)?))?;
-        gpu.sync()?;
-        ws.take_error(gpu)?;
+        gpu.launch_fused(ws, &fused_call(case, params(io, case, live)?))?;
+        gpu.take_error(ws)?;
         let part = download_outputs(gpu, io, case)?;
         o.partial_bad = Some(check::compare_partial(live, &full, &part));
     }
 
-    // 3. A CUDA graph of one call, replayed `replays` times; the last replay's outputs.
+    // 3. A graph of one call, replayed `replays` times; the last replay's outputs.
     let call = fused_call(case, params(io, case, all)?);
-    let graph = gpu.capture(|g| cuda::launch_fused(g, ws, &call))?;
+    let graph = gpu.capture(&mut |g: &mut D| g.launch_fused(ws, &call))?;
     fill_outputs(gpu, io, case)?;
     for _ in 0..replays {
-        graph.launch()?;
+        gpu.replay(&graph)?;
     }
-    gpu.sync()?;
-    ws.take_error(gpu)?;
+    gpu.take_error(ws)?;
     let replayed = download_outputs(gpu, io, case)?;
     o.replayed = Some(check::compare(case, &inputs, &want, &replayed)?);
     Ok(o)
@@ -388,7 +430,7 @@ fn select_cases(args: &Args, nvfp4: bool) -> anyhow::Result<Vec<Case>> {
         return Err(anyhow!("--tokens {t}: T must be in 1..=65535"));
     }
     for d in Dtype::ALL {
-        cuda::block_size(args.hidden, d).map_err(|e| anyhow!("--hidden {}: {e}", args.hidden))?;
+        device::block_size(args.hidden, d).map_err(|e| anyhow!("--hidden {}: {e}", args.hidden))?;
     }
     if !arfuse_runtime::variants::WORLD_SIZES.contains(&args.timing_world) {
         return Err(anyhow!(
@@ -419,14 +461,15 @@ fn select_cases(args: &Args, nvfp4: bool) -> anyhow::Result<Vec<Case>> {
     Ok(cases)
 }
 
-fn correctness(gpu: &mut Gpu, args: &Args) -> anyhow::Result<usize> {
-    let nvfp4 = gpu.info().sm >= 100;
+/// The correctness matrix on `gpu`; `nvfp4` whether the device runs the NVFP4 variants
+/// (SM100+, or the host). Returns the number of failed cases.
+fn correctness<D: Device>(gpu: &mut D, args: &Args, nvfp4: bool) -> anyhow::Result<usize> {
     let cases = select_cases(args, nvfp4)?;
     let mut variants: Vec<Variant> = cases.iter().map(Case::variant).collect();
     variants.sort();
     variants.dedup();
     let t0 = Instant::now();
-    gpu.preload(&variants, args.compile_threads)?;
+    gpu.load(&variants)?;
     println!(
         "compiled and loaded {} kernel variants in {:.1} s; {} cases{}",
         variants.len(),
@@ -445,11 +488,12 @@ fn correctness(gpu: &mut Gpu, args: &Args) -> anyhow::Result<usize> {
     groups.sort();
     groups.dedup();
     for (world, dtype) in groups {
-        let ws = VirtualWorkspace::create(
-            gpu,
-            &check::workspace_for(world, dtype, args.hidden, max_t)?,
-        )
-        .with_context(|| format!("workspace W={world} {}", dtype.name()))?;
+        let ws = gpu
+            .create_workspace(
+                Backend::Trtllm,
+                &check::workspace_for(world, dtype, args.hidden, max_t)?,
+            )
+            .with_context(|| format!("workspace W={world} {}", dtype.name()))?;
         let io = Io::new(gpu, world, dtype, args.hidden, max_t)?;
         for case in cases
             .iter()
@@ -535,7 +579,7 @@ fn time_graph(
     calls: u32,
     mut body: impl FnMut(&mut Gpu) -> arfuse_runtime::Result<()>,
 ) -> anyhow::Result<f64> {
-    let graph = gpu.capture(|g| {
+    let graph = gpu.capture(&mut |g: &mut Gpu| {
         for _ in 0..calls {
             body(g)?;
         }
@@ -551,167 +595,6 @@ fn time_graph(
         v.push(f64::from(ms) * 1000.0 / f64::from(calls));
     }
     Ok(median(v))
-}
-
-fn timings(gpu: &mut Gpu, args: &Args) -> anyhow::Result<()> {
-    let world = args.timing_world;
-    let hidden = args.hidden;
-    let dtype = Dtype::Bf16;
-    // Device-to-device copy: 1 GiB, read + write counted.
-    let big = 1u64 << 30;
-    let (src, dst) = (gpu.alloc(big)?, gpu.alloc(big)?);
-    gpu.copy_d2d(&dst, &src, big)?;
-    gpu.sync()?;
-    let mut copy = Vec::new();
-    for _ in 0..10 {
-        copy.push(f64::from(gpu.time_ms(|g| g.copy_d2d(&dst, &src, big))?));
-    }
-    drop((src, dst));
-    let copy_gbs = 2.0 * big as f64 / (median(copy) * 1e-3) / 1e9;
-    println!("\ndevice-to-device copy: {copy_gbs:.0} GB/s (1 GiB, read + write)");
-    let max_t = *check::TOKENS.iter().max().unwrap_or(&1);
-    let ws = VirtualWorkspace::create(gpu, &check::workspace_for(world, dtype, hidden, max_t)?)?;
-    let io = Io::new(gpu, world, dtype, hidden, max_t)?;
-    let mut quants = vec![Quant::None, Quant::Fp8PerToken];
-    if gpu.info().sm >= 100 {
-        quants.push(Quant::Nvfp4Swizzled);
-    }
-    let mut needed = Vec::new();
-    for &q in &quants {
-        let e = Epilogue {
-            residual: true,
-            norm: true,
-            quant: q,
-        };
-        for s in [Strategy::OneShot, Strategy::TwoShot] {
-            for ep in [e, Epilogue::AR_ONLY] {
-                needed.push(Variant {
-                    kind: KernelKind::Fused { strategy: s, world },
-                    dtype,
-                    epilogue: ep,
-                });
-            }
-        }
-        needed.push(Variant {
-            kind: KernelKind::Local,
-            dtype,
-            epilogue: e,
-        });
-    }
-    gpu.preload(&needed, args.compile_threads)?;
-    println!(
-        "W = {world}, H = {hidden}, bf16, per call replayed from a CUDA graph of {} calls (median of 20)",
-        args.calls_per_graph
-    );
-    println!(
-        "{:<18} {:>5} {:<8} {:>9} {:>11} {:>8} {:>8} {:>7}  target",
-        "pattern", "T", "strategy", "fused us", "unfused us", "speedup", "GB/s", "% copy"
-    );
-    for &q in &quants {
-        let e = Epilogue {
-            residual: true,
-            norm: true,
-            quant: q,
-        };
-        for tokens in check::TOKENS {
-            for strategy in [Strategy::OneShot, Strategy::TwoShot] {
-                let case = Case {
-                    strategy,
-                    world,
-                    dtype,
-                    epilogue: e,
-                    tokens,
-                    hidden,
-                    weight_bias: 0,
-                    gamma_f32: false,
-                    norm_round_twice: false,
-                };
-                let inputs = check::make_inputs(&case, 1)?;
-                upload_inputs(gpu, &io, &inputs)?;
-                let p = params(&io, &case, Liveness::all(&case)?)?;
-                let fused = fused_call(&case, p);
-                // Unfused: all-reduce-only kernel into ar_out, then the local kernel.
-                let b = case.output_bytes()?;
-                let mut ar_p = p;
-                ar_p.residual_in = RankTensor::default();
-                ar_p.residual_out = RankTensor::default();
-                ar_p.quant_out = RankTensor::default();
-                ar_p.scale_out = RankTensor::default();
-                ar_p.out = rank_tensor(&io.ar_out, b.out, true);
-                let ar = FusedCall {
-                    variant: Variant {
-                        kind: KernelKind::Fused { strategy, world },
-                        dtype,
-                        epilogue: Epilogue::AR_ONLY,
-                    },
-                    tokens,
-                    hidden,
-                    ranks: world,
-                    params: ar_p,
-                };
-                let mut local_p = p;
-                local_p.x = rank_tensor(&io.ar_out, b.out, true);
-                let local = FusedCall {
-                    variant: Variant {
-                        kind: KernelKind::Local,
-                        dtype,
-                        epilogue: e,
-                    },
-                    tokens,
-                    hidden,
-                    ranks: world,
-                    params: local_p,
-                };
-                let tf = time_graph(gpu, args.calls_per_graph, |g| {
-                    cuda::launch_fused(g, &ws, &fused)
-                })?;
-                let tu = time_graph(gpu, args.calls_per_graph, |g| {
-                    cuda::launch_fused(g, &ws, &ar)?;
-                    cuda::launch_local(g, &local, hidden)
-                })?;
-                ws.take_error(gpu)?;
-                let moved = check::bytes_moved(&case)? as f64;
-                let gbs = moved / (tf * 1e-6) / 1e9;
-                let mut target = Vec::new();
-                if tokens <= 128 {
-                    target.push(format!(
-                        "2x unfused: {}",
-                        if tu / tf >= 2.0 { "met" } else { "MISSED" }
-                    ));
-                }
-                if tokens == 1 && world == 8 && q == Quant::None {
-                    target.push(format!(
-                        "<= 4 us: {}",
-                        if tf <= 4.0 { "met" } else { "MISSED" }
-                    ));
-                }
-                if tokens >= 1024 {
-                    target.push(format!(
-                        ">= 80% copy: {}",
-                        if gbs >= 0.8 * copy_gbs {
-                            "met"
-                        } else {
-                            "MISSED"
-                        }
-                    ));
-                }
-                println!(
-                    "{:<18} {tokens:>5} {:<8} {tf:>9.2} {tu:>11.2} {:>7.2}x {gbs:>8.0} {:>6.1}%  {}",
-                    case.pattern(),
-                    strategy.name(),
-                    tu / tf,
-                    100.0 * gbs / copy_gbs,
-                    target.join(", ")
-                );
-            }
-        }
-    }
-    let per_rank = ws.layout.bytes_per_rank;
-    println!(
-        "workspace: {} bytes allocated for {world} virtual ranks = {world} x {per_rank} (layout per rank), nothing more",
-        ws.memory.bytes()
-    );
-    Ok(())
 }
 
 /// Runs the torch-ops baseline in a child process (it needs the GPU memory this
@@ -749,7 +632,16 @@ fn validate(args: &Args) -> anyhow::Result<()> {
 }
 
 fn run(args: &Args) -> anyhow::Result<usize> {
+    match args.device {
+        DeviceKind::Cuda => run_cuda(args),
+        DeviceKind::Host => run_host(args),
+    }
+}
+
+fn run_cuda(args: &Args) -> anyhow::Result<usize> {
     let mut gpu = Gpu::open(0)?;
+    gpu.set_compile_threads(args.compile_threads);
+    gpu.set_pdl(!args.no_pdl);
     let info = gpu.info().clone();
     let nv = arfuse_runtime::nvrtc::nvrtc()?;
     println!(
@@ -765,14 +657,53 @@ fn run(args: &Args) -> anyhow::Result<usize> {
     );
     let mut failures = 0;
     if !args.no_correctness {
-        failures += correctness(&mut gpu, args)?;
-        failures += node_check::run(args.hidden, args.replays)?;
+        failures += correctness(&mut gpu, args, info.sm >= 100)?;
+        let open = || -> anyhow::Result<Gpu> {
+            let mut g = Gpu::open(0)?;
+            g.set_compile_threads(args.compile_threads);
+            g.set_pdl(!args.no_pdl);
+            Ok(g)
+        };
+        failures += node_check::run(&open, args.hidden, args.replays)?;
     }
     if !args.no_timings {
-        timings(&mut gpu, args)?;
+        timings::run(&mut gpu, args)?;
         if !args.no_torch {
             torch_baseline(args);
         }
+    }
+    Ok(failures)
+}
+
+/// The host device of `--device host`.
+fn host_device(args: &Args, compiler: &Arc<Compiler>) -> HostDevice {
+    HostDevice::new(
+        compiler.clone(),
+        HostOptions {
+            launch: LaunchOptions::skewed(args.host_seed, Duration::from_micros(300)),
+            max_ctas: args.host_ctas.max(1),
+            compile_threads: args.compile_threads,
+            ..HostOptions::default()
+        },
+    )
+}
+
+fn run_host(args: &Args) -> anyhow::Result<usize> {
+    let compiler = Arc::new(Compiler::new(&args.host_cache)?);
+    println!(
+        "device: host ({}; {} CTAs per rank at most, seed {}; every rank its own launch stream)",
+        compiler.version(),
+        args.host_ctas.max(1),
+        args.host_seed
+    );
+    let mut failures = 0;
+    if !args.no_correctness {
+        failures += correctness(&mut host_device(args, &compiler), args, true)?;
+        let open = || -> anyhow::Result<HostDevice> { Ok(host_device(args, &compiler)) };
+        failures += node_check::run(&open, args.hidden, args.replays)?;
+    }
+    if !args.no_timings {
+        println!("\ntimings: not on the host device (its times say nothing about a GPU)");
     }
     Ok(failures)
 }
@@ -798,11 +729,17 @@ fn main() -> std::process::ExitCode {
     match run(&args) {
         Ok(0) => {
             // Say exactly what ran: with --no-correctness nothing was checked.
-            let ran = match (args.no_correctness, args.no_timings) {
+            let ran = match (
+                args.no_correctness,
+                args.no_timings || args.device == DeviceKind::Host,
+            ) {
                 (false, false) => "all correctness checks passed; timings printed above",
                 (false, true) => "all correctness checks passed (timings skipped)",
                 (true, false) => {
                     "timings printed above; no correctness check ran (--no-correctness)"
+                }
+                (true, true) if args.device == DeviceKind::Host && !args.no_timings => {
+                    "nothing ran (--no-correctness; the host device has no timings)"
                 }
                 (true, true) => "nothing ran (--no-correctness and --no-timings)",
             };
@@ -823,5 +760,62 @@ fn main() -> std::process::ExitCode {
             eprintln!("gpu_check: error: {e:#}");
             std::process::ExitCode::from(1)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Args {
+        Args::try_parse_from(std::iter::once("gpu_check").chain(list.iter().copied()))
+            .expect("parses")
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_before_any_device_opens() {
+        for (list, want) in [
+            (&["--world", "3"][..], "--world 3"),
+            (&["--tokens", "0"], "--tokens 0"),
+            (&["--tokens", "70000"], "--tokens 70000"),
+            (&["--hidden", "100"], "--hidden 100"),
+            (&["--timing-world", "6"], "--timing-world 6"),
+            (&["--replays", "0"], "--replays"),
+            (&["--pattern", "no_such_pattern"], "no case matches"),
+            (&["--dtype", "fp8"], "unknown dtype"),
+        ] {
+            let e = validate(&args(list)).unwrap_err().to_string();
+            assert!(e.contains(want), "{list:?}: {e}");
+        }
+        assert!(Args::try_parse_from(["gpu_check", "--device", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn the_default_selection_is_the_full_matrix_on_either_device() {
+        for device in [&[][..], &["--device", "host"]] {
+            let a = args(device);
+            validate(&a).unwrap();
+            assert_eq!(
+                select_cases(&a, true).unwrap().len(),
+                check::all_cases(4096, true).len()
+            );
+        }
+        assert_eq!(args(&["--device", "host"]).device, DeviceKind::Host);
+        let some = args(&[
+            "--world",
+            "2",
+            "--dtype",
+            "f16",
+            "--tokens",
+            "7",
+            "--pattern",
+            "fp8tok",
+        ]);
+        let cases = select_cases(&some, false).unwrap();
+        assert!(!cases.is_empty());
+        assert!(cases.iter().all(|c| c.world == 2
+            && c.dtype == Dtype::F16
+            && c.tokens == 7
+            && c.pattern().contains("fp8tok")));
     }
 }

@@ -150,7 +150,7 @@ impl Case {
             )));
         }
         // The kernels' block-size limit (H * e <= 64 KiB).
-        crate::cuda::block_size(self.hidden, self.dtype)?;
+        crate::device::block_size(self.hidden, self.dtype)?;
         if self.weight_bias > 1 {
             return Err(Error::Invalid("weight_bias must be 0 or 1".into()));
         }
@@ -182,25 +182,7 @@ impl Case {
             .checked_mul(h)
             .and_then(|v| v.checked_mul(self.dtype.bytes() as u64))
             .ok_or(Error::Overflow("activation bytes"))?;
-        let th = t.checked_mul(h).ok_or(Error::Overflow("T * H"))?;
-        let (quant, scale) = match self.epilogue.quant {
-            Quant::None => (0, 0),
-            Quant::Fp8Static => (th, 0),
-            Quant::Fp8PerToken => (th, 4 * t),
-            Quant::Fp8Group(layout) => (
-                th,
-                rq::group_scale_bytes(t, h, 128, layout).map_err(reference)?,
-            ),
-            Quant::Nvfp4Swizzled => (
-                rq::nvfp4_data_bytes(t, h).map_err(reference)?,
-                rq::nvfp4_scale_bytes(t, h, rq::Nvfp4ScaleLayout::Swizzled128x4)
-                    .map_err(reference)?,
-            ),
-            Quant::Nvfp4Linear => (
-                rq::nvfp4_data_bytes(t, h).map_err(reference)?,
-                rq::nvfp4_scale_bytes(t, h, rq::Nvfp4ScaleLayout::Linear).map_err(reference)?,
-            ),
-        };
+        let (quant, scale) = quant_bytes_of(self.epilogue.quant, self.tokens, self.hidden)?;
         Ok(OutputBytes {
             out: act,
             residual_out: if self.epilogue.norm { act } else { 0 },
@@ -220,6 +202,35 @@ impl Case {
             self.tokens
         )
     }
+}
+
+/// Bytes per rank of the quant data and the quant scales (padding included) that
+/// `quant` writes for `tokens` tokens of `hidden` elements, in the kernels' layouts
+/// (`arfuse_reference::numerics::quant`'s sizes: packed UE8M0 as vLLM allocates it,
+/// swizzled NVFP4 padded to 128 x 4); `(0, 0)` without a quant.
+///
+/// # Errors
+/// [`Error::Overflow`] on absurd sizes; reference errors for shapes the layout refuses.
+pub fn quant_bytes_of(quant: Quant, tokens: u32, hidden: u32) -> Result<(u64, u64)> {
+    let (t, h) = (u64::from(tokens), u64::from(hidden));
+    let th = t.checked_mul(h).ok_or(Error::Overflow("T * H"))?;
+    Ok(match quant {
+        Quant::None => (0, 0),
+        Quant::Fp8Static => (th, 0),
+        Quant::Fp8PerToken => (th, 4 * t),
+        Quant::Fp8Group(layout) => (
+            th,
+            rq::group_scale_bytes(t, h, rq::FP8_GROUP_SIZE as u64, layout).map_err(reference)?,
+        ),
+        Quant::Nvfp4Swizzled => (
+            rq::nvfp4_data_bytes(t, h).map_err(reference)?,
+            rq::nvfp4_scale_bytes(t, h, rq::Nvfp4ScaleLayout::Swizzled128x4).map_err(reference)?,
+        ),
+        Quant::Nvfp4Linear => (
+            rq::nvfp4_data_bytes(t, h).map_err(reference)?,
+            rq::nvfp4_scale_bytes(t, h, rq::Nvfp4ScaleLayout::Linear).map_err(reference)?,
+        ),
+    })
 }
 
 /// Every case of the full check: strategy x W in [`WORLDS`] x dtype x every epilogue
@@ -310,6 +321,104 @@ pub fn workspace_for(
         Workspace::arfuse_buffer_for(need).map_err(invalid)?,
     )
     .map_err(invalid)
+}
+
+/// The IR fused node that runs `case`'s epilogue, as the rewrite pass writes it: RMSNorm
+/// with [`EPS`], the case's weight form (f32 offset weight when `gamma_f32`) and norm
+/// rounding, every output the case has, and a plan over `workspace` whose dispatch
+/// ranges are `dispatch` (`(first T, last T, strategy or None for unfused)`, from
+/// T = 1 without gaps); returned as the runtime's launch description of node `id` for
+/// world size `case.world`. The case's own strategy and T play no part.
+///
+/// # Errors
+/// [`Error::Invalid`] for an all-reduce-only case (a fused node always has an RMSNorm);
+/// as [`crate::node::NodeKernels::new`].
+pub fn node_for(
+    case: &Case,
+    id: &str,
+    workspace: &arfuse_policy::Workspace,
+    dispatch: &[(u32, u32, Option<Strategy>)],
+) -> Result<crate::node::NodeKernels> {
+    use arfuse_ir::{DType, FusedOutput, FusedQuant, Nvfp4ScaleLayout};
+    let e = case.epilogue;
+    if !e.norm {
+        return Err(Error::Invalid(format!(
+            "{}: a fused node always ends in an RMSNorm",
+            case.label()
+        )));
+    }
+    let quant = match e.quant {
+        Quant::None => FusedQuant::None,
+        Quant::Fp8Static => FusedQuant::Fp8Static,
+        Quant::Fp8PerToken => FusedQuant::Fp8PerToken,
+        Quant::Fp8Group(scale_layout) => FusedQuant::Fp8PerTokenGroup {
+            group_size: rq::FP8_GROUP_SIZE as u64,
+            scale_layout,
+        },
+        Quant::Nvfp4Swizzled => FusedQuant::Nvfp4 {
+            scale_layout: Nvfp4ScaleLayout::Swizzled128x4,
+        },
+        Quant::Nvfp4Linear => FusedQuant::Nvfp4 {
+            scale_layout: Nvfp4ScaleLayout::Linear,
+        },
+    };
+    let mut outputs = vec![FusedOutput::Norm, FusedOutput::Residual];
+    if e.quant != Quant::None {
+        outputs.push(FusedOutput::Quant);
+        if e.quant != Quant::Fp8Static {
+            outputs.push(FusedOutput::Scale);
+        }
+    }
+    let strategy = |s: Option<Strategy>| match s {
+        Some(Strategy::OneShot) => arfuse_ir::Strategy::OneShot,
+        Some(Strategy::TwoShot) => arfuse_ir::Strategy::TwoShot,
+        None => arfuse_ir::Strategy::Unfused,
+    };
+    let attrs = arfuse_ir::FusedAllReduceNorm {
+        group: "tp".into(),
+        eps: EPS,
+        weight_bias: f64::from(case.weight_bias),
+        norm_rounding: if case.norm_round_twice {
+            arfuse_ir::NormRounding::Twice
+        } else {
+            arfuse_ir::NormRounding::Once
+        },
+        residual: e.residual,
+        quant,
+        outputs,
+        plan: Some(arfuse_ir::FusedPlan {
+            pattern_code: 0,
+            max_token_num: dispatch
+                .iter()
+                .filter(|r| r.2.is_some())
+                .map(|r| u64::from(r.1))
+                .max()
+                .unwrap_or(0),
+            workspace: workspace.clone(),
+            dispatch: dispatch
+                .iter()
+                .map(|&(lo, hi, s)| arfuse_ir::DispatchRange {
+                    min_tokens: u64::from(lo),
+                    max_tokens: u64::from(hi),
+                    strategy: strategy(s),
+                    required_bytes: 0,
+                })
+                .collect(),
+        }),
+    };
+    let ir = |d: Dtype| match d {
+        Dtype::Bf16 => DType::Bf16,
+        Dtype::F16 => DType::F16,
+        Dtype::F32 => DType::F32,
+    };
+    crate::node::NodeKernels::new(
+        id,
+        &attrs,
+        ir(case.dtype),
+        u64::from(case.hidden),
+        ir(gamma_dtype(case)),
+        case.world,
+    )
 }
 
 /// Bytes of each output of one rank.
@@ -858,6 +967,40 @@ pub fn bytes_moved(case: &Case) -> Result<u64> {
         .ok_or(Error::Overflow("bytes moved"))
 }
 
+/// The fewest device-memory bytes that all W virtual ranks together must read and
+/// write in one call, whatever the algorithm (the denominator of the efficiency
+/// against the minimum), with `R = T*H*e`: per rank, its input x read once (R), its
+/// residual read (R), its outputs written ([`Case::output_bytes`]: `residual_out`,
+/// `out`, quant data and scales) and the weight read (H elements). On one GPU the
+/// exchange of the all-reduce needs no further bytes (one kernel could read every
+/// rank's x and reduce in registers); [`bytes_moved`] minus this is what the
+/// algorithm's buffers and sentinels cost.
+///
+/// # Errors
+/// [`Error::Overflow`] on absurd sizes; invalid cases.
+pub fn minimum_bytes(case: &Case) -> Result<u64> {
+    let o = case.output_bytes()?;
+    let residual_in = if case.epilogue.residual { o.out } else { 0 };
+    let gamma = if case.epilogue.norm {
+        u64::from(case.hidden) * gamma_dtype(case).bytes() as u64
+    } else {
+        0
+    };
+    [
+        o.out,
+        residual_in,
+        o.residual_out,
+        o.out,
+        gamma,
+        o.quant,
+        o.scale,
+    ]
+    .iter()
+    .try_fold(0u64, |acc, &b| acc.checked_add(b))
+    .and_then(|per_rank| per_rank.checked_mul(u64::from(case.world)))
+    .ok_or(Error::Overflow("minimum bytes"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1188,6 +1331,21 @@ mod tests {
         assert_eq!(bytes_moved(&two).unwrap(), 4 * (13 * 512 + 512));
         let ar = case(Epilogue::AR_ONLY, Dtype::Bf16, 1);
         assert_eq!(bytes_moved(&ar).unwrap(), 4 * 14 * 512);
+    }
+
+    #[test]
+    fn minimum_bytes_are_the_epilogues_alone() {
+        // W=4, T=1, H=256, bf16 (R = 512): x, residual, res_out, out and the weight.
+        let c = case(Epilogue::RES_NORM, Dtype::Bf16, 1);
+        assert_eq!(minimum_bytes(&c).unwrap(), 4 * 5 * 512);
+        // The one-shot moves 17 R per rank for the same call (gamma is R here).
+        assert_eq!(
+            bytes_moved(&c).unwrap() - minimum_bytes(&c).unwrap(),
+            4 * 12 * 512
+        );
+        // All-reduce only: x read, out written.
+        let ar = case(Epilogue::AR_ONLY, Dtype::Bf16, 1);
+        assert_eq!(minimum_bytes(&ar).unwrap(), 4 * 2 * 512);
     }
 
     #[test]

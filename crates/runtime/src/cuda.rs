@@ -1,5 +1,6 @@
-//! The GPU side: device probe, virtual-rank workspaces, kernel loading, fused and
-//! unfused launches, CUDA graph capture and replay. Everything returns
+//! The CUDA device ([`Gpu`], a [`Device`]): device probe, virtual-rank workspaces,
+//! kernel loading, fused and unfused launches, CUDA graph capture and replay. The only
+//! module of the workspace that uses cudarc. Everything returns
 //! [`Error::NoDriver`] on a machine without an NVIDIA driver (checked with a plain
 //! `dlopen` before cudarc is touched, since cudarc 0.16 panics when libcuda is absent).
 //!
@@ -12,20 +13,15 @@
 //! NOT YET RUN ON A GPU: this session had no device machine; this module compiles and
 //! its CPU-side parts (shapes, parameters) are unit-tested, the rest is unverified.
 
+use crate::device::{self, arfuse_layout, Allocation, Device, FusedCall, KernelParams};
 use crate::error::{Error, Result};
-use crate::variants::{self, Arch, Dtype, KernelKind, Variant};
-use crate::workspace::{Backend, WorkspaceFactory};
+use crate::variants::{self, Arch, Dtype, Variant};
+use crate::workspace::Backend;
 use arfuse_policy::{ArfuseLayout, Workspace};
 use cudarc::driver::sys;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
-
-/// Default polling timeout of the kernels (globaltimer ns): 5 s. A correct protocol
-/// never comes close; a broken one exits and reports instead of hanging.
-pub const DEFAULT_TIMEOUT_NS: u64 = 5_000_000_000;
-/// Most CTAs per rank of one fused launch (tokens are strided over them).
-pub const MAX_GRID_CTAS: u32 = 256;
 
 /// Checks that a driver library can be loaded, without touching cudarc.
 ///
@@ -111,6 +107,15 @@ impl DeviceBuffer {
     }
 }
 
+impl Allocation for DeviceBuffer {
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         if self.ptr != 0 {
@@ -120,115 +125,6 @@ impl Drop for DeviceBuffer {
             }
         }
     }
-}
-
-/// One tensor per rank: rank r at `ptr + r * rank_stride` (bytes). Mirrors `ArfTensor`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RankTensor {
-    /// Address of rank 0's tensor (0 = dead output / unused input).
-    pub ptr: u64,
-    /// Bytes between consecutive ranks' tensors.
-    pub rank_stride: u64,
-}
-
-/// Kernel parameters, layout-identical to `ArfParams` in `kernels/arfuse_common.cuh`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct KernelParams {
-    /// Workspace base address of each rank.
-    pub peer: [u64; 16],
-    /// All-reduce input (local kernel: input).
-    pub x: RankTensor,
-    /// Residual input.
-    pub residual_in: RankTensor,
-    /// Residual output (0 = dead).
-    pub residual_out: RankTensor,
-    /// Norm output, or the all-reduce output without norm (0 = dead).
-    pub out: RankTensor,
-    /// Quant output (0 = dead).
-    pub quant_out: RankTensor,
-    /// Scale output (0 = dead).
-    pub scale_out: RankTensor,
-    /// RMSNorm weight `[H]`.
-    pub gamma: u64,
-    /// fp32 scalar: static fp8 dequant scale or NVFP4 global scale.
-    pub scale_in: u64,
-    /// Workspace offsets ([`ArfuseLayout`]): the state block.
-    pub off_state: u64,
-    /// The first Lamport buffer.
-    pub off_lamport: u64,
-    /// Bytes of one Lamport buffer.
-    pub lamport_stride: u64,
-    /// u32 error word.
-    pub err: u64,
-    /// Polling timeout, ns.
-    pub timeout_ns: u64,
-    /// Tokens T.
-    pub tokens: i32,
-    /// Hidden size H.
-    pub hidden: i32,
-    /// Rank of `blockIdx.y == 0`.
-    pub rank_base: i32,
-    /// RMSNorm epsilon.
-    pub eps: f32,
-    /// 0 or 1 (Gemma-style weight offset).
-    pub weight_bias: f32,
-    /// 1 when `gamma` is f32 (the Gemma form `1 + w.float()` with 16-bit activations),
-    /// 0 when it has the activation dtype. `ArfParams::gamma_f32`.
-    pub gamma_f32: i32,
-    /// 1 when the RMSNorm rounds `h * r` to the activation dtype before the weight
-    /// multiply (`NormRounding::Twice`, the Llama order), 0 for one rounding.
-    /// `ArfParams::norm_round_twice`.
-    pub norm_round_twice: i32,
-    /// Padding (the size stays a multiple of 8).
-    pub pad: i32,
-}
-
-const _: () = assert!(std::mem::size_of::<KernelParams>() == 312);
-
-impl KernelParams {
-    /// Fills the workspace fields from a layout and the base of rank 0's slice
-    /// (virtual ranks: rank r of `world` at `base + r * bytes_per_rank`).
-    ///
-    /// # Errors
-    /// [`Error::Invalid`] for more than 16 ranks; [`Error::Overflow`].
-    pub fn with_virtual_workspace(
-        mut self,
-        layout: &ArfuseLayout,
-        world: u32,
-        base: u64,
-        err: u64,
-    ) -> Result<Self> {
-        if world as usize > self.peer.len() {
-            return Err(Error::Invalid(format!(
-                "{world} ranks; the kernels take at most 16"
-            )));
-        }
-        for r in 0..world as usize {
-            self.peer[r] = (r as u64)
-                .checked_mul(layout.bytes_per_rank)
-                .and_then(|o| o.checked_add(base))
-                .ok_or(Error::Overflow("peer address"))?;
-        }
-        self.off_state = layout.state_offset;
-        self.off_lamport = layout.lamport_offset;
-        self.lamport_stride = layout.lamport_buffer_bytes;
-        self.err = err;
-        Ok(self)
-    }
-}
-
-/// Threads per block for a token of `hidden` elements of `dtype`: the policy's
-/// [`arfuse_policy::arfuse_block_threads`] (16-byte vectors, at most four per thread,
-/// whole warps, at least 128 threads), the plan-time limit the planner already
-/// checked.
-///
-/// # Errors
-/// [`Error::Unsupported`] with the policy's reason when the kernels cannot run the row.
-pub fn block_size(hidden: u32, dtype: Dtype) -> Result<u32> {
-    arfuse_policy::arfuse_block_threads(u64::from(hidden), dtype.policy())
-        .map_err(|e| Error::Unsupported(e.to_string()))
 }
 
 /// A loaded kernel entry point (opaque driver handle, valid while its [`Gpu`] lives).
@@ -243,6 +139,8 @@ pub struct Gpu {
     arch: Option<Arch>,
     kernels: HashMap<Variant, KernelFn>,
     capturing: std::cell::Cell<bool>,
+    compile_threads: usize,
+    pdl: bool,
 }
 
 impl Gpu {
@@ -301,6 +199,8 @@ impl Gpu {
                 arch: Arch::for_sm(sm),
                 kernels: HashMap::new(),
                 capturing: std::cell::Cell::new(false),
+                compile_threads: 4,
+                pdl: true,
             })
         })
     }
@@ -590,9 +490,67 @@ impl Gpu {
         )
     }
 
-    /// Captures what `body` enqueues on the stream into an instantiated graph.
-    /// Allocation and kernel loading are refused while `body` runs.
-    pub fn capture(&mut self, body: impl FnOnce(&mut Gpu) -> Result<()>) -> Result<Graph> {
+    /// NVRTC threads [`Device::load`] compiles with (default 4).
+    pub fn set_compile_threads(&mut self, threads: usize) {
+        self.compile_threads = threads.clamp(1, 64);
+    }
+
+    /// Whether the launches of [`Device`] carry programmatic dependent launch (PDL,
+    /// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`; default on): a kernel
+    /// may then start while the previous one in the stream finishes, and waits for it
+    /// (`griddepcontrol.wait`) before its first read of memory; every kernel lets the
+    /// next one start only after its last store (`griddepcontrol.launch_dependents`
+    /// after the final barrier). Off: every launch waits for the previous kernel to end.
+    pub fn set_pdl(&mut self, on: bool) {
+        self.pdl = on;
+    }
+
+    /// Whether PDL is on ([`Gpu::set_pdl`]).
+    pub fn pdl(&self) -> bool {
+        self.pdl
+    }
+
+    /// Every tensor `call` touches lies inside one allocation of this context
+    /// (`cuMemGetAddressRange`): a kernel that read or wrote past a caller's buffer
+    /// (a scale buffer allocated without its padding, say) would corrupt memory or
+    /// lose the context.
+    fn check_in_memory(&self, call: &FusedCall) -> Result<()> {
+        for u in device::tensor_uses(call)? {
+            let ranks = if u.tensor.rank_stride == 0 {
+                1
+            } else {
+                call.ranks
+            };
+            for r in 0..u64::from(ranks) {
+                let at = r
+                    .checked_mul(u.tensor.rank_stride)
+                    .and_then(|o| o.checked_add(u.tensor.ptr))
+                    .ok_or(Error::Overflow("tensor address"))?;
+                let (mut base, mut size) = (0, 0usize);
+                // SAFETY: out-pointers to locals; the driver only reads `at`.
+                let rc = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, at) };
+                let end = base.saturating_add(size as u64);
+                let fits = at.checked_add(u.bytes).is_some_and(|e| e <= end);
+                if rc != sys::CUresult::CUDA_SUCCESS || !fits {
+                    return Err(Error::Invalid(format!(
+                        "tensor {} of rank {r}: {} bytes from {at:#x} are not inside one allocation of this device ({})",
+                        u.name,
+                        u.bytes,
+                        if rc == sys::CUresult::CUDA_SUCCESS {
+                            format!("its allocation ends at {end:#x}")
+                        } else {
+                            format!("{rc:?}")
+                        }
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Captures what `body` enqueues on the stream into an instantiated graph
+    /// ([`Device::capture`]). Allocation and kernel loading are refused while `body` runs.
+    fn capture_stream(&mut self, body: &mut dyn FnMut(&mut Gpu) -> Result<()>) -> Result<Graph> {
         // SAFETY: valid stream.
         check(
             unsafe {
@@ -735,31 +693,61 @@ impl VirtualWorkspace {
                 gpu.info.free_bytes
             )));
         }
-        let memory = gpu.alloc(bytes)?;
-        let err = gpu.alloc(4)?;
-        let dtype = Dtype::from_policy(workspace.dtype);
-        for r in 0..u64::from(workspace.world_size) {
-            let base = memory.ptr + r * layout.bytes_per_rank + layout.lamport_offset;
-            let lam = arfuse_policy::LAMPORT_BUFFER_COUNT * layout.lamport_buffer_bytes;
+        let ws = VirtualWorkspace {
+            workspace: workspace.clone(),
+            layout,
+            memory: gpu.alloc(bytes)?,
+            err: gpu.alloc(4)?,
+        };
+        ws.initialise(gpu)?;
+        Ok(ws)
+    }
+
+    /// Writes the initial state on the work stream and waits for it: every rank's
+    /// state block zero, its Lamport buffers the -0.0 sentinel of the activation dtype,
+    /// the error word zero.
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn initialise(&self, gpu: &Gpu) -> Result<()> {
+        let layout = &self.layout;
+        let lam = arfuse_policy::LAMPORT_BUFFER_COUNT * layout.lamport_buffer_bytes;
+        let dtype = Dtype::from_policy(self.workspace.dtype);
+        for r in 0..u64::from(self.workspace.world_size) {
+            let rank = self.memory.ptr + r * layout.bytes_per_rank;
+            // SAFETY: the state block [0, lamport_offset) of rank r lies inside `memory`
+            // (layout arithmetic is checked when the workspace is created).
+            let rc = unsafe {
+                sys::cuMemsetD8Async(rank, 0, layout.lamport_offset as usize, gpu.stream)
+            };
+            check(rc, "cuMemsetD8Async (workspace state)")?;
+            let base = rank + layout.lamport_offset;
             let rc = match dtype {
-                // SAFETY: the range lies inside `memory` (layout arithmetic is checked).
+                // SAFETY: the Lamport range of rank r lies inside `memory`, as above.
                 Dtype::Bf16 | Dtype::F16 => unsafe {
-                    sys::cuMemsetD16Async(base, 0x8000, (lam / 2) as usize, gpu.stream)
+                    sys::cuMemsetD16Async(
+                        base,
+                        dtype.sentinel_bits() as u16,
+                        (lam / 2) as usize,
+                        gpu.stream,
+                    )
                 },
                 // SAFETY: as above.
                 Dtype::F32 => unsafe {
-                    sys::cuMemsetD32Async(base, 0x8000_0000, (lam / 4) as usize, gpu.stream)
+                    sys::cuMemsetD32Async(
+                        base,
+                        dtype.sentinel_bits(),
+                        (lam / 4) as usize,
+                        gpu.stream,
+                    )
                 },
             };
             check(rc, "cuMemsetD16/D32Async (Lamport sentinel)")?;
         }
-        gpu.sync()?;
-        Ok(VirtualWorkspace {
-            workspace: workspace.clone(),
-            layout,
-            memory,
-            err,
-        })
+        // SAFETY: the error word is the 4 bytes of `err`.
+        let rc = unsafe { sys::cuMemsetD8Async(self.err.ptr, 0, 4, gpu.stream) };
+        check(rc, "cuMemsetD8Async (error word)")?;
+        gpu.sync()
     }
 
     /// Reads and clears the error word; `Err(KernelTimeout)` if a kernel gave up.
@@ -775,12 +763,25 @@ impl VirtualWorkspace {
     }
 }
 
-impl WorkspaceFactory for Gpu {
+/// The CUDA device: W virtual ranks of one GPU; a fused call is ONE cooperative
+/// launch of grid `(nblocks, W, 1)`, local and virtual all-reduce calls one launch of
+/// grid `(nblocks, W, 1)`, all on this handle's stream in call order (a launch reaches
+/// every rank only when every rank's previous work is done, so the virtual all-reduce
+/// meets the ranks as [`Device::launch_virtual_allreduce`] requires).
+impl Device for Gpu {
     type Workspace = VirtualWorkspace;
+    type Graph = Graph;
+    type Buffer = DeviceBuffer;
+
     fn is_capturing(&self) -> Result<bool> {
         self.capturing()
     }
-    fn create(&mut self, backend: Backend, workspace: &Workspace) -> Result<VirtualWorkspace> {
+
+    fn create_workspace(
+        &mut self,
+        backend: Backend,
+        workspace: &Workspace,
+    ) -> Result<VirtualWorkspace> {
         match backend {
             // One GPU: no multicast object between ranks exists here.
             Backend::Mnnvl => Err(Error::Unsupported(
@@ -790,249 +791,91 @@ impl WorkspaceFactory for Gpu {
             Backend::Unfused => Err(Error::Invalid("unfused needs no workspace".into())),
         }
     }
-}
 
-/// The arfuse layout of a workspace the runtime can allocate.
-///
-/// # Errors
-/// [`Error::Invalid`] for FlashInfer's kernels (arfuse's runtime runs its own) or a
-/// workspace with problems of its own.
-pub fn arfuse_layout(workspace: &Workspace) -> Result<ArfuseLayout> {
-    let problems = workspace.problems();
-    if !problems.is_empty() {
-        return Err(Error::Invalid(format!(
-            "workspace: {}",
-            problems.join("; ")
-        )));
+    fn load(&mut self, variants: &[Variant]) -> Result<()> {
+        self.preload(variants, self.compile_threads)
     }
-    workspace.arfuse_layout().ok_or_else(|| {
-        Error::Invalid(format!(
-            "the workspace is laid out for {}'s kernels; arfuse-runtime runs plans made for \
-             kernels = \"arfuse\"",
-            workspace.kernels
-        ))
-    })
-}
 
-/// Whether a fused call of `tokens` tokens at `hidden` with `strategy` may run in
-/// `workspace`: the policy's capacity rule ([`Workspace::misfit`]), the one the
-/// planner proved the plan with.
-///
-/// # Errors
-/// [`Error::Invalid`] naming the required and available bytes (or T < W for FlashInfer's
-/// two-shot, which this runtime never runs).
-pub fn check_fits(
-    workspace: &Workspace,
-    strategy: variants::Strategy,
-    tokens: u32,
-    hidden: u32,
-) -> Result<()> {
-    let misfit = workspace
-        .misfit(strategy.policy(), u64::from(tokens), u64::from(hidden))
-        .map_err(|e| Error::Invalid(e.to_string()))?;
-    match misfit {
-        None => Ok(()),
-        Some(arfuse_policy::Misfit::BelowWorldSize { world_size }) => Err(Error::Invalid(format!(
-            "{} at T = {tokens} needs T >= W = {world_size}",
-            strategy.policy()
-        ))),
-        Some(arfuse_policy::Misfit::TooLarge {
-            required_bytes,
-            available_bytes,
-        }) => Err(Error::Invalid(format!(
-            "{} at T = {tokens} needs {required_bytes} bytes of one Lamport buffer; it has \
-             {available_bytes}",
-            strategy.policy()
-        ))),
-    }
-}
-
-/// One fused (or local) call: the variant, shapes and per-rank tensors.
-#[derive(Debug, Clone, Copy)]
-pub struct FusedCall {
-    /// Kernel variant.
-    pub variant: Variant,
-    /// Tokens T.
-    pub tokens: u32,
-    /// Hidden size H of this call (elements; at most the workspace's).
-    pub hidden: u32,
-    /// Ranks in this launch (W for virtual ranks).
-    pub ranks: u32,
-    /// Tensors and scalars; workspace fields are filled by [`launch_fused`].
-    pub params: KernelParams,
-}
-
-/// Launches a fused call on virtual ranks (one cooperative launch for all W ranks).
-///
-/// # Errors
-/// [`Error::Invalid`] when the call does not fit the workspace; [`Error::Unsupported`]
-/// when the grid cannot be co-resident; driver errors.
-pub fn launch_fused(gpu: &mut Gpu, ws: &VirtualWorkspace, call: &FusedCall) -> Result<()> {
-    let KernelKind::Fused { strategy, world } = call.variant.kind else {
-        return Err(Error::Invalid("launch_fused needs a fused variant".into()));
-    };
-    let wsp = &ws.workspace;
-    if world != wsp.world_size || call.variant.dtype.policy() != wsp.dtype {
-        return Err(Error::Invalid(
-            "variant world size / dtype differ from the workspace".into(),
-        ));
-    }
-    let hidden = call.hidden;
-    check_fits(wsp, strategy, call.tokens, hidden)?;
-    let f = gpu.kernel(&call.variant)?;
-    let block = block_size(hidden, call.variant.dtype)?;
-    let resident = gpu.resident_ctas(f, block)?;
-    let gx = call.tokens.min(MAX_GRID_CTAS).min(resident / world);
-    if gx == 0 {
-        return Err(Error::Unsupported(format!(
-            "{world} ranks x 1 CTA of {block} threads cannot be co-resident"
-        )));
-    }
-    let mut p = call
-        .params
-        .with_virtual_workspace(&ws.layout, world, ws.memory.ptr, ws.err.ptr)?;
-    p.tokens = i32::try_from(call.tokens).map_err(|_| Error::Overflow("T"))?;
-    p.hidden = hidden as i32;
-    p.rank_base = 0;
-    if p.timeout_ns == 0 {
-        p.timeout_ns = DEFAULT_TIMEOUT_NS;
-    }
-    gpu.launch(f, gx, world, block, &p, true, false)
-}
-
-/// Launches the local (unfused) kernel for every virtual rank.
-pub fn launch_local(gpu: &mut Gpu, call: &FusedCall, hidden: u32) -> Result<()> {
-    if call.variant.kind != KernelKind::Local {
-        return Err(Error::Invalid("launch_local needs a local variant".into()));
-    }
-    let f = gpu.kernel(&call.variant)?;
-    let block = block_size(hidden, call.variant.dtype)?;
-    let mut p = call.params;
-    p.tokens = call.tokens as i32;
-    p.hidden = hidden as i32;
-    let gx = call.tokens.clamp(1, 65_535);
-    gpu.launch(f, gx, call.ranks, block, &p, false, false)
-}
-
-/// Launches the virtual-rank all-reduce of the unfused path: for every rank r,
-/// `params.out[r] = round_T(sum over q in rank order of params.x[q])` (contract v2
-/// clause 1), `tokens` tokens of `hidden` elements. Needs no workspace.
-///
-/// # Errors
-/// [`Error::Invalid`] for a world size outside {2, 4, 8, 16}, T = 0 or H * e not a
-/// multiple of 16; launch errors.
-pub fn launch_virtual_allreduce(
-    gpu: &mut Gpu,
-    world: u32,
-    dtype: Dtype,
-    hidden: u32,
-    tokens: u32,
-    params: &KernelParams,
-) -> Result<()> {
-    if !variants::WORLD_SIZES.contains(&world) || tokens == 0 {
-        return Err(Error::Invalid(format!(
-            "virtual all-reduce: W = {world}, T = {tokens}"
-        )));
-    }
-    let f = gpu.kernel(&variants::virtual_allreduce(world, dtype))?;
-    let block = block_size(hidden, dtype)?;
-    let mut p = *params;
-    p.tokens = i32::try_from(tokens).map_err(|_| Error::Overflow("T"))?;
-    p.hidden = i32::try_from(hidden).map_err(|_| Error::Overflow("H"))?;
-    p.rank_base = 0;
-    gpu.launch(f, tokens.min(65_535), world, block, &p, false, false)
-}
-
-/// One instantiated graph per capture size T.
-#[derive(Default)]
-pub struct CaptureSet {
-    graphs: BTreeMap<u32, Graph>,
-}
-
-impl CaptureSet {
-    /// Captures `launch(T)` for every T in `sizes` (all workspaces and kernels must
-    /// exist beforehand: nothing is created during capture).
-    pub fn capture(
-        gpu: &mut Gpu,
-        sizes: &[u32],
-        mut launch: impl FnMut(&mut Gpu, u32) -> Result<()>,
-    ) -> Result<CaptureSet> {
-        let mut graphs = BTreeMap::new();
-        for &t in sizes {
-            let g = gpu.capture(|g| launch(g, t))?;
-            graphs.insert(t, g);
+    fn launch_fused(&mut self, ws: &VirtualWorkspace, call: &FusedCall) -> Result<()> {
+        let (_, world, block) = device::fused_shape(&ws.workspace, call)?;
+        let f = self.kernel(&call.variant)?;
+        let resident = self.resident_ctas(f, block)?;
+        let gx = device::grid_width(call.tokens, resident / world);
+        if gx == 0 {
+            return Err(Error::Unsupported(format!(
+                "{world} ranks x 1 CTA of {block} threads cannot be co-resident"
+            )));
         }
-        Ok(CaptureSet { graphs })
+        self.check_in_memory(call)?;
+        let p = call
+            .params
+            .with_virtual_workspace(&ws.layout, world, ws.memory.ptr, ws.err.ptr)?
+            .for_call(call)?;
+        self.launch(f, gx, world, block, &p, true, self.pdl)
     }
-    /// Replays the graph of capture size `t`.
-    pub fn replay(&self, t: u32) -> Result<()> {
-        self.graphs
-            .get(&t)
-            .ok_or_else(|| Error::Invalid(format!("no graph captured for T = {t}")))?
-            .launch()
+
+    fn launch_local(&mut self, call: &FusedCall) -> Result<()> {
+        let block = device::local_shape(call)?;
+        let f = self.kernel(&call.variant)?;
+        self.check_in_memory(call)?;
+        let p = call.params.for_call(call)?;
+        let gx = call.tokens.min(device::MAX_LOCAL_CTAS);
+        self.launch(f, gx, call.ranks, block, &p, false, self.pdl)
     }
-    /// Capture sizes held.
-    pub fn sizes(&self) -> Vec<u32> {
-        self.graphs.keys().copied().collect()
+
+    fn launch_virtual_allreduce(&mut self, call: &FusedCall) -> Result<()> {
+        let block = device::virtual_allreduce_shape(call)?;
+        let f = self.kernel(&call.variant)?;
+        self.check_in_memory(call)?;
+        let p = call.params.for_call(call)?;
+        let gx = call.tokens.min(device::MAX_LOCAL_CTAS);
+        self.launch(f, gx, call.ranks, block, &p, false, self.pdl)
+    }
+
+    fn capture(&mut self, body: &mut dyn FnMut(&mut Gpu) -> Result<()>) -> Result<Graph> {
+        self.capture_stream(body)
+    }
+
+    fn replay(&mut self, graph: &Graph) -> Result<()> {
+        graph.launch()
+    }
+
+    fn sync(&mut self) -> Result<()> {
+        Gpu::sync(self)
+    }
+
+    fn take_error(&mut self, ws: &VirtualWorkspace) -> Result<()> {
+        ws.take_error(self)
+    }
+
+    fn reset_workspace(&mut self, ws: &VirtualWorkspace) -> Result<()> {
+        if self.capturing()? {
+            return Err(Error::Capturing("resetting a workspace".into()));
+        }
+        self.sync()?;
+        ws.initialise(self)
+    }
+
+    fn alloc(&mut self, bytes: u64) -> Result<DeviceBuffer> {
+        Gpu::alloc(self, bytes)
+    }
+
+    fn upload(&mut self, dst: &DeviceBuffer, offset: u64, src: &[u8]) -> Result<()> {
+        Gpu::upload(self, dst, offset, src)
+    }
+
+    fn download(&mut self, src: &DeviceBuffer, offset: u64, dst: &mut [u8]) -> Result<()> {
+        Gpu::download(self, src, offset, dst)
+    }
+
+    fn fill(&mut self, buf: &DeviceBuffer, offset: u64, bytes: u64, value: u8) -> Result<()> {
+        Gpu::fill(self, buf, offset, bytes, value)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn block_sizes_are_the_policys() {
-        assert_eq!(block_size(6144, Dtype::Bf16).unwrap(), 768);
-        assert!(matches!(
-            block_size(65536, Dtype::Bf16),
-            Err(Error::Unsupported(_))
-        ));
-        assert!(matches!(
-            block_size(100, Dtype::Bf16),
-            Err(Error::Unsupported(_))
-        ));
-    }
-
-    #[test]
-    fn params_layout_and_virtual_peers() {
-        let ws = Workspace::arfuse(
-            arfuse_policy::Backend::Trtllm,
-            4,
-            4096,
-            arfuse_policy::ActDtype::Bf16,
-            Some(16),
-            16 * 4 * 4096 * 2,
-        )
-        .unwrap();
-        let layout = arfuse_layout(&ws).unwrap();
-        let p = KernelParams::default()
-            .with_virtual_workspace(&layout, 4, 0x1000_0000, 0x2000)
-            .unwrap();
-        assert_eq!(p.peer[3], 0x1000_0000 + 3 * (256 + 3 * 16 * 4 * 4096 * 2));
-        assert_eq!(p.peer[4], 0);
-        assert_eq!((p.off_state, p.off_lamport), (0, 256));
-        assert_eq!(p.lamport_stride, 16 * 4 * 4096 * 2);
-        assert_eq!(std::mem::offset_of!(KernelParams, x), 128);
-        assert_eq!(std::mem::offset_of!(KernelParams, gamma), 224);
-        assert_eq!(std::mem::offset_of!(KernelParams, tokens), 280);
-        assert_eq!(std::mem::offset_of!(KernelParams, eps), 292);
-        // The capacity rule is the policy's: one-shot T=16 fits, 17 does not; two-shot
-        // runs T < W (T=3) and fits up to 2 * ceil(T/4) * 4 * 8192 <= 524,288: T = 32.
-        check_fits(&ws, variants::Strategy::OneShot, 16, 4096).unwrap();
-        let e = check_fits(&ws, variants::Strategy::OneShot, 17, 4096).unwrap_err();
-        assert!(e.to_string().contains("557056 bytes"), "{e}");
-        check_fits(&ws, variants::Strategy::TwoShot, 3, 4096).unwrap();
-        check_fits(&ws, variants::Strategy::TwoShot, 32, 4096).unwrap();
-        let e = check_fits(&ws, variants::Strategy::TwoShot, 33, 4096).unwrap_err();
-        assert!(e.to_string().contains("589824 bytes"), "{e}");
-        // FlashInfer's layouts are not this runtime's.
-        let fi = Workspace::flashinfer_mnnvl(4, 4096, arfuse_policy::ActDtype::Bf16, 16).unwrap();
-        assert!(arfuse_layout(&fi)
-            .unwrap_err()
-            .to_string()
-            .contains("flashinfer"));
-    }
 
     #[test]
     fn without_a_driver_open_is_an_error_not_a_panic() {

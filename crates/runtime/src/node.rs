@@ -111,7 +111,8 @@ pub fn quant_of(q: FusedQuant, node: &str) -> Result<Quant> {
 /// The plan's workspace must be arfuse's layout for this node's W and dtype, at least
 /// as wide as its H.
 fn node_workspace(node: &str, ws: &Workspace, world: u32, dt: Dtype, hidden: u32) -> Result<()> {
-    crate::cuda::arfuse_layout(ws).map_err(|e| Error::Unsupported(format!("node {node}: {e}")))?;
+    crate::device::arfuse_layout(ws)
+        .map_err(|e| Error::Unsupported(format!("node {node}: {e}")))?;
     if ws.world_size != world || ws.dtype != dt.policy() || ws.hidden < u64::from(hidden) {
         return Err(Error::Invalid(format!(
             "node {node}: the plan's workspace is for W={} {} H<={}, the node is W={world} {} H={hidden}",
@@ -187,7 +188,7 @@ impl NodeKernels {
         };
         // The kernels' shape limits, checked when the node is loaded rather than at
         // its first launch (which may be inside a capture).
-        crate::cuda::block_size(hidden, dt)
+        crate::device::block_size(hidden, dt)
             .map_err(|e| Error::Unsupported(format!("node {node}: hidden size {hidden}: {e}")))?;
         let group = quant.is_group();
         if (group && u64::from(hidden) % arfuse_policy::FP8_GROUP_SIZE != 0)
@@ -237,7 +238,7 @@ impl NodeKernels {
                 // the range (it is monotone in T), so a plan edited by hand cannot run
                 // a call its workspace does not hold.
                 for t in [lo, hi] {
-                    crate::cuda::check_fits(&workspace, s, t, hidden).map_err(|e| match e {
+                    crate::device::check_fits(&workspace, s, t, hidden).map_err(|e| match e {
                         Error::Invalid(m) => {
                             Error::Invalid(format!("node {node}: plan range {lo}..={hi}: {m}"))
                         }
@@ -382,9 +383,9 @@ impl NodeKernels {
     /// it; checked by the constructor.
     ///
     /// # Errors
-    /// As [`crate::cuda::arfuse_layout`].
+    /// As [`crate::device::arfuse_layout`].
     pub fn layout(&self) -> Result<ArfuseLayout> {
-        crate::cuda::arfuse_layout(&self.workspace)
+        crate::device::arfuse_layout(&self.workspace)
     }
 
     /// Whether an output is live.
@@ -476,7 +477,7 @@ mod tests {
         let l = k.layout().unwrap();
         assert_eq!(l.bytes_per_rank, 3_539_200);
         assert_eq!(l.bytes_per_rank, k.workspace.total_bytes_per_rank);
-        let fits = |s, t| crate::cuda::check_fits(&k.workspace, s, t, 6144).is_ok();
+        let fits = |s, t| crate::device::check_fits(&k.workspace, s, t, 6144).is_ok();
         assert!(fits(Strategy::OneShot, 12) && !fits(Strategy::OneShot, 13));
         assert!(fits(Strategy::TwoShot, 48) && !fits(Strategy::TwoShot, 49));
         assert_eq!(k.eps, 1e-5f32);

@@ -1,16 +1,21 @@
-//! Running one fused node of a lowered graph on virtual ranks: the workspace from the
+//! Running the fused nodes of a lowered graph on a [`Device`]: the workspace from the
 //! plan with the fallback chain, the route of every token count, the unfused path,
-//! and one CUDA graph per capture size.
+//! one captured graph per capture size, and the kernels' error words.
 //!
 //! Order of use: [`Runner::for_graph`] or [`Runner::new`] + [`Runner::add`] (nothing on
-//! the device yet), [`Runner::prepare`] outside any capture (creates the workspace, or records why none could be made, and
-//! compiles and loads every kernel any token count of the plan can route to), then
-//! [`Runner::launch`] or [`Runner::capture`] (per node) as often as needed: they never
-//! allocate, compile or retry a failed backend, so they are safe inside a capture.
+//! the device yet), [`Runner::prepare`] outside any capture (creates the workspace, or
+//! records why none could be made, and loads every kernel any token count of the plan
+//! can route to), then [`Runner::launch`] or [`Runner::capture`] + [`Runner::replay`]
+//! (per node) as often as needed: they never allocate, compile or retry a failed
+//! backend, so they are safe inside a capture. Launches are enqueued on the device;
+//! [`Runner::sync`] waits for them and reports a kernel that gave up waiting for a peer
+//! (its error word) as an error naming the node.
 //!
-//! NOT YET RUN ON A GPU (see `cuda`'s module note).
+//! The runner does not know which device it has: the same code runs on a GPU
+//! ([`crate::cuda::Gpu`]; NOT YET RUN ON ONE, see `cuda`'s module note) and on the CPU
+//! ([`crate::host::HostDevice`], where the tests run it).
 
-use crate::cuda::{self, CaptureSet, FusedCall, Gpu, KernelParams, RankTensor, VirtualWorkspace};
+use crate::device::{self, Device, FusedCall, KernelParams, RankTensor};
 use crate::error::{Error, Result};
 use crate::node::{NodeKernels, Route};
 use crate::variants::{self, Variant};
@@ -68,21 +73,41 @@ struct NodeState {
     prepared: Option<Prepared>,
 }
 
-/// Runs the fused nodes of a graph on the W virtual ranks of one GPU. Nodes whose plans
+/// Runs the fused nodes of a graph on the W ranks of a [`Device`]. Nodes whose plans
 /// carry the same workspace (every fused node of one group and dtype, as the planner
 /// sizes one workspace for them) share ONE allocation of exactly that workspace; all
-/// launches go to one stream, in call order.
-pub struct Runner {
-    manager: WorkspaceManager<Gpu>,
+/// launches go to the device in call order.
+pub struct Runner<D: Device> {
+    manager: WorkspaceManager<D>,
     nodes: BTreeMap<String, NodeState>,
+    /// Nodes launched or replayed since the last [`Runner::sync`], in first-launch order.
+    pending: Vec<String>,
 }
 
-impl Runner {
-    /// A runner on `gpu` with no nodes yet.
-    pub fn new(gpu: Gpu) -> Runner {
+/// One captured graph per capture size of one node ([`Runner::capture`]).
+pub struct Captures<D: Device> {
+    node: String,
+    graphs: BTreeMap<u32, D::Graph>,
+}
+
+impl<D: Device> Captures<D> {
+    /// The node the graphs run.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+    /// Capture sizes held, ascending.
+    pub fn sizes(&self) -> Vec<u32> {
+        self.graphs.keys().copied().collect()
+    }
+}
+
+impl<D: Device> Runner<D> {
+    /// A runner on `device` with no nodes yet.
+    pub fn new(device: D) -> Runner<D> {
         Runner {
-            manager: WorkspaceManager::new(gpu),
+            manager: WorkspaceManager::new(device),
             nodes: BTreeMap::new(),
+            pending: Vec::new(),
         }
     }
 
@@ -90,8 +115,8 @@ impl Runner {
     ///
     /// # Errors
     /// As [`NodeKernels::from_graph`], for the first node that fails.
-    pub fn for_graph(gpu: Gpu, graph: &arfuse_ir::Graph, world: u32) -> Result<Runner> {
-        let mut r = Runner::new(gpu);
+    pub fn for_graph(device: D, graph: &arfuse_ir::Graph, world: u32) -> Result<Runner<D>> {
+        let mut r = Runner::new(device);
         for (_, n) in graph.nodes() {
             if matches!(n.op, arfuse_ir::Op::FusedAllreduceNorm(_)) {
                 r.add(NodeKernels::from_graph(graph, &n.id, world)?)?;
@@ -135,9 +160,15 @@ impl Runner {
         self.nodes.get(node).map(|n| &n.kernels)
     }
 
-    /// The GPU (for buffers and uploads).
-    pub fn gpu(&mut self) -> &mut Gpu {
+    /// The device (for buffers, uploads and downloads).
+    pub fn device(&mut self) -> &mut D {
         self.manager.factory_mut()
+    }
+
+    /// The workspace node `node` runs on, once prepared with a fused backend.
+    pub fn workspace(&self, node: &str) -> Option<&D::Workspace> {
+        let request = &self.nodes.get(node)?.kernels.workspace;
+        self.manager.live(request)
     }
 
     /// How many distinct workspaces the prepared nodes use.
@@ -151,7 +182,7 @@ impl Runner {
     /// Idempotent. Returns what each node settled on.
     ///
     /// # Errors
-    /// [`Error::Capturing`] when called while the stream captures; NVRTC and driver
+    /// [`Error::Capturing`] when called while the device captures; compiler and device
     /// errors while loading kernels (naming the node).
     pub fn prepare(&mut self) -> Result<Vec<(String, Prepared)>> {
         let ids: Vec<String> = self.nodes.keys().cloned().collect();
@@ -163,7 +194,7 @@ impl Runner {
                 .map_err(|e| e.in_node(&id))?;
             out.push((id, p));
         }
-        self.gpu().preload(&needed, 4)?;
+        self.device().load(&needed)?;
         Ok(out)
     }
 
@@ -211,79 +242,161 @@ impl Runner {
         Ok((s.kernels.clone(), p))
     }
 
-    /// Enqueues one call of node `node` with `tokens` tokens (on the stream; inside a
-    /// capture it is recorded). Returns the route taken.
+    fn note_pending(&mut self, node: &str) {
+        if !self.pending.iter().any(|n| n == node) {
+            self.pending.push(node.to_string());
+        }
+    }
+
+    /// Enqueues one call of node `node` with `tokens` tokens on the device (inside a
+    /// capture it is recorded). Returns the route taken. A kernel that gives up
+    /// waiting for a peer is reported by the next [`Runner::sync`].
     ///
     /// # Errors
     /// [`Error::Invalid`] for an unknown node, before [`Runner::prepare`], for a T
     /// outside the plan, for null inputs, or an unfused call whose norm and residual
-    /// outputs both overlap an input or are dead; launch errors. All name the node.
+    /// outputs both overlap an input or are dead; device errors. All name the node.
     pub fn launch(&mut self, node: &str, tokens: u32, t: &NodeTensors) -> Result<Route> {
-        self.launch_inner(node, tokens, t)
-            .map_err(|e| e.in_node(node))
+        let r = self
+            .launch_inner(node, tokens, t)
+            .map_err(|e| e.in_node(node))?;
+        self.note_pending(node);
+        Ok(r)
     }
 
     fn launch_inner(&mut self, node: &str, tokens: u32, t: &NodeTensors) -> Result<Route> {
         let (k, prepared) = self.prepared(node)?;
         k.route(tokens)?;
         check_tensors(&k, t)?;
-        let (gpu, ws) = self.device(&k, &prepared);
-        launch_call(gpu, ws, &k, tokens, t)
+        let (dev, ws) = self.parts(&k, &prepared);
+        launch_call(dev, ws, &k, tokens, t)
     }
 
-    /// The GPU and, when the node runs fused, its workspace.
-    fn device(
-        &mut self,
-        k: &NodeKernels,
-        prepared: &Prepared,
-    ) -> (&mut Gpu, Option<&VirtualWorkspace>) {
-        let (gpu, ws) = self.manager.parts(&k.workspace);
+    /// The device and, when the node runs fused, its workspace.
+    fn parts(&mut self, k: &NodeKernels, prepared: &Prepared) -> (&mut D, Option<&D::Workspace>) {
+        let (dev, ws) = self.manager.parts(&k.workspace);
         let ws = match prepared {
             Prepared::Fused(_) => ws.map(|(_, w)| w),
             Prepared::Unfused(_) => None,
         };
-        (gpu, ws)
+        (dev, ws)
     }
 
-    /// Captures one CUDA graph per size in `sizes`, each holding one call of node
-    /// `node` with tensors `t` (large enough for the largest size).
+    /// Captures one graph per size in `sizes`, each holding one call of node `node`
+    /// with tensors `t` (large enough for the largest size). Replay them with
+    /// [`Runner::replay`].
     ///
     /// # Errors
     /// As [`Runner::launch`]; capture errors.
-    pub fn capture(&mut self, node: &str, sizes: &[u32], t: &NodeTensors) -> Result<CaptureSet> {
+    pub fn capture(&mut self, node: &str, sizes: &[u32], t: &NodeTensors) -> Result<Captures<D>> {
         self.capture_inner(node, sizes, t)
             .map_err(|e| e.in_node(node))
     }
 
-    fn capture_inner(&mut self, node: &str, sizes: &[u32], t: &NodeTensors) -> Result<CaptureSet> {
+    fn capture_inner(&mut self, node: &str, sizes: &[u32], t: &NodeTensors) -> Result<Captures<D>> {
         let (k, prepared) = self.prepared(node)?;
         for &s in sizes {
             k.route(s)?;
         }
         check_tensors(&k, t)?;
-        let (gpu, ws) = self.device(&k, &prepared);
-        CaptureSet::capture(gpu, sizes, |g, tokens| {
-            launch_call(g, ws, &k, tokens, t).map(|_| ())
+        let (dev, ws) = self.parts(&k, &prepared);
+        let mut graphs = BTreeMap::new();
+        for &tokens in sizes {
+            let g = dev.capture(&mut |d: &mut D| launch_call(d, ws, &k, tokens, t).map(|_| ()))?;
+            graphs.insert(tokens, g);
+        }
+        Ok(Captures {
+            node: node.to_string(),
+            graphs,
         })
+    }
+
+    /// Enqueues the graph of capture size `tokens` from `captures` (one call of its
+    /// node, with the tensors it was captured with).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when no graph of that size was captured; device errors. Both
+    /// name the node.
+    pub fn replay(&mut self, captures: &Captures<D>, tokens: u32) -> Result<()> {
+        let node = captures.node.as_str();
+        let g = captures.graphs.get(&tokens).ok_or_else(|| {
+            Error::Invalid(format!("no graph captured for T = {tokens}")).in_node(node)
+        })?;
+        self.device().replay(g).map_err(|e| e.in_node(node))?;
+        self.note_pending(node);
+        Ok(())
+    }
+
+    /// Waits for every launch and replay enqueued so far, then reads (and clears) the
+    /// error word of every workspace. A workspace whose kernel gave up waiting for a
+    /// peer is reset ([`Device::reset_workspace`]: sentinels refilled, call state zero)
+    /// before this returns, so the next call on it starts from a clean protocol state.
+    ///
+    /// # Errors
+    /// [`Error::Node`] naming the node(s) launched since the last sync (comma-separated
+    /// when several) around the device's error, or around [`Error::KernelTimeout`] for
+    /// a kernel that gave up waiting for a peer (the nodes on that workspace).
+    pub fn sync(&mut self) -> Result<()> {
+        let pending = std::mem::take(&mut self.pending);
+        let names = |filter: &dyn Fn(&str) -> bool| -> String {
+            let n: Vec<&str> = pending
+                .iter()
+                .map(String::as_str)
+                .filter(|n| filter(n))
+                .collect();
+            if n.is_empty() {
+                "(none launched since the last sync)".to_string()
+            } else {
+                n.join(", ")
+            }
+        };
+        let nodes = &self.nodes;
+        let (dev, live) = self.manager.all_parts();
+        if let Err(e) = dev.sync() {
+            return Err(e.in_node(&names(&|_| true)));
+        }
+        let mut first = None;
+        for (request, ws) in live {
+            if let Err(e) = dev.take_error(ws) {
+                let on_ws = |n: &str| {
+                    nodes
+                        .get(n)
+                        .is_some_and(|s| &s.kernels.workspace == request)
+                };
+                // A timed-out call leaves the ranks disagreeing on the call count and
+                // partial data in a buffer: reset before the workspace is used again.
+                let e = match e {
+                    Error::KernelTimeout(_) => match dev.reset_workspace(ws) {
+                        Ok(()) => e,
+                        Err(r) => Error::Invalid(format!(
+                            "{e}; resetting the workspace afterwards failed: {r}"
+                        )),
+                    },
+                    e => e,
+                };
+                first.get_or_insert(e.in_node(&names(&on_ws)));
+            }
+        }
+        first.map_or(Ok(()), Err)
     }
 }
 
 /// One call of node `k`: fused when its route is fused and a workspace exists, else
 /// the unfused path. Returns the route taken.
-fn launch_call(
-    gpu: &mut Gpu,
-    ws: Option<&VirtualWorkspace>,
+fn launch_call<D: Device>(
+    dev: &mut D,
+    ws: Option<&D::Workspace>,
     k: &NodeKernels,
     tokens: u32,
     t: &NodeTensors,
 ) -> Result<Route> {
     match (k.route(tokens)?, ws) {
         (Route::Fused(v), Some(ws)) => {
-            launch_fused_node(gpu, ws, k, v, tokens, t)?;
+            dev.launch_fused(ws, &node_call(k, v, tokens, base_params(k, t)))?;
             Ok(Route::Fused(v))
         }
         _ => {
-            launch_unfused_node(gpu, k, tokens, t)?;
+            launch_unfused_node(dev, k, tokens, t)?;
             Ok(Route::Unfused {
                 local: k.local_variant(),
             })
@@ -330,30 +443,20 @@ fn base_params(k: &NodeKernels, t: &NodeTensors) -> KernelParams {
         weight_bias: k.weight_bias,
         gamma_f32: i32::from(k.gamma_f32),
         norm_round_twice: i32::from(k.norm_round_twice),
-        timeout_ns: cuda::DEFAULT_TIMEOUT_NS,
+        timeout_ns: device::DEFAULT_TIMEOUT_NS,
         ..KernelParams::default()
     }
 }
 
-fn launch_fused_node(
-    gpu: &mut Gpu,
-    ws: &VirtualWorkspace,
-    k: &NodeKernels,
-    variant: Variant,
-    tokens: u32,
-    t: &NodeTensors,
-) -> Result<()> {
-    cuda::launch_fused(
-        gpu,
-        ws,
-        &FusedCall {
-            variant,
-            tokens,
-            hidden: k.hidden,
-            ranks: k.world,
-            params: base_params(k, t),
-        },
-    )
+/// A call of node `k` with `variant` at `tokens` tokens.
+fn node_call(k: &NodeKernels, variant: Variant, tokens: u32, params: KernelParams) -> FusedCall {
+    FusedCall {
+        variant,
+        tokens,
+        hidden: k.hidden,
+        ranks: k.world,
+        params,
+    }
 }
 
 /// Byte range `[start, end)` the W ranks' `[T, H]` slices of `t` cover.
@@ -375,7 +478,12 @@ fn overlaps(a: Option<(u64, u64)>, b: Option<(u64, u64)>) -> bool {
 /// it in place (each thread loads its vectors of a token before any of them is
 /// written). The staging output must not overlap `x` (other ranks still read it while
 /// the all-reduce writes) nor `residual_in` (the local kernel reads it after).
-fn launch_unfused_node(gpu: &mut Gpu, k: &NodeKernels, tokens: u32, t: &NodeTensors) -> Result<()> {
+fn launch_unfused_node<D: Device>(
+    dev: &mut D,
+    k: &NodeKernels,
+    tokens: u32,
+    t: &NodeTensors,
+) -> Result<()> {
     let inputs = [extent(t.x, k, tokens), extent(t.residual_in, k, tokens)];
     let stage = [t.out, t.residual_out]
         .into_iter()
@@ -391,20 +499,11 @@ fn launch_unfused_node(gpu: &mut Gpu, k: &NodeKernels, tokens: u32, t: &NodeTens
         })?;
     let mut ar = base_params(k, t);
     ar.out = stage;
-    cuda::launch_virtual_allreduce(gpu, k.world, k.dtype, k.hidden, tokens, &ar)?;
+    let allreduce = variants::virtual_allreduce(k.world, k.dtype);
+    dev.launch_virtual_allreduce(&node_call(k, allreduce, tokens, ar))?;
     let mut local = base_params(k, t);
     local.x = stage;
-    cuda::launch_local(
-        gpu,
-        &FusedCall {
-            variant: k.local_variant(),
-            tokens,
-            hidden: k.hidden,
-            ranks: k.world,
-            params: local,
-        },
-        k.hidden,
-    )
+    dev.launch_local(&node_call(k, k.local_variant(), tokens, local))
 }
 
 #[cfg(test)]

@@ -4,7 +4,8 @@
 //! invalidated a CUDA graph in public code; domain.md section 3).
 //!
 //! Device-independent: the actual creation is behind [`WorkspaceFactory`], so the
-//! logic is unit-tested on the CPU with a fake device; [`crate::cuda`] implements it.
+//! logic is unit-tested on the CPU with a fake device; every [`crate::device::Device`]
+//! is one (its `create_workspace` and `is_capturing`).
 
 use crate::error::{Error, Result};
 use arfuse_policy::Workspace as WorkspaceRequest;
@@ -44,6 +45,16 @@ pub trait WorkspaceFactory {
     /// Creates the workspace `request` (the plan's, per rank) mapped for `backend`
     /// (never called for [`Backend::Unfused`]).
     fn create(&mut self, backend: Backend, request: &WorkspaceRequest) -> Result<Self::Workspace>;
+}
+
+impl<D: crate::device::Device> WorkspaceFactory for D {
+    type Workspace = D::Workspace;
+    fn is_capturing(&self) -> Result<bool> {
+        crate::device::Device::is_capturing(self)
+    }
+    fn create(&mut self, backend: Backend, request: &WorkspaceRequest) -> Result<D::Workspace> {
+        self.create_workspace(backend, request)
+    }
 }
 
 /// Outcome of [`WorkspaceManager::acquire`].
@@ -111,6 +122,18 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
         request: &WorkspaceRequest,
     ) -> (&mut F, Option<(Backend, &F::Workspace)>) {
         let live = self.live.get(request).map(|(b, w)| (*b, w));
+        (&mut self.factory, live)
+    }
+
+    /// The live workspace for `request`, if one was created.
+    pub fn live(&self, request: &WorkspaceRequest) -> Option<&F::Workspace> {
+        self.live.get(request).map(|(_, w)| w)
+    }
+
+    /// The factory and every live workspace with its request (in no particular order).
+    /// Never creates anything.
+    pub fn all_parts(&mut self) -> (&mut F, Vec<(&WorkspaceRequest, &F::Workspace)>) {
+        let live = self.live.iter().map(|(r, (_, w))| (r, w)).collect();
         (&mut self.factory, live)
     }
 

@@ -5,7 +5,7 @@
 use super::launch::{run_ranks, HostKernel, LaunchOptions, RankLaunch, RankTrace};
 use super::memory::{HostWorkspace, Slots};
 use crate::check::{self, Case, Inputs, Liveness, RankOutputs, FILL_BYTE};
-use crate::cuda::{self, KernelParams, RankTensor};
+use crate::device::{self, KernelParams, RankTensor};
 use crate::error::{Error, Result};
 use crate::variants::{self, Epilogue, KernelKind, Quant, Variant};
 
@@ -16,10 +16,10 @@ use crate::variants::{self, Epilogue, KernelKind, Quant, Variant};
 pub const DEFAULT_HOST_CTAS: u32 = 4;
 
 /// CTAs per rank of a fused call of `tokens` tokens: `min(T, 256, max_ctas)` (256 is
-/// the GPU path's grid limit, `cuda::MAX_GRID_CTAS`).
+/// the GPU path's grid limit, `device::MAX_GRID_CTAS`).
 pub fn fused_grid(tokens: u32, max_ctas: u32) -> u32 {
     tokens
-        .min(crate::cuda::MAX_GRID_CTAS)
+        .min(crate::device::MAX_GRID_CTAS)
         .min(max_ctas.max(1))
         .max(1)
 }
@@ -178,7 +178,7 @@ impl CaseIo {
             weight_bias: c.weight_bias as f32,
             gamma_f32: i32::from(c.gamma_f32),
             norm_round_twice: i32::from(c.norm_round_twice),
-            timeout_ns: cuda::DEFAULT_TIMEOUT_NS,
+            timeout_ns: device::DEFAULT_TIMEOUT_NS,
             tokens: c.tokens as i32,
             hidden: c.hidden as i32,
             ..KernelParams::default()
@@ -214,7 +214,7 @@ fn check_fits(
                 r.hidden
             )));
         }
-        crate::cuda::check_fits(r, case.strategy, case.tokens, case.hidden)?;
+        crate::device::check_fits(r, case.strategy, case.tokens, case.hidden)?;
     }
     Ok(())
 }
@@ -265,7 +265,7 @@ pub fn fused_launch<'a>(
             kernel,
             params: p,
             grid_x: fused_grid(case.tokens, max_ctas),
-            block: cuda::block_size(case.hidden, case.dtype)?,
+            block: device::block_size(case.hidden, case.dtype)?,
         },
         world: case.world,
         workspace: ws.base(),
@@ -325,7 +325,7 @@ pub fn run_fused(
     opts: &LaunchOptions,
 ) -> Result<Vec<RankOutputs>> {
     io.fill_outputs();
-    let call = fused_launch(kernel, ws, io, live, max_ctas, cuda::DEFAULT_TIMEOUT_NS)?;
+    let call = fused_launch(kernel, ws, io, live, max_ctas, device::DEFAULT_TIMEOUT_NS)?;
     run_fused_sequence(ws, io.case().world, &[call], opts)?;
     io.outputs()
 }
@@ -376,7 +376,7 @@ pub fn run_unfused(
     }
     io.fill_outputs();
     let live = Liveness::all(&case)?;
-    let block = cuda::block_size(case.hidden, case.dtype)?;
+    let block = device::block_size(case.hidden, case.dtype)?;
     let gx = case.tokens.clamp(1, max_ctas.max(1));
     let mut p = io.params(live);
     // SAFETY: `io` owns buffers of the case's sizes for W ranks; the all-reduce reads

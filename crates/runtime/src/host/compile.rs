@@ -435,7 +435,7 @@ fn par_map<T: Sync, R: Send>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::KernelParams;
+    use crate::device::KernelParams;
     use crate::host::launch::LaunchOptions;
 
     /// Small kernels that exercise the executor (not arfuse kernels): one entry point

@@ -4,7 +4,7 @@
 //! each on its own thread, the way W GPUs run.
 
 use super::compile::Build;
-use crate::cuda::KernelParams;
+use crate::device::KernelParams;
 use crate::error::{Error, Result};
 use crate::variants::Variant;
 use rand::rngs::SmallRng;
@@ -190,7 +190,7 @@ impl LaunchOptions {
     }
 
     /// The options of derived launch `k` (another seed, same bounds).
-    fn derive(&self, k: u64) -> LaunchOptions {
+    pub(crate) fn derive(&self, k: u64) -> LaunchOptions {
         if self.seed == 0 {
             return *self;
         }
@@ -483,10 +483,30 @@ pub unsafe fn run_ranks(
     launches: &[RankLaunch<'_>],
     opts: &LaunchOptions,
 ) -> Result<RankTrace> {
+    let ranks: Vec<u32> = (0..world).collect();
+    // SAFETY: forwarded from the caller.
+    unsafe { run_rank_set(&ranks, launches, opts) }
+}
+
+/// [`run_ranks`] for the ranks in `ranks` only (a rank left out never launches: its
+/// peers wait for it until their polling timeout). `spans[i]` of the trace belongs to
+/// `ranks[i]`.
+///
+/// # Errors
+/// As [`run_ranks`].
+///
+/// # Safety
+/// As [`HostKernel::launch`], for every launch of the sequence.
+pub unsafe fn run_rank_set(
+    ranks: &[u32],
+    launches: &[RankLaunch<'_>],
+    opts: &LaunchOptions,
+) -> Result<RankTrace> {
     type Spans = Vec<(Instant, Instant)>;
     let results: Vec<(Spans, Option<String>)> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|r| {
+        let handles: Vec<_> = ranks
+            .iter()
+            .map(|&r| {
                 s.spawn(move || -> (Spans, Option<String>) {
                     let ropts = opts.derive(1_000_000 + u64::from(r));
                     let mut rng = SmallRng::seed_from_u64(ropts.seed);

@@ -1,7 +1,7 @@
 //! Host memory for host-compiled kernels: zeroed, aligned buffers whose addresses go
 //! into `KernelParams`, and the W virtual ranks' workspaces.
 
-use crate::cuda::KernelParams;
+use crate::device::KernelParams;
 use crate::error::{Error, Result};
 use crate::variants::Dtype;
 use arfuse_policy::{ArfuseLayout, Workspace};
@@ -271,35 +271,47 @@ pub struct HostWorkspace {
     err: Slots,
 }
 
+/// One rank's workspace bytes in their initial state: the state block (everything
+/// before the Lamport buffers) zero, every element of the Lamport buffers the -0.0
+/// sentinel of `dtype`.
+fn initialise_rank(
+    bytes: &mut [u8],
+    layout: &ArfuseLayout,
+    dtype: arfuse_policy::ActDtype,
+) -> Result<()> {
+    let dtype = Dtype::from_policy(dtype);
+    let bits = dtype.sentinel_bits().to_le_bytes();
+    let word = &bits[..dtype.bytes()];
+    let size = |v: u64| usize::try_from(v).map_err(|_| Error::Overflow("workspace"));
+    let start = size(layout.lamport_offset)?;
+    let lam = size(
+        layout
+            .lamport_buffer_bytes
+            .checked_mul(arfuse_policy::LAMPORT_BUFFER_COUNT)
+            .ok_or(Error::Overflow("lamport"))?,
+    )?;
+    let end = start.checked_add(lam).ok_or(Error::Overflow("lamport"))?;
+    if end > bytes.len() {
+        return Err(Error::Overflow("lamport"));
+    }
+    bytes[..start].fill(0);
+    for chunk in bytes[start..end].chunks_exact_mut(word.len()) {
+        chunk.copy_from_slice(word);
+    }
+    Ok(())
+}
+
 impl HostWorkspace {
     /// Allocates and initialises `workspace` (arfuse's layout) for its W ranks.
     ///
     /// # Errors
-    /// As [`crate::cuda::arfuse_layout`] and [`HostBuffer::new`].
+    /// As [`crate::device::arfuse_layout`] and [`HostBuffer::new`].
     pub fn create(workspace: &Workspace) -> Result<HostWorkspace> {
-        let layout = crate::cuda::arfuse_layout(workspace)?;
-        let word: &[u8] = match Dtype::from_policy(workspace.dtype) {
-            Dtype::Bf16 | Dtype::F16 => &[0x00, 0x80],
-            Dtype::F32 => &[0x00, 0x00, 0x00, 0x80],
-        };
-        let size = |v: u64| usize::try_from(v).map_err(|_| Error::Overflow("workspace"));
-        let start = size(layout.lamport_offset)?;
-        let lam = size(
-            layout
-                .lamport_buffer_bytes
-                .checked_mul(arfuse_policy::LAMPORT_BUFFER_COUNT)
-                .ok_or(Error::Overflow("lamport"))?,
-        )?;
+        let layout = crate::device::arfuse_layout(workspace)?;
         let mut ranks = Vec::with_capacity(workspace.world_size as usize);
         for _ in 0..workspace.world_size {
             let mut b = Slots::new(layout.bytes_per_rank, 1)?;
-            let lamport = b
-                .slot_mut(0)
-                .get_mut(start..start + lam)
-                .ok_or(Error::Overflow("lamport"))?;
-            for chunk in lamport.chunks_exact_mut(word.len()) {
-                chunk.copy_from_slice(word);
-            }
+            initialise_rank(b.slot_mut(0), &layout, workspace.dtype)?;
             ranks.push(b);
         }
         Ok(HostWorkspace {
@@ -308,6 +320,28 @@ impl HostWorkspace {
             ranks,
             err: Slots::new(16, 1)?,
         })
+    }
+
+    /// Writes the initial state again (as [`HostWorkspace::create`] left it: state
+    /// blocks zero, Lamport buffers the sentinel, the error word zero), through a
+    /// shared reference, for a workspace that queued launches share
+    /// ([`super::device::HostDevice`]); only called when no kernel runs.
+    ///
+    /// # Errors
+    /// As [`HostWorkspace::create`].
+    pub(crate) fn reset_shared(&self) -> Result<()> {
+        let len = usize::try_from(self.layout.bytes_per_rank)
+            .map_err(|_| Error::Overflow("workspace"))?;
+        for b in &self.ranks {
+            // SAFETY: the rank's slot holds `bytes_per_rank` bytes at `addr(0)`; no
+            // kernel runs (the caller ran the queue and holds the device exclusively)
+            // and no other reference into the slot is alive while this one is.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(b.addr(0) as *mut u8, len) };
+            initialise_rank(bytes, &self.layout, self.workspace.dtype)?;
+        }
+        // SAFETY: the first 4 bytes of the error word's slot, as in take_error_shared.
+        unsafe { std::ptr::write_volatile(self.err.addr(0) as *mut u32, 0) };
+        Ok(())
     }
 
     /// `base` with the workspace fields filled (every rank's workspace address, the
@@ -337,9 +371,18 @@ impl HostWorkspace {
 
     /// Reads and clears the error word; `Err(KernelTimeout)` if a kernel gave up.
     pub fn take_error(&mut self) -> Result<()> {
+        self.take_error_shared()
+    }
+
+    /// [`HostWorkspace::take_error`] through a shared reference, for a workspace that
+    /// queued launches share ([`super::device::HostDevice`]); only called when no
+    /// kernel runs.
+    pub(crate) fn take_error_shared(&self) -> Result<()> {
         let v = self.error_word();
         if v != 0 {
-            self.err.slot_mut(0)[..4].fill(0);
+            // SAFETY: the first 4 bytes of the error word's slot, which this value owns;
+            // no kernel runs and no reference into the slot is held while this writes.
+            unsafe { std::ptr::write_volatile(self.err.addr(0) as *mut u32, 0) };
             return Err(Error::KernelTimeout(v));
         }
         Ok(())

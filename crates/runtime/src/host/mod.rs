@@ -8,6 +8,10 @@
 //!   fibers (`kernels/arfuse_host.h`), all CTAs of a launch at once; W ranks as W
 //!   independent launch streams with random delays and CTA orders ([`run_ranks`]).
 //! - [`memory`]: aligned host buffers and the W ranks' workspaces.
+//! - [`device`]: [`HostDevice`], the host implementation of [`crate::device::Device`]
+//!   (what [`crate::runner::Runner`] runs on without a GPU): every rank its own launch
+//!   stream, launches queued until a sync, capture and replay, memory it checks every
+//!   launch against.
 //! - [`cases`]: the GPU check's cases ([`crate::check`]) on the host: buffers, fused
 //!   calls with every rank launched separately, the unfused path.
 //! - [`Conversions`]: the software `cvt` conversions of the host build, callable from
@@ -21,11 +25,13 @@
 
 pub mod cases;
 pub mod compile;
+pub mod device;
 pub mod launch;
 pub mod memory;
 
 pub use compile::{Build, Compiler};
-pub use launch::{run_ranks, HostKernel, LaunchOptions, RankLaunch, RankTrace};
+pub use device::{HostDevice, HostDeviceWorkspace, HostGraph, HostMem, HostOptions};
+pub use launch::{run_rank_set, run_ranks, HostKernel, LaunchOptions, RankLaunch, RankTrace};
 pub use memory::{HostBuffer, HostWorkspace, Slots};
 
 use crate::error::{Error, Result};
