@@ -26,10 +26,10 @@ struct Header {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawGraph {
-    #[allow(dead_code)]
-    format: String,
-    #[allow(dead_code)]
-    version: u64,
+    /// Checked by [`check_header`] (as for [`Header`]).
+    format: Option<serde_json::Value>,
+    /// Checked by [`check_header`] (as for [`Header`]).
+    version: Option<serde_json::Value>,
     /// Checked field by field in [`symbol_range`], so that an error names the field.
     #[serde(default)]
     symbols: UniqueMap<serde_json::Value>,
@@ -94,6 +94,38 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for UniqueMap<V> {
     }
 }
 
+/// The ops of a graph's nodes by their name and attributes: a model repeats the same
+/// few ops (every all-reduce of a layer group, every norm with one eps) thousands of
+/// times, and parsing one ([`Op::from_name_attrs_owned`]) costs far more than looking
+/// it up. The result, error included, is a function of the name and the attribute
+/// object, so a repeat gets what parsing it again would give. Memory: one entry per
+/// distinct (name, attributes), each no larger than its text in the input.
+#[derive(Default)]
+struct OpMemo {
+    /// Key: the op name, a 0 byte, the attributes as JSON (in their order in the file).
+    seen: HashMap<Vec<u8>, Result<Op, String>>,
+    key: Vec<u8>,
+}
+
+impl OpMemo {
+    /// The op named `name` with attributes `attrs`, or why not.
+    fn op(&mut self, name: &str, attrs: Vec<(String, serde_json::Value)>) -> Result<Op, String> {
+        self.key.clear();
+        self.key.extend_from_slice(name.as_bytes());
+        self.key.push(0);
+        if serde_json::to_writer(&mut self.key, &attrs).is_err() {
+            // Not reachable for parsed JSON values; parse without the memo.
+            return Op::from_name_attrs_owned(name, attrs.into_iter().collect());
+        }
+        if let Some(found) = self.seen.get(self.key.as_slice()) {
+            return found.clone();
+        }
+        let op = Op::from_name_attrs_owned(name, attrs.into_iter().collect());
+        self.seen.insert(self.key.clone(), op.clone());
+        op
+    }
+}
+
 /// The node list, refused as soon as it exceeds [`MAX_NODES`] (bounded time and memory).
 struct BoundedNodes(Vec<RawNode>);
 
@@ -145,6 +177,40 @@ fn parse_ref(s: &str) -> Result<(&str, u32), String> {
     }
 }
 
+/// The `format` and `version` fields: [`LoadError::Format`] for another format (or
+/// none), [`LoadError::Version`] for another version, [`LoadError::Json`] when the
+/// version is missing or not a non-negative integer.
+fn check_header(
+    format: Option<serde_json::Value>,
+    version: Option<serde_json::Value>,
+) -> Result<(), LoadError> {
+    match format {
+        Some(serde_json::Value::String(s)) if s == FORMAT_TAG => {}
+        Some(other) => {
+            return Err(LoadError::Format {
+                found: match other {
+                    serde_json::Value::String(s) => s,
+                    v => v.to_string(),
+                },
+            })
+        }
+        None => {
+            return Err(LoadError::Format {
+                found: "<missing>".into(),
+            })
+        }
+    }
+    match version.as_ref().and_then(|v| v.as_u64()) {
+        Some(FORMAT_VERSION) => Ok(()),
+        Some(v) => Err(LoadError::Version { found: v }),
+        None => Err(LoadError::Json {
+            line: 1,
+            column: 1,
+            message: "field \"version\" is missing or not a non-negative integer".into(),
+        }),
+    }
+}
+
 impl Graph {
     /// Loads and validates a graph from JSON bytes.
     ///
@@ -173,35 +239,17 @@ impl Graph {
                 limit: MAX_INPUT_BYTES,
             });
         }
-        let header: Header = serde_json::from_str(text).map_err(json_error)?;
-        match header.format {
-            Some(serde_json::Value::String(s)) if s == FORMAT_TAG => {}
-            Some(other) => {
-                return Err(LoadError::Format {
-                    found: match other {
-                        serde_json::Value::String(s) => s,
-                        v => v.to_string(),
-                    },
-                })
+        // One parse of the whole document. The header's errors come first: when the
+        // document does not parse as a graph, the header alone is parsed to say so.
+        let mut raw: RawGraph = match serde_json::from_str(text) {
+            Ok(raw) => raw,
+            Err(e) => {
+                let header: Header = serde_json::from_str(text).map_err(json_error)?;
+                check_header(header.format, header.version)?;
+                return Err(json_error(e));
             }
-            None => {
-                return Err(LoadError::Format {
-                    found: "<missing>".into(),
-                })
-            }
-        }
-        match header.version.as_ref().and_then(|v| v.as_u64()) {
-            Some(FORMAT_VERSION) => {}
-            Some(v) => return Err(LoadError::Version { found: v }),
-            None => {
-                return Err(LoadError::Json {
-                    line: 1,
-                    column: 1,
-                    message: "field \"version\" is missing or not a non-negative integer".into(),
-                })
-            }
-        }
-        let raw: RawGraph = serde_json::from_str(text).map_err(json_error)?;
+        };
+        check_header(raw.format.take(), raw.version.take())?;
         build(raw).map_err(LoadError::Invalid)
     }
 
@@ -426,10 +474,10 @@ fn build(raw: RawGraph) -> Result<Graph, Problems> {
     // Build in topological order.
     let mut ids: Vec<Option<NodeId>> = vec![None; nodes.len()];
     let mut nodes: Vec<Option<RawNode>> = nodes.into_iter().map(Some).collect();
+    let mut ops = OpMemo::default();
     for &i in &order {
         let Some(n) = nodes[i].take() else { continue };
-        let attrs: serde_json::Map<String, serde_json::Value> = n.attrs.0.into_iter().collect();
-        let op = match Op::from_name_attrs_owned(&n.op, attrs) {
+        let op = match ops.op(&n.op, n.attrs.0) {
             Ok(op) => op,
             Err(m) => {
                 problems.push(Problem::new(&n.id, ProblemKind::Attribute, m));

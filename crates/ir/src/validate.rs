@@ -62,12 +62,12 @@ fn dim(n: u64) -> Dim {
     Dim::constant(n)
 }
 
-impl Checker<'_> {
+impl<'a> Checker<'a> {
     fn err(&mut self, kind: ProblemKind, msg: impl Into<String>) {
         self.p.push(Problem::new(&self.n.id, kind, msg));
     }
 
-    fn input(&self, i: usize) -> &TensorType {
+    fn input(&self, i: usize) -> &'a TensorType {
         // Inputs are valid values by construction of `Graph`.
         self.g
             .value_type(self.n.inputs[i])
@@ -196,7 +196,7 @@ impl Checker<'_> {
 
     /// The hidden size of input `i` (its last dim, constant), with a problem if absent.
     fn hidden(&mut self, i: usize) -> Option<u64> {
-        let t = self.input(i).clone();
+        let t = self.input(i);
         match t.shape.last().and_then(Dim::as_const) {
             Some(h) if h > 0 => Some(h),
             _ => {
@@ -210,7 +210,7 @@ impl Checker<'_> {
     }
 
     fn weight(&mut self, i: usize, h: u64, x_dtype: DType, weight_bias: f64) {
-        let w = self.input(i).clone();
+        let w = self.input(i);
         if w.shape != Shape(vec![dim(h)]) {
             self.err(
                 ProblemKind::Shape,
@@ -234,7 +234,7 @@ impl Checker<'_> {
     }
 
     fn scalar_f32(&mut self, i: usize, what: &str) {
-        let t = self.input(i).clone();
+        let t = self.input(i);
         let ok_shape = t.shape.rank() == 0 || t.shape == Shape(vec![dim(1)]);
         if t.dtype != DType::F32 || !ok_shape {
             self.err(
@@ -351,13 +351,13 @@ impl Checker<'_> {
                 }
                 if self.arity(&[1], 1) {
                     self.float_input(0);
-                    let want = self.input(0).clone();
+                    let want = self.input(0);
                     self.expect_output(0, &want);
                 }
             }
             Op::Add | Op::Mul => {
                 if self.arity(&[2], 1) {
-                    let (a, b) = (self.input(0).clone(), self.input(1).clone());
+                    let (a, b) = (self.input(0), self.input(1));
                     if a.dtype != b.dtype {
                         self.err(
                             ProblemKind::DType,
@@ -402,19 +402,19 @@ impl Checker<'_> {
             Op::Pow { exponent } => {
                 self.finite_attr("exponent", *exponent);
                 if self.arity(&[1], 1) && self.float_input(0) {
-                    let want = self.input(0).clone();
+                    let want = self.input(0);
                     self.expect_output(0, &want);
                 }
             }
             Op::Rsqrt => {
                 if self.arity(&[1], 1) && self.float_input(0) {
-                    let want = self.input(0).clone();
+                    let want = self.input(0);
                     self.expect_output(0, &want);
                 }
             }
             Op::Mean { dims, keepdim } => {
                 if self.arity(&[1], 1) && self.float_input(0) {
-                    let x = self.input(0).clone();
+                    let x = self.input(0);
                     let rank = x.shape.rank() as i64;
                     let mut reduced = vec![false; x.shape.rank()];
                     for &d in dims {
@@ -447,7 +447,7 @@ impl Checker<'_> {
             }
             Op::Reshape => {
                 if self.arity(&[1], 1) {
-                    let x = self.input(0).clone();
+                    let x = self.input(0);
                     let y = n.outputs[0].clone();
                     if x.dtype != y.dtype {
                         self.err(
@@ -472,7 +472,7 @@ impl Checker<'_> {
             Op::RmsNorm { eps, weight_bias } => {
                 self.eps(*eps, *weight_bias);
                 if self.arity(&[2], 1) && self.float_input(0) {
-                    let x = self.input(0).clone();
+                    let x = self.input(0);
                     if let Some(h) = self.hidden(0) {
                         self.weight(1, h, x.dtype, *weight_bias);
                     }
@@ -482,8 +482,8 @@ impl Checker<'_> {
             Op::FusedAddRmsNorm { eps, weight_bias } => {
                 self.eps(*eps, *weight_bias);
                 if self.arity(&[3], 2) && self.float_input(0) {
-                    let x = self.input(0).clone();
-                    let r = self.input(1).clone();
+                    let x = self.input(0);
+                    let r = self.input(1);
                     if r != x {
                         self.err(
                             ProblemKind::Shape,
@@ -517,7 +517,7 @@ impl Checker<'_> {
             ),
             Op::Matmul { transpose_b } => {
                 if self.arity(&[2], 1) && self.float_input(0) {
-                    let (x, w) = (self.input(0).clone(), self.input(1).clone());
+                    let (x, w) = (self.input(0), self.input(1));
                     if w.shape.rank() != 2 || x.shape.rank() == 0 {
                         self.err(
                             ProblemKind::Shape,
@@ -561,7 +561,7 @@ impl Checker<'_> {
             }
             Op::Embedding => {
                 if self.arity(&[2], 1) {
-                    let (t, ids) = (self.input(0).clone(), self.input(1).clone());
+                    let (t, ids) = (self.input(0), self.input(1));
                     if t.shape.rank() != 2 || !t.dtype.is_float() {
                         self.err(
                             ProblemKind::Shape,
@@ -607,7 +607,7 @@ impl Checker<'_> {
         if !self.arity(inputs, outs) || !self.float_input(0) {
             return;
         }
-        let x = self.input(0).clone();
+        let x = self.input(0);
         if inputs[0] == 2 {
             self.scalar_f32(1, "scale");
         }
@@ -666,9 +666,9 @@ impl Checker<'_> {
         if !self.arity(&[n_in], f.outputs.len()) || !self.float_input(0) {
             return;
         }
-        let x = self.input(0).clone();
+        let x = self.input(0);
         if f.residual {
-            let r = self.input(1).clone();
+            let r = self.input(1);
             if r != x {
                 self.err(
                     ProblemKind::Shape,
@@ -699,7 +699,7 @@ impl Checker<'_> {
     }
 }
 
-impl Checker<'_> {
+impl<'a> Checker<'a> {
     /// A plan carried by a fused node is never trusted as written: its workspace must
     /// be sound and belong to the node (dtype, a hidden size at least the node's, the
     /// graph's recorded world size), its dispatch must cover 1..=N without gaps or

@@ -570,7 +570,10 @@ fn refuse(plan: &mut Plan, reason: String) {
 }
 
 /// The fused part of planning, as its steps: the hidden sizes the kernels run, the
-/// size cap and max_token_num M, the workspace, the dispatch of every site.
+/// size cap and max_token_num M ([`token_cap`]), the workspace
+/// ([`choose_workspace`]), the dispatch of every site ([`dispatch_sites`]), then the
+/// plan takes them ([`take_fused`]). A step that refuses the plan returns `None`
+/// after [`refuse`].
 fn plan_fused(
     plan: &mut Plan,
     target: &Target,
@@ -579,13 +582,44 @@ fn plan_fused(
     given: Option<&Workspace>,
 ) -> Result<()> {
     let unsupported = unsupported_hiddens(target, hiddens)?;
+    let Some((h_ws, max_bytes, m)) = token_cap(plan, target, hiddens, &unsupported)? else {
+        return Ok(());
+    };
+    let shape = Shape {
+        target,
+        backend,
+        hiddens,
+        unsupported: &unsupported,
+        h_ws,
+        m,
+        max_bytes,
+        t_max: plan.max_planned_tokens,
+    };
+    let Some(ws) = choose_workspace(plan, &shape, given)? else {
+        return Ok(());
+    };
+    let Some(sites) = dispatch_sites(plan, &shape, &ws)? else {
+        return Ok(());
+    };
+    take_fused(plan, &shape, ws, sites)
+}
+
+/// The workspace's hidden size (the widest the kernels run), the size cap in bytes
+/// and max_token_num M, with the size-cap note; `None` when the plan was refused (no
+/// hidden size runs, no size-table entry, or no token row fits the cap).
+fn token_cap(
+    plan: &mut Plan,
+    target: &Target,
+    hiddens: &[u64],
+    unsupported: &BTreeMap<u64, String>,
+) -> Result<Option<(u64, u64, u64)>> {
     let Some(&h_ws) = hiddens.iter().find(|h| !unsupported.contains_key(h)) else {
         let why = unsupported.values().next().cloned().unwrap_or_default();
         refuse(plan, why);
-        return Ok(());
+        return Ok(None);
     };
     let Some((max_bytes, source)) = size_cap(plan, target) else {
-        return Ok(());
+        return Ok(None);
     };
     let dtype = target.dtype;
     let m = limits::max_token_num(max_bytes, h_ws, dtype, target.max_batched_tokens)?;
@@ -604,21 +638,30 @@ fn plan_fused(
                  {max_bytes} bytes, so no T is eligible"
             ),
         );
-        return Ok(());
+        return Ok(None);
     }
-    let shape = Shape {
-        target,
-        backend,
-        hiddens,
-        unsupported: &unsupported,
-        h_ws,
-        m,
-        max_bytes,
-        t_max: plan.max_planned_tokens,
-    };
+    Ok(Some((h_ws, max_bytes, m)))
+}
+
+/// The workspace: the one given (checked against the target), else the one sized for
+/// the plan; with its note (and FlashInfer trtllm's clamp note). `None` when the plan
+/// was refused (no T fits any fused strategy).
+fn choose_workspace(
+    plan: &mut Plan,
+    shape: &Shape<'_>,
+    given: Option<&Workspace>,
+) -> Result<Option<Workspace>> {
+    let target = shape.target;
     let ws = match given {
         Some(ws) => {
-            check_given(ws, target.kernels, backend, target.world_size, dtype, h_ws)?;
+            check_given(
+                ws,
+                target.kernels,
+                shape.backend,
+                target.world_size,
+                target.dtype,
+                shape.h_ws,
+            )?;
             ws.clone()
         }
         None => match shape.size_workspace()? {
@@ -627,17 +670,17 @@ fn plan_fused(
                 refuse(
                     plan,
                     format!(
-                        "no T in 1..={m} fits any fused strategy of {}",
-                        target.kernels
+                        "no T in 1..={} fits any fused strategy of {}",
+                        shape.m, target.kernels
                     ),
                 );
-                return Ok(());
+                return Ok(None);
             }
         },
     };
     plan.notes.push(ws.to_string());
     if ws.kernels == KernelLibrary::Flashinfer
-        && backend == Backend::Trtllm
+        && shape.backend == Backend::Trtllm
         && ws.comm_buffer_bytes > ws.lamport_buffer_bytes
     {
         plan.notes.push(format!(
@@ -647,11 +690,21 @@ fn plan_fused(
             limits::LAMPORT_MAX_COMM_BYTES
         ));
     }
-    let sites = match shape.sites(&ws) {
+    Ok(Some(ws))
+}
+
+/// Every site's dispatch against `ws`; `None` when the plan was refused (a
+/// deterministic-mode refusal, or no T of any site fuses).
+fn dispatch_sites(
+    plan: &mut Plan,
+    shape: &Shape<'_>,
+    ws: &Workspace,
+) -> Result<Option<Vec<SiteDispatch>>> {
+    let sites = match shape.sites(ws) {
         Ok(sites) => sites,
         Err(PlanStep::Refused(Refusal(why))) => {
             refuse(plan, why);
-            return Ok(());
+            return Ok(None);
         }
         Err(PlanStep::Error(e)) => return Err(e),
     };
@@ -661,25 +714,40 @@ fn plan_fused(
     {
         refuse(
             plan,
-            format!("no T in 1..={m} fits the workspace with any fused strategy ({ws})"),
+            format!(
+                "no T in 1..={} fits the workspace with any fused strategy ({ws})",
+                shape.m
+            ),
         );
-        return Ok(());
+        return Ok(None);
     }
-    if let Some(why) = engine_order_in_deterministic_mode(target, &sites, m) {
+    if let Some(why) = engine_order_in_deterministic_mode(shape.target, &sites, shape.m) {
         refuse(plan, why);
-        return Ok(());
+        return Ok(None);
     }
+    Ok(Some(sites))
+}
+
+/// The plan takes the fused result: M, the size cap, the workspace (and for arfuse's
+/// kernels FlashInfer's sizing of the same M for comparison), the sites, the PDL note.
+fn take_fused(
+    plan: &mut Plan,
+    shape: &Shape<'_>,
+    ws: Workspace,
+    sites: Vec<SiteDispatch>,
+) -> Result<()> {
+    let target = shape.target;
     if ws.kernels == KernelLibrary::Arfuse {
         plan.flashinfer_workspace = Some(Workspace::flashinfer(
-            backend,
+            shape.backend,
             target.world_size,
-            h_ws,
-            dtype,
-            m,
+            shape.h_ws,
+            target.dtype,
+            shape.m,
         )?);
     }
-    plan.max_bytes = Some(max_bytes);
-    plan.max_token_num = m;
+    plan.max_bytes = Some(shape.max_bytes);
+    plan.max_token_num = shape.m;
     plan.workspace = Some(ws);
     plan.sites = sites;
     plan.notes.push(format!(

@@ -227,6 +227,20 @@ pub fn target_error(py: Python<'_>, e: &PolicyError) -> PyErr {
             ("workspace_mismatch", None, None, Some(reason.clone()))
         }
         PolicyError::Internal { details } => ("internal", None, None, Some(details.clone())),
+        PolicyError::NoPresetForWorldSize {
+            world_size,
+            candidates,
+            known,
+        } => (
+            "no_preset_for_world_size",
+            Some("world_size"),
+            Some(world_size.to_string()),
+            Some(if candidates.is_empty() {
+                format!("the presets have world sizes {known}")
+            } else {
+                format!("presets with this world size: {candidates}")
+            }),
+        ),
     };
     raise::<TargetError>(
         py,

@@ -28,7 +28,16 @@ fn is_wait(target: &str) -> bool {
     })
 }
 
-/// Builds the e-graph of `g` (which passed validation), for layer group `group`.
+/// The all-reduces of `g` (node indices, in graph order): the instances the pass
+/// accounts for, each exactly once in its output.
+pub(crate) fn all_reduces(g: &Graph) -> Vec<u32> {
+    g.nodes()
+        .filter(|(_, n)| matches!(n.op, Op::AllReduce { .. }))
+        .map(|(id, _)| id.index() as u32)
+        .collect()
+}
+
+/// Step 1 of the pass, the conversion: builds the e-graph of `g` (which passed validation), for layer group `group`.
 pub(crate) fn convert(g: &Graph, group: &str) -> Converted {
     let mut an = FxAnalysis::default();
     an.group = group.to_string();

@@ -7,14 +7,107 @@
 //! residual view is `fused.a.residual_in`.
 
 use crate::error::LowerError;
+use crate::plan::SiteDecision;
 use crate::site::{Input, Site};
 use arfuse_ir::op::{FusedAllReduceNorm, FusedOutput, FusedPlan, NormRounding};
-use arfuse_ir::{Graph, Node, NodeId, Op, TensorType, Value};
+use arfuse_ir::{DType, Graph, Node, NodeId, Op, TensorType, Value};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet};
+
+/// What [`emit_checked`] returns.
+pub(crate) struct Emitted {
+    /// The output graph (validated).
+    pub graph: Graph,
+    /// The fused node's id in the output, by all-reduce instance, for every site fused.
+    pub fused_id_of: BTreeMap<u32, String>,
+    /// Fused nodes already in the input.
+    pub fused_before: usize,
+}
+
+/// Step 5 of the pass, emit and check: every chosen site the policy fuses becomes one
+/// fused node carrying its plan; then every original all-reduce must appear exactly
+/// once in the result (kept, or inside one fused node), the collective count must
+/// match, and the result must validate.
+///
+/// Errors: [`LowerError::Internal`] when one of these checks fails (a bug).
+pub(crate) fn emit_checked(
+    g: &Graph,
+    instances: &[u32],
+    chosen: &BTreeMap<u32, Site>,
+    decisions: &BTreeMap<(DType, u64), SiteDecision>,
+    group: &str,
+) -> Result<Emitted, LowerError> {
+    let mut emits = Vec::new();
+    for s in chosen.values() {
+        let h = s.hidden().unwrap_or(0);
+        let Some(d) = decisions.get(&(s.x_ty.dtype, h)) else {
+            continue;
+        };
+        let (true, Some(mut plan)) = (d.fused, d.plan.clone()) else {
+            continue;
+        };
+        plan.pattern_code = s.pattern_code();
+        emits.push(Emit {
+            site: s,
+            plan,
+            group: group.to_string(),
+            module: s.module(g),
+        });
+    }
+    let (out, fused_ids) = emit(g, &emits)?;
+    let fused_id_of: BTreeMap<u32, String> =
+        emits.iter().map(|e| e.site.inst).zip(fused_ids).collect();
+    let fused_before = check_collectives(g, &out, instances, &fused_id_of)?;
+    out.validate()
+        .map_err(|p| LowerError::Internal(format!("the rewritten graph fails validation: {p}")))?;
+    Ok(Emitted {
+        graph: out,
+        fused_id_of,
+        fused_before,
+    })
+}
+
+/// Every original all-reduce appears exactly once in `out`: kept as is, or in one
+/// fused node; and the collectives of `out` are those of `g`, counted. Returns the
+/// number of fused nodes already in `g`.
+fn check_collectives(
+    g: &Graph,
+    out: &Graph,
+    instances: &[u32],
+    fused: &BTreeMap<u32, String>,
+) -> Result<usize, LowerError> {
+    let kept_ars: BTreeSet<&str> = out
+        .nodes()
+        .filter(|(_, n)| matches!(n.op, Op::AllReduce { .. }))
+        .map(|(_, n)| n.id.as_str())
+        .collect();
+    for &inst in instances {
+        let id = g.node(NodeId::new(inst as usize)).id.as_str();
+        let kept = kept_ars.contains(id);
+        let fused = fused.contains_key(&inst);
+        if kept == fused {
+            return Err(LowerError::Internal(format!(
+                "all-reduce `{id}` appears {} times in the result",
+                usize::from(kept) + usize::from(fused)
+            )));
+        }
+    }
+    let fused_before = g
+        .nodes()
+        .filter(|(_, n)| matches!(n.op, Op::FusedAllreduceNorm(_)))
+        .count();
+    let collectives_after = out.nodes().filter(|(_, n)| n.op.is_collective()).count();
+    if collectives_after != instances.len() + fused_before {
+        return Err(LowerError::Internal(format!(
+            "{} collectives in, {collectives_after} out",
+            instances.len() + fused_before
+        )));
+    }
+    Ok(fused_before)
+}
 
 /// A fused site ready to emit.
-pub(crate) struct Emit<'a> {
+struct Emit<'a> {
     /// The site.
     pub site: &'a Site,
     /// The plan the fused node carries.
@@ -39,7 +132,7 @@ struct Pending {
 type Ref = (usize, u32);
 
 /// The fused node ids, by all-reduce instance, and the output graph.
-pub(crate) fn emit(g: &Graph, sites: &[Emit<'_>]) -> Result<(Graph, Vec<String>), LowerError> {
+fn emit(g: &Graph, sites: &[Emit<'_>]) -> Result<(Graph, Vec<String>), LowerError> {
     // Flat tables by node index: every pass below is linear in the graph.
     let mut removed = vec![false; g.len()];
     for s in sites {

@@ -257,22 +257,3 @@ impl FromStr for Leaf {
         }
     }
 }
-
-/// The node's children that are values (not attribute leaves), in order.
-#[cfg(test)]
-pub fn value_children(node: &Fx) -> Vec<Id> {
-    match node {
-        Fx::AllReduce([_, x]) => vec![*x],
-        Fx::Wait(x) | Fx::Rsqrt(x) => vec![*x],
-        Fx::Add([a, b]) | Fx::Mul([a, b]) => vec![*a, *b],
-        Fx::ToDtype([_, x]) | Fx::Pow([_, x]) | Fx::Mean([_, x]) | Fx::Reshape([_, x]) => {
-            vec![*x]
-        }
-        Fx::RmsNorm([_, x, w]) => vec![*x, *w],
-        Fx::FusedAddRmsNorm([_, x, r, w]) => vec![*x, *r, *w],
-        Fx::Quant([_, x, s]) => vec![*x, *s],
-        Fx::Fused([_, _, x, r, w, s]) => vec![*x, *r, *w, *s],
-        Fx::Get([_, t]) => vec![*t],
-        Fx::Leaf(_) => vec![],
-    }
-}

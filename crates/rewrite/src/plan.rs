@@ -4,9 +4,125 @@
 
 use crate::error::LowerError;
 use crate::report::WorkspaceReport;
-use arfuse_ir::{DType, DispatchRange, FusedPlan};
+use crate::site::Site;
+use arfuse_ir::{DType, DispatchRange, FusedPlan, Graph, Op, TensorType};
 use arfuse_policy::{Plan, Target};
 use std::collections::{BTreeMap, BTreeSet};
+
+/// What [`plan_graph`] returns: the policy's decision per (activation dtype, hidden
+/// size), the workspaces planned (their `group` filled in by the report), and the
+/// notes that apply to the whole graph.
+pub(crate) struct Planned {
+    /// Per (dtype, H).
+    pub decisions: BTreeMap<(DType, u64), SiteDecision>,
+    /// One per activation dtype, in dtype order.
+    pub workspaces: Vec<WorkspaceReport>,
+    /// Notes for the report.
+    pub notes: Vec<String>,
+}
+
+/// Step 4 of the pass, the plan: one plan per activation dtype over the hidden sizes
+/// of the chosen sites and of the fused nodes already in the input (which share the
+/// workspace), with the largest token count the graph runs per (dtype, H).
+///
+/// Errors: those of [`decide`], and [`LowerError::StalePlan`] when a fused node of the
+/// input carries a plan other than the one this target gets.
+pub(crate) fn plan_graph(
+    graph: &Graph,
+    target: &Target,
+    chosen: &BTreeMap<u32, Site>,
+    shared: &[u64],
+) -> Result<Planned, LowerError> {
+    let mut keys: BTreeMap<(DType, u64), Option<u64>> = BTreeMap::new();
+    for s in chosen.values() {
+        add_key(&mut keys, graph, &s.x_ty);
+    }
+    // Fused nodes already in the input share the workspace and must carry exactly the
+    // plan this target gets (else the input was lowered for another machine).
+    let mut existing = Vec::new();
+    for (_, n) in graph.nodes() {
+        if let Op::FusedAllreduceNorm(f) = &n.op {
+            let Some(x) = n.inputs.first().and_then(|v| graph.value_type(*v)) else {
+                continue;
+            };
+            let Some(h) = add_key(&mut keys, graph, x) else {
+                continue;
+            };
+            existing.push((n.id.as_str(), x.dtype, h, f.plan.as_ref()));
+        }
+    }
+    let mut notes = Vec::new();
+    let (decisions, workspaces) = decide(target, &keys, shared, &mut notes)?;
+    for (id, dtype, h, carried) in existing {
+        match carried {
+            None => notes.push(format!(
+                "fused node `{id}` carries no plan; it is kept as written"
+            )),
+            Some(carried) => check_carried(&decisions, id, dtype, h, carried)?,
+        }
+    }
+    Ok(Planned {
+        decisions,
+        workspaces,
+        notes,
+    })
+}
+
+/// Adds the (dtype, H) key of an all-reduce input of type `x` with its largest token
+/// count (`None` when unknown: then the key's is unknown too); its H, or `None` when
+/// H is not a constant (no key).
+fn add_key(
+    keys: &mut BTreeMap<(DType, u64), Option<u64>>,
+    graph: &Graph,
+    x: &TensorType,
+) -> Option<u64> {
+    let h = x.shape.last().and_then(|d| d.as_const())?;
+    let t = max_tokens(graph, x);
+    let e = keys.entry((x.dtype, h)).or_insert(t);
+    *e = match (*e, t) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        _ => None,
+    };
+    Some(h)
+}
+
+/// The largest token count of a value of type `t` (product of the leading dims at the
+/// symbols' maxima), when known.
+fn max_tokens(graph: &Graph, t: &TensorType) -> Option<u64> {
+    t.shape.leading()?.max_value(graph.symbols())
+}
+
+/// A fused node of the input must carry the plan this target gets for its (dtype, H),
+/// its own pattern code aside.
+fn check_carried(
+    decisions: &BTreeMap<(DType, u64), SiteDecision>,
+    id: &str,
+    dtype: DType,
+    h: u64,
+    carried: &FusedPlan,
+) -> Result<(), LowerError> {
+    let fresh = decisions
+        .get(&(dtype, h))
+        .filter(|d| d.fused)
+        .and_then(|d| d.plan.clone());
+    let Some(mut p) = fresh else {
+        return Err(LowerError::StalePlan {
+            node: id.to_string(),
+            detail: format!("this target fuses no {dtype} all-reduce of H = {h}"),
+        });
+    };
+    p.pattern_code = carried.pattern_code;
+    if p != *carried {
+        return Err(LowerError::StalePlan {
+            node: id.to_string(),
+            detail: format!(
+                "carried: max_token_num {}, {}; this target: max_token_num {}, {}",
+                carried.max_token_num, carried.workspace, p.max_token_num, p.workspace
+            ),
+        });
+    }
+    Ok(())
+}
 
 /// What the policy says about one site.
 #[derive(Clone, Debug)]
@@ -38,7 +154,7 @@ pub(crate) type Decisions = (BTreeMap<(DType, u64), SiteDecision>, Vec<Workspace
 /// an explicit backend the machine cannot run) or a shared hidden size is invalid; a
 /// hidden size of this graph the policy rejects only leaves its sites unfused, with the
 /// reason.
-pub(crate) fn decide(
+fn decide(
     target: &Target,
     keys: &BTreeMap<(DType, u64), Option<u64>>,
     shared: &[u64],

@@ -2,9 +2,295 @@
 //! workspace) or not (why); totals; warnings; the runner's stop reason and e-graph
 //! size. Serialises to JSON (`--report json`) and prints as a table.
 
+use crate::emit::Emitted;
+use crate::plan::{Planned, SiteDecision};
+use crate::site::{Choice, Site};
+use arfuse_ir::op::FusedOutput;
+use arfuse_ir::{Graph, NodeId, Op};
+use arfuse_policy::Target;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt;
+
+/// Everything the report is made of: the outcomes of the pass's steps.
+pub(crate) struct Outcome<'a> {
+    /// The input graph.
+    pub graph: &'a Graph,
+    /// The target.
+    pub target: &'a Target,
+    /// The layer group and how it was chosen.
+    pub group: String,
+    /// How the group was chosen.
+    pub group_source: String,
+    /// The all-reduces of the input, by node index, in graph order.
+    pub instances: &'a [u32],
+    /// The runner's outcome.
+    pub runner: RunnerReport,
+    /// The rules' refusals per all-reduce, as [`crate::site::Index::rule_refusals`]
+    /// gives them.
+    pub rule_refusals: BTreeMap<u32, Vec<String>>,
+    /// The sites chosen and the candidates refused.
+    pub choice: Choice,
+    /// The plan.
+    pub planned: Planned,
+    /// The emitted graph's fused nodes.
+    pub emitted: &'a Emitted,
+}
+
+/// Step 6 of the pass, the report: the one place a [`Report`] is made, from the
+/// outcomes of the other steps. Per all-reduce in graph order: fused (pattern,
+/// outputs, backend, dispatch, workspace) or why not; the totals; the warnings.
+pub(crate) fn build(o: Outcome<'_>) -> Report {
+    let Outcome {
+        graph,
+        target,
+        group,
+        group_source,
+        instances,
+        runner,
+        mut rule_refusals,
+        mut choice,
+        planned,
+        emitted,
+    } = o;
+    let mut by_pattern: BTreeMap<String, PatternCount> = BTreeMap::new();
+    let mut sites = Vec::with_capacity(instances.len());
+    for &inst in instances {
+        let notes = choice.notes.remove(&inst).unwrap_or_default();
+        let entry = match choice.chosen.get(&inst) {
+            Some(s) => {
+                let d = s
+                    .hidden()
+                    .and_then(|h| planned.decisions.get(&(s.x_ty.dtype, h)));
+                let fused_id = emitted.fused_id_of.get(&inst);
+                let count = by_pattern.entry(s.pattern_name()).or_default();
+                count.total += 1;
+                count.fused += usize::from(fused_id.is_some() && d.is_some());
+                matched_site(graph, s, notes, fused_id, d)
+            }
+            None => {
+                let mut reasons = rule_refusals.remove(&inst).unwrap_or_default();
+                reasons.extend(choice.why_not.remove(&inst).unwrap_or_default());
+                if reasons.is_empty() {
+                    reasons.push(no_match_reason(graph, inst));
+                }
+                let mut entry = unmatched_site(graph, inst, notes);
+                entry.reason = Some(reasons.join("; "));
+                entry
+            }
+        };
+        sites.push(entry);
+    }
+    let all_reduces_fused = emitted.fused_id_of.len();
+    let (unknown_collectives, mut warnings) = unknown_collective_warnings(graph);
+    let enabled = target.requested_backend != arfuse_policy::RequestedBackend::Off;
+    if enabled && all_reduces_fused == 0 && emitted.fused_before == 0 {
+        warnings.push(nothing_fused_warning(instances.len(), &unknown_collectives));
+    }
+    let workspaces = planned
+        .workspaces
+        .into_iter()
+        .map(|w| WorkspaceReport {
+            group: group.clone(),
+            ..w
+        })
+        .collect();
+    Report {
+        group,
+        group_source,
+        target: TargetReport {
+            sm: target.sm,
+            world_size: target.world_size,
+            group_nodes: target.group_nodes,
+            dtype: target.dtype.to_string(),
+            requested_backend: target.requested_backend.to_string(),
+            kernels: target.kernels.to_string(),
+        },
+        workspaces,
+        all_reduces_seen: instances.len(),
+        all_reduces_fused,
+        already_fused: emitted.fused_before,
+        by_pattern,
+        sites,
+        unknown_collectives,
+        warnings,
+        notes: planned.notes,
+        runner,
+    }
+}
+
+/// The entry of an all-reduce no site was chosen for (its reason is set by the caller).
+fn unmatched_site(graph: &Graph, inst: u32, notes: Vec<String>) -> SiteReport {
+    let ar = graph.node(NodeId::new(inst as usize));
+    SiteReport {
+        all_reduce: ar.id.clone(),
+        fused_node: None,
+        layer: ar.module.clone(),
+        name: ar.module.clone().unwrap_or_else(|| ar.id.clone()),
+        all_reduce_module: ar.module.clone(),
+        norm_module: None,
+        pattern: None,
+        fused: false,
+        outputs: Vec::new(),
+        hidden: None,
+        backend: None,
+        backend_reason: None,
+        pattern_code: None,
+        dispatch: Vec::new(),
+        workspace_bytes: None,
+        reason: None,
+        notes,
+    }
+}
+
+/// The entry of a chosen site: fused (when it was emitted and the policy decided its
+/// size) with its plan, else the policy's reason.
+fn matched_site(
+    graph: &Graph,
+    s: &Site,
+    notes: Vec<String>,
+    fused_id: Option<&String>,
+    d: Option<&SiteDecision>,
+) -> SiteReport {
+    let mut entry = unmatched_site(graph, s.inst, notes);
+    entry.pattern = Some(s.pattern_name());
+    entry.hidden = s.hidden();
+    entry.layer = s.module(graph);
+    if let Some(n) = s.norm_node {
+        let norm = graph.node(NodeId::new(n as usize));
+        let end = norm.module.clone().unwrap_or_else(|| norm.id.clone());
+        entry.name = format!("{} -> {end}", entry.name);
+        entry.norm_module = norm.module.clone();
+    }
+    entry.outputs = s
+        .ports
+        .iter()
+        .map(|p| output_name(p.output).into())
+        .collect();
+    if s.kind.twice {
+        entry.notes.push(
+            "the RMSNorm rounds twice as written (Hugging Face's Llama order, \
+             round_T(round_T(h * r) * w)); the fused node does the same \
+             (norm_rounding = twice)"
+                .into(),
+        );
+    }
+    match (fused_id, d) {
+        (Some(fid), Some(d)) => {
+            entry.fused = true;
+            entry.fused_node = Some(fid.clone());
+            entry.backend_reason = Some(d.reason.clone());
+            if let Some(p) = &d.plan {
+                entry.backend = Some(p.backend().to_string());
+                entry.workspace_bytes = Some(p.workspace.total_bytes_per_rank);
+                entry.pattern_code = Some(s.pattern_code());
+                entry.dispatch = p
+                    .dispatch
+                    .iter()
+                    .zip(d.range_reasons.iter().zip(&d.range_why))
+                    .map(|(r, (why, short))| RangeReport {
+                        min_tokens: r.min_tokens,
+                        max_tokens: r.max_tokens,
+                        strategy: strategy_name(r.strategy).into(),
+                        required_bytes: r.required_bytes,
+                        reason: why.clone(),
+                        short_reason: short.clone(),
+                    })
+                    .collect();
+            }
+        }
+        (_, Some(d)) => entry.reason = Some(d.reason.clone()),
+        _ => entry.reason = Some("the policy gave no decision for this size".into()),
+    }
+    entry
+}
+
+/// The warning when fusion is enabled and nothing was fused.
+fn nothing_fused_warning(all_reduces: usize, unknown_collectives: &[String]) -> String {
+    if all_reduces == 0 && !unknown_collectives.is_empty() {
+        format!(
+            "fusion is enabled but the graph has no all-reduce arfuse understands, only \
+             collective-looking opaque ops ({}): nothing fused, and this is not a result \
+             to trust",
+            unknown_collectives.join(", ")
+        )
+    } else if all_reduces == 0 {
+        "fusion is enabled but the graph has no all-reduce: nothing fused".to_string()
+    } else {
+        format!(
+            "fusion is enabled but none of the {all_reduces} all-reduce(s) was fused; see the \
+             reasons per all-reduce"
+        )
+    }
+}
+
+fn output_name(o: FusedOutput) -> &'static str {
+    match o {
+        FusedOutput::Norm => "norm",
+        FusedOutput::Residual => "residual",
+        FusedOutput::Quant => "quant",
+        FusedOutput::Scale => "scale",
+    }
+}
+
+fn strategy_name(s: arfuse_ir::Strategy) -> &'static str {
+    match s {
+        arfuse_ir::Strategy::OneShot => "one_shot",
+        arfuse_ir::Strategy::TwoShot => "two_shot",
+        arfuse_ir::Strategy::Unfused => "unfused",
+    }
+}
+
+/// The opaque ops of `graph` that look like collectives (by target, in graph order)
+/// and one warning for each target, naming it, its node count and its first node.
+fn unknown_collective_warnings(graph: &Graph) -> (Vec<String>, Vec<String>) {
+    let mut seen: Vec<(String, usize, String)> = Vec::new();
+    for (_, n) in graph.nodes() {
+        let Op::Opaque { target, .. } = &n.op else {
+            continue;
+        };
+        if !arfuse_ir::looks_like_collective(target) {
+            continue;
+        }
+        match seen.iter_mut().find(|(t, _, _)| t == target) {
+            Some(e) => e.1 += 1,
+            None => seen.push((target.clone(), 1, n.id.clone())),
+        }
+    }
+    let warnings = seen
+        .iter()
+        .map(|(t, k, first)| {
+            format!(
+                "{k} opaque `{t}` node(s) (first: `{first}`) look like a collective arfuse does \
+                 not understand: the all-reduce sites they stand for are not seen, so sites \
+                 may be missed (name a framework's all-reduce with --all-reduce-op NAME / \
+                 arfuse::import::ImportOptions::all_reduce_ops)"
+            )
+        })
+        .collect();
+    (seen.into_iter().map(|(t, _, _)| t).collect(), warnings)
+}
+
+/// Why no rule matched an all-reduce: what its output feeds.
+fn no_match_reason(graph: &Graph, inst: u32) -> String {
+    let id = NodeId::new(inst as usize);
+    let mut users: Vec<String> = graph
+        .users(id)
+        .map(|(u, _)| {
+            let n = graph.node(u);
+            format!("`{}` ({})", n.id, n.op.name())
+        })
+        .collect();
+    users.sort();
+    users.dedup();
+    if users.is_empty() {
+        return "the all-reduce output is not read by any node".into();
+    }
+    format!(
+        "no residual add + RMSNorm follows the all-reduce: its output feeds {}",
+        users.join(", ")
+    )
+}
 
 /// One token range of a fused site's dispatch.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

@@ -5,8 +5,9 @@
 
 use crate::analysis::FxGraph;
 use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
-use arfuse_ir::op::FusedOutput;
-use arfuse_ir::{Graph, Op, TensorType, Value};
+use arfuse_ir::op::{FusedOutput, FusedQuant};
+use arfuse_ir::{Graph, NodeId, Op, TensorType, Value};
+use arfuse_policy::Target;
 use egg::Id;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
@@ -442,6 +443,32 @@ impl<'a> Index<'a> {
         })
     }
 
+    /// Every refusal the rules logged, by all-reduce instance: those against the
+    /// all-reduce (in their set order), then those at an op, each naming the op's IR
+    /// node (in their set order).
+    pub fn rule_refusals(&self) -> BTreeMap<u32, Vec<String>> {
+        let an = &self.eg.analysis;
+        let mut out: BTreeMap<u32, Vec<String>> = an
+            .refusals
+            .iter()
+            .map(|(inst, r)| (*inst, r.iter().cloned().collect()))
+            .collect();
+        let mut at_op: BTreeMap<u32, BTreeSet<String>> = BTreeMap::new();
+        for (inst, at, why) in &an.refusals_at {
+            let at = self
+                .node_of(*at)
+                .unwrap_or_else(|| "an op with no node of its own".into());
+            at_op
+                .entry(*inst)
+                .or_default()
+                .insert(format!("the norm at {at}: {why}"));
+        }
+        for (inst, named) in at_op {
+            out.entry(inst).or_default().extend(named);
+        }
+        out
+    }
+
     /// The IR node a class stands for, as "`id` (op)", when the class holds an IR value.
     pub fn node_of(&self, c: Id) -> Option<String> {
         let v = self.values_in.get(&self.eg.find(c))?.first()?;
@@ -456,10 +483,118 @@ impl<'a> Index<'a> {
             .iter()
             .any(|e| matches!(e, Fx::Wait(_) | Fx::AllReduce(_)))
     }
+}
 
-    /// The largest token count of a value of type `t` (product of the leading dims at
-    /// the symbols' maxima), when known.
-    pub fn max_tokens(&self, t: &TensorType) -> Option<u64> {
-        t.shape.leading()?.max_value(self.g.symbols())
+impl Site {
+    /// `allreduce[+residual]+rms_norm[(gemma)][(round_twice)][+<quant>]`.
+    pub(crate) fn pattern_name(&self) -> String {
+        let mut name = String::from("allreduce");
+        if self.kind.residual {
+            name.push_str("+residual");
+        }
+        name.push_str("+rms_norm");
+        if f64::from_bits(self.kind.bias) == 1.0 {
+            name.push_str("(gemma)");
+        }
+        if self.kind.twice {
+            name.push_str("(round_twice)");
+        }
+        if self.kind.quant != QKind::None {
+            name.push('+');
+            name.push_str(self.kind.quant.name());
+        }
+        name
+    }
+
+    /// FlashInfer's pattern code (domain.md §1): 1 norm; 2/4 static FP8 without/with the
+    /// norm output; 3/5 NVFP4; 8/9 per-token-group FP8; 10/11 dynamic per-token FP8.
+    pub(crate) fn pattern_code(&self) -> u32 {
+        let norm = self.ports.iter().any(|p| p.output == FusedOutput::Norm);
+        let (without_norm, with_norm) = match self.kind.quant.to_ir() {
+            FusedQuant::None => return 1,
+            FusedQuant::Fp8Static => (2, 4),
+            FusedQuant::Nvfp4 { .. } => (3, 5),
+            FusedQuant::Fp8PerTokenGroup { .. } => (8, 9),
+            FusedQuant::Fp8PerToken => (10, 11),
+        };
+        if norm {
+            with_norm
+        } else {
+            without_norm
+        }
+    }
+
+    /// The module of the site: the norm's, else the all-reduce's.
+    pub(crate) fn module(&self, graph: &Graph) -> Option<String> {
+        self.norm_node
+            .and_then(|n| graph.node(NodeId::new(n as usize)).module.clone())
+            .or_else(|| graph.node(NodeId::new(self.inst as usize)).module.clone())
+    }
+
+    /// The hidden size H (the constant last dim of the all-reduce input), when known.
+    pub(crate) fn hidden(&self) -> Option<u64> {
+        self.x_ty.shape.last().and_then(|d| d.as_const())
+    }
+}
+
+/// What [`choose`] decided, per all-reduce instance.
+#[derive(Default)]
+pub(crate) struct Choice {
+    /// The site kept for each all-reduce that has one.
+    pub chosen: BTreeMap<u32, Site>,
+    /// Why each refused candidate was refused, in the order tried.
+    pub why_not: BTreeMap<u32, Vec<String>>,
+    /// Notes about epilogues left unfused (the site itself may still fuse).
+    pub notes: BTreeMap<u32, Vec<String>>,
+}
+
+/// Step 3 of the pass, choosing the sites: per all-reduce (in graph order), the first
+/// candidate (most complete first) whose epilogue the target can fuse, that passes
+/// the IR checks ([`Index::check`]) against the nodes earlier sites claimed.
+pub(crate) fn choose(index: &Index<'_>, instances: &[u32], target: &Target) -> Choice {
+    let candidates = index.candidates();
+    let nvfp4_ok = crate::plan::nvfp4_ok(target);
+    let mut claimed: BTreeSet<u32> = BTreeSet::new();
+    let mut out = Choice::default();
+    for &inst in instances {
+        let Some(cands) = candidates.get(&inst) else {
+            continue;
+        };
+        for (class, ch, kind) in cands {
+            if let Some(note) = unfused_epilogue(kind.quant, nvfp4_ok, target) {
+                out.notes.entry(inst).or_default().push(note);
+                continue;
+            }
+            match index.check(inst, *class, *ch, *kind, &claimed) {
+                Ok(s) => {
+                    claimed.extend(s.region.iter().copied());
+                    out.chosen.insert(inst, s);
+                    break;
+                }
+                Err(e) => out.why_not.entry(inst).or_default().push(e),
+            }
+        }
+    }
+    out
+}
+
+/// Why a candidate's quant epilogue is not fused on this target (the quant then runs
+/// unfused after a fused node without it), or `None` when it may be.
+fn unfused_epilogue(quant: QKind, nvfp4_ok: bool, target: &Target) -> Option<String> {
+    match quant {
+        QKind::Nvfp4 { .. } if !nvfp4_ok => Some(format!(
+            "the NVFP4 quant epilogue is not fused: it needs SM >= 100, the target is \
+             SM {}; the quant runs unfused after the fused node",
+            target.sm
+        )),
+        QKind::Fp8Group { group_size, .. } => {
+            arfuse_policy::group_quant_unsupported_reason(group_size).map(|why| {
+                format!(
+                    "the per-token-group FP8 quant epilogue is not fused: {why}; the \
+                     quant runs unfused after the fused node"
+                )
+            })
+        }
+        _ => None,
     }
 }

@@ -18,9 +18,64 @@ pub(crate) mod quant;
 pub(crate) mod view;
 
 use crate::analysis::{FxAnalysis, FxGraph};
+use crate::error::LowerError;
 use crate::lang::{Fx, Leaf};
-use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Subst, Symbol, Var};
+use crate::report::RunnerReport;
+use crate::LowerOptions;
+use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Runner, SimpleScheduler, StopReason, Subst};
+use egg::{Symbol, Var};
 use std::cell::RefCell;
+
+/// Step 2 of the pass, running the rules: every rule of [`all`] on `egraph` until
+/// saturation, within the limits of `options`.
+///
+/// Errors: [`LowerError::NotSaturated`] when a limit stops the runner first (the result
+/// would depend on the limits), [`LowerError::Internal`] when a rule does not parse.
+pub(crate) fn saturate(
+    egraph: FxGraph,
+    options: &LowerOptions,
+) -> Result<(FxGraph, RunnerReport), LowerError> {
+    let rules = all().map_err(LowerError::Internal)?;
+    let runner = Runner::default()
+        .with_scheduler(SimpleScheduler)
+        .with_iter_limit(options.iter_limit)
+        .with_node_limit(options.node_limit)
+        .with_time_limit(options.time_limit)
+        .with_egraph(egraph)
+        .run(&rules);
+    let iterations = runner.iterations.len();
+    let eg = runner.egraph;
+    let reason = match runner.stop_reason {
+        Some(StopReason::Saturated) => {
+            let report = RunnerReport {
+                stop_reason: "saturated".into(),
+                iterations,
+                egraph_nodes: eg.total_size(),
+                egraph_classes: eg.number_of_classes(),
+                limits: crate::RunnerLimits {
+                    iterations: options.iter_limit,
+                    egraph_nodes: options.node_limit,
+                    seconds: options.time_limit.as_secs(),
+                },
+            };
+            return Ok((eg, report));
+        }
+        Some(StopReason::IterationLimit(n)) => format!("iteration limit {n}"),
+        // egg reports the e-node count it stopped at; name the configured limit.
+        Some(StopReason::NodeLimit(n)) => format!(
+            "e-node limit {} (the e-graph had {n} e-nodes when it stopped)",
+            options.node_limit
+        ),
+        Some(StopReason::TimeLimit(s)) => format!("time limit {s} s"),
+        Some(StopReason::Other(s)) => s,
+        None => "no stop reason".into(),
+    };
+    Err(LowerError::NotSaturated {
+        reason,
+        iterations,
+        nodes: eg.total_size(),
+    })
+}
 
 /// Every rule of the pass, in a fixed order.
 ///

@@ -1,3 +1,4 @@
+#![allow(dead_code)] // shared by several test binaries; each uses only part of it
 pub mod builder;
 
 use arfuse_policy::Target;
