@@ -499,9 +499,14 @@ impl Op {
         if keys.is_empty() {
             return Ok(op);
         }
-        // Ops without attributes ignore extra keys while parsing: compare with what the
-        // op writes back.
+        // Ops without attributes ignore extra keys while parsing (serde refuses unknown
+        // keys of the others, and attr_error names them): every key is unknown there.
+        // Ops with attributes are not compared with what they write back, which leaves
+        // out defaults (an explicit `"norm_rounding": "once"` is valid).
         let known = op.attrs_json();
+        if !known.is_empty() {
+            return Ok(op);
+        }
         let unknown: Vec<&str> = keys
             .iter()
             .filter(|k| !known.contains_key(*k))
@@ -687,6 +692,11 @@ mod tests {
         };
         assert_eq!(f.norm_rounding, NormRounding::Once);
         assert!(!op.attrs_json().contains_key("norm_rounding"));
+        // Written out, the default is accepted too.
+        let mut once = attrs.clone();
+        once["norm_rounding"] = json!("once");
+        let explicit = Op::from_name_attrs("fused_allreduce_norm", &obj(once)).unwrap();
+        assert_eq!(explicit, op);
         let mut twice = attrs;
         twice["norm_rounding"] = json!("twice");
         let op = Op::from_name_attrs("fused_allreduce_norm", &obj(twice)).unwrap();
