@@ -126,6 +126,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Rust ignores SIGPIPE, so printing into a closed pipe (`cargo xtask lower | head`)
+    // would panic; the default action ends the process quietly, as for any Unix tool.
+    #[cfg(unix)]
+    // SAFETY: called once at start, before any thread exists; SIG_DFL is a valid action.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let root = workspace_root();
     let result = match cli.command {
@@ -284,6 +291,12 @@ fn load_target(spec: &str) -> Result<(Target, String)> {
     Ok((t, target_name(spec)))
 }
 
+/// A JSON graph file's name without `.json` or `.json.gz`.
+fn graph_stem(name: &str) -> Option<&str> {
+    name.strip_suffix(".json.gz")
+        .or_else(|| name.strip_suffix(".json"))
+}
+
 /// Where the lowered graph goes without `--out`:
 /// `<root>/target/arfuse/<stem>.<target>.lowered.json`. The stem is the file name less
 /// `.json` / `.pt2`; for an already lowered graph (`*.lowered.json`) also less
@@ -296,8 +309,7 @@ fn default_out(root: &Path, input: &Path, target_name: &str) -> PathBuf {
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_default();
-    let mut stem = name
-        .strip_suffix(".json")
+    let mut stem = graph_stem(&name)
         .or_else(|| name.strip_suffix(".pt2"))
         .unwrap_or(&name);
     if let Some(s) = stem.strip_suffix(".lowered") {
@@ -442,8 +454,8 @@ fn graphs_in(dir: &Path) -> Result<Vec<PathBuf>> {
             .file_name()
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default();
-        let is_graph =
-            (name.ends_with(".json") && !name.ends_with(".options.json")) || name.ends_with(".pt2");
+        let json = name.ends_with(".json") || name.ends_with(".json.gz");
+        let is_graph = (json && !name.ends_with(".options.json")) || name.ends_with(".pt2");
         if p.is_file() && is_graph {
             out.push(p);
         }
@@ -464,7 +476,10 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_default();
-    let options = input.with_file_name(format!("{}.options.json", name.trim_end_matches(".json")));
+    let options = input.with_file_name(format!(
+        "{}.options.json",
+        graph_stem(&name).unwrap_or(&name)
+    ));
     if options.is_file() {
         let text = std::fs::read_to_string(&options)
             .with_context(|| format!("reading {}", options.display()))?;
@@ -609,7 +624,10 @@ fn lower_cmd(
         vec![path.clone()]
     };
     if inputs.is_empty() {
-        bail!("no graph files (*.json, *.pt2) in {}", path.display());
+        bail!(
+            "no graph files (*.json, *.json.gz, *.pt2) in {}",
+            path.display()
+        );
     }
     let mut jobs: Vec<(PathBuf, String)> = Vec::new();
     // Graphs read to choose their target, kept for the lowering below.
@@ -674,8 +692,10 @@ fn lower_cmd(
             .file_name()
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default();
-        let options =
-            input.with_file_name(format!("{}.options.json", name.trim_end_matches(".json")));
+        let options = input.with_file_name(format!(
+            "{}.options.json",
+            graph_stem(&name).unwrap_or(&name)
+        ));
         if options.is_file() {
             read_files.push(resolved(&options));
         }
@@ -757,6 +777,7 @@ fn lower_cmd(
             out_path,
             default_out: out.is_none(),
             dot: dot.as_deref(),
+            world_size_given: world_size.is_some(),
         };
         let graph = match &loaded {
             Some((p, g)) if p == input => Ok(g),
@@ -808,6 +829,9 @@ struct Pair<'a> {
     /// `out_path` is the default under `target/arfuse/` (its directory may be created).
     default_out: bool,
     dot: Option<&'a Path>,
+    /// The world size came from `--world-size` (the user stated it: no note that it
+    /// was assumed).
+    world_size_given: bool,
 }
 
 /// Lowers one pair, prints its table report, writes its outputs; returns its JSON
@@ -843,8 +867,10 @@ fn lower_pair(
             ));
         }
     }
-    if let Some(note) = assumed_world_size_note(graph, &target, &target_name) {
-        eprintln!("note: {}: {note}", input.display());
+    if !pair.world_size_given {
+        if let Some(note) = assumed_world_size_note(graph, &target, &target_name) {
+            eprintln!("note: {}: {note}", input.display());
+        }
     }
     let start = std::time::Instant::now();
     let lowered = match arfuse::lower_with(graph, &target, &options) {
@@ -1049,6 +1075,10 @@ mod tests {
             expect("x.h200-sxm-x8.lowered.json")
         );
         assert_eq!(out("m/x.pt2", "b200-x8"), expect("x.b200-x8.lowered.json"));
+        assert_eq!(
+            out("m/x.json.gz", "b200-x8"),
+            expect("x.b200-x8.lowered.json")
+        );
         // An already lowered graph: `.lowered` and the same target's name come off.
         assert_eq!(
             out("/tmp/x.lowered.json", "h200-sxm-x8"),

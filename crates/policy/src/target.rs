@@ -394,7 +394,7 @@ impl Target {
                 "world_size",
                 self.world_size,
                 &format!(
-                    "more ranks than GPUs in the group's nodes ({} nodes x {} GPUs)",
+                    "more ranks than GPUs in the group's nodes ({} node(s) x {} GPUs)",
                     self.group_nodes, self.gpus_per_node
                 ),
             ));
