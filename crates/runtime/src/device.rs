@@ -93,8 +93,10 @@ pub trait Device {
     /// Enqueues a fused call on `ws` (every rank of the workspace's world size).
     ///
     /// # Errors
-    /// As [`fused_shape`]; [`Error::Invalid`] when the variant was not loaded before a
-    /// capture or a tensor lies outside device memory (host device); launch errors.
+    /// As [`fused_shape`] (which includes [`check_tensor_uses`]); [`Error::Invalid`]
+    /// when the variant was not loaded before a capture or a tensor lies outside the
+    /// device's allocations (the GPU asks the driver, the host device its regions);
+    /// launch errors.
     fn launch_fused(&mut self, ws: &Self::Workspace, call: &FusedCall) -> Result<()>;
 
     /// Enqueues the local kernel of the unfused path (residual add, RMSNorm, quant on an
