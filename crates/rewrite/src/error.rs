@@ -29,7 +29,7 @@ pub enum LowerError {
     /// limits, so there is none.
     #[error(
         "the e-graph did not saturate: {reason} after {iterations} iteration(s), {nodes} \
-         e-nodes; raise the limits in LowerOptions (iter_limit, node_limit, time_limit)"
+         e-nodes; raise the limits in LowerOptions (iter_limit, node_limit)"
     )]
     NotSaturated {
         /// The runner's stop reason.

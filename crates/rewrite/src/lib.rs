@@ -61,7 +61,6 @@ pub use report::{
 use arfuse_ir::{Graph, Op};
 use arfuse_policy::Target;
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
 
 /// Default iteration limit of the e-graph runner. The rules reach saturation in about
 /// six iterations (normalise, see through views, fuse, add the epilogue, check); the
@@ -70,9 +69,6 @@ pub const DEFAULT_ITER_LIMIT: usize = 64;
 /// Default e-node limit: about 20 e-nodes per IR node of the largest graph the IR
 /// accepts ([`arfuse_ir::MAX_NODES`]).
 pub const DEFAULT_NODE_LIMIT: usize = 20 * arfuse_ir::MAX_NODES;
-/// Default time limit of the runner, in seconds (a 4,096-layer stack takes well under
-/// one).
-pub const DEFAULT_TIME_LIMIT_S: u64 = 300;
 
 /// Options of [`lower_with`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,11 +79,11 @@ pub struct LowerOptions {
     pub group: Option<String>,
     /// Most runner iterations. Default [`DEFAULT_ITER_LIMIT`].
     pub iter_limit: usize,
-    /// Most e-nodes. Default [`DEFAULT_NODE_LIMIT`].
+    /// Most e-nodes. Default [`DEFAULT_NODE_LIMIT`]. Hitting either limit is
+    /// [`LowerError::NotSaturated`], never a partial result. There is no time limit:
+    /// the result must not depend on the machine's speed (the two budgets bound the
+    /// work).
     pub node_limit: usize,
-    /// Most runner time. Default [`DEFAULT_TIME_LIMIT_S`] seconds. Hitting any limit is
-    /// [`LowerError::NotSaturated`], never a partial result.
-    pub time_limit: Duration,
     /// Hidden sizes (elements) of other graphs that share this graph's workspace, e.g.
     /// a speculative-decoding draft model: the workspace is sized for the widest of
     /// them and of this graph's own (domain.md §5), so `max_token_num` is the one the
@@ -102,7 +98,6 @@ impl Default for LowerOptions {
             group: None,
             iter_limit: DEFAULT_ITER_LIMIT,
             node_limit: DEFAULT_NODE_LIMIT,
-            time_limit: Duration::from_secs(DEFAULT_TIME_LIMIT_S),
             shared_hidden_sizes: Vec::new(),
         }
     }

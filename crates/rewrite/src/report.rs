@@ -382,8 +382,6 @@ pub struct RunnerLimits {
     pub iterations: usize,
     /// Most e-nodes.
     pub egraph_nodes: usize,
-    /// Most seconds (wall clock).
-    pub seconds: u64,
 }
 
 /// The target, as the report prints it.
@@ -976,14 +974,13 @@ impl Report {
         }
         writeln!(
             f,
-            "e-graph: {} after {} iteration(s), {} e-nodes, {} e-classes (limits: {} iterations, {} e-nodes, {} s)",
+            "e-graph: {} after {} iteration(s), {} e-nodes, {} e-classes (limits: {} iterations, {} e-nodes)",
             self.runner.stop_reason,
             self.runner.iterations,
             self.runner.egraph_nodes,
             self.runner.egraph_classes,
             self.runner.limits.iterations,
-            self.runner.limits.egraph_nodes,
-            self.runner.limits.seconds
+            self.runner.limits.egraph_nodes
         )
     }
 }

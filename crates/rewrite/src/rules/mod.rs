@@ -40,7 +40,9 @@ pub(crate) fn saturate(
         .with_scheduler(SimpleScheduler)
         .with_iter_limit(options.iter_limit)
         .with_node_limit(options.node_limit)
-        .with_time_limit(options.time_limit)
+        // No wall-clock limit (egg's default is 5 s): the iteration and e-node budgets
+        // bound the work, so the result does not depend on the machine's speed.
+        .with_time_limit(std::time::Duration::MAX)
         .with_egraph(egraph)
         .run(&rules);
     let iterations = runner.iterations.len();
@@ -55,7 +57,6 @@ pub(crate) fn saturate(
                 limits: crate::RunnerLimits {
                     iterations: options.iter_limit,
                     egraph_nodes: options.node_limit,
-                    seconds: options.time_limit.as_secs(),
                 },
             };
             return Ok((eg, report));
