@@ -14,6 +14,8 @@
 //! a function of H only; quant maxima are exact); these tests check that the kernels
 //! really do it.
 
+mod common;
+
 use arfuse_runtime::check::{self, Case, Inputs, Liveness, RankOutputs};
 use arfuse_runtime::host::cases::{self, CaseIo};
 use arfuse_runtime::host::{Build, Compiler, HostKernel, HostWorkspace, LaunchOptions};
@@ -31,25 +33,11 @@ const MAX_CTAS: u32 = 4;
 
 fn compiler() -> &'static Compiler {
     static C: OnceLock<Compiler> = OnceLock::new();
-    C.get_or_init(|| {
-        let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("arfuse-host");
-        Compiler::new(dir).expect("a C++ compiler (g++, or CXX)")
-    })
+    C.get_or_init(common::new_compiler)
 }
 
 fn case(world: u32, dtype: Dtype, epilogue: Epilogue, strategy: Strategy, tokens: u32) -> Case {
-    let offset = epilogue.norm && !epilogue.residual;
-    Case {
-        strategy,
-        world,
-        dtype,
-        epilogue,
-        tokens,
-        hidden: HIDDEN,
-        weight_bias: u32::from(offset),
-        gamma_f32: offset,
-        norm_round_twice: epilogue.norm && epilogue.residual,
-    }
+    common::weight_form_case(world, dtype, epilogue, strategy, tokens, HIDDEN)
 }
 
 /// Rows `rows` of `inputs` (a `[T, H]` case) as the inputs of a `rows.len()`-token call.

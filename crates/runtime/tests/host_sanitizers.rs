@@ -18,6 +18,8 @@
 //! (W, dtype) as in the matrix; every local kernel of a norm epilogue (W = 4, T = 42);
 //! the virtual-rank all-reduce for W in {2, 4, 8, 16}.
 
+mod common;
+
 use arfuse_runtime::check::{self, Case, Liveness};
 use arfuse_runtime::host::cases::{self, CaseIo};
 use arfuse_runtime::host::{Build, Compiler, HostKernel, HostWorkspace, LaunchOptions};
@@ -33,24 +35,11 @@ const TOKENS: [u32; 2] = [42, 1];
 const MAX_CTAS: u32 = 4;
 
 fn compiler() -> Compiler {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("arfuse-host");
-    Compiler::new(dir).expect("a C++ compiler (g++, or CXX)")
+    common::new_compiler()
 }
 
 fn case(world: u32, dtype: Dtype, epilogue: Epilogue, strategy: Strategy, tokens: u32) -> Case {
-    let offset = epilogue.norm && !epilogue.residual;
-    Case {
-        strategy,
-        world,
-        dtype,
-        epilogue,
-        tokens,
-        hidden: HIDDEN,
-        weight_bias: u32::from(offset),
-        gamma_f32: offset,
-        // The Llama order (two roundings) on the residual norms, as the check matrix.
-        norm_round_twice: epilogue.norm && epilogue.residual,
-    }
+    common::weight_form_case(world, dtype, epilogue, strategy, tokens, HIDDEN)
 }
 
 /// The fused cases, the unfused-path cases.
