@@ -895,6 +895,18 @@ fn lower_pair(
             r.unknown_collectives.join(", ")
         ));
     }
+    // The outputs first: a reader that closes stdout early (`| head`) must not cost
+    // the lowered graph.
+    if pair.default_out {
+        if let Some(dir) = out_path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        }
+    }
+    let mut files: Vec<(&Path, String)> = vec![(out_path, lowered.graph.to_json_string())];
+    if let Some(d) = pair.dot {
+        files.push((d, lowered.graph.to_dot()));
+    }
+    write_all_atomic(&files).map_err(|e| format!("{e:#} (nothing written)"))?;
     if let ReportFormat::Table = output.report {
         println!(
             "== {} on {target_name} ({} graph nodes, lowered in {:.1} ms)",
@@ -908,16 +920,6 @@ fn lower_pair(
             println!("{}", lowered.report);
         }
     }
-    if pair.default_out {
-        if let Some(dir) = out_path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-        }
-    }
-    let mut files: Vec<(&Path, String)> = vec![(out_path, lowered.graph.to_json_string())];
-    if let Some(d) = pair.dot {
-        files.push((d, lowered.graph.to_dot()));
-    }
-    write_all_atomic(&files).map_err(|e| format!("{e:#} (nothing written)"))?;
     for (p, _) in &files {
         eprintln!("wrote {}", p.display());
     }
