@@ -84,6 +84,14 @@ enum Command {
         /// their layer index on one line).
         #[arg(long)]
         sites: bool,
+        /// After lowering, check every fused site against the chain it replaced: the
+        /// wiring of the whole lowered graph, then each chain cut out of the original
+        /// at its real hidden size against its fused node alone, on W ranks with random
+        /// per-rank inputs, bit for bit under the rounding contract, at the token counts
+        /// of its plan (from T = 1 across every strategy switch). Fails the pair on any
+        /// difference.
+        #[arg(long)]
+        check: bool,
         /// List the target presets (GPU, W, nodes, interconnect, the backend each
         /// resolves to) and exit.
         #[arg(long)]
@@ -147,6 +155,7 @@ fn main() -> ExitCode {
             shared_hidden,
             all_reduce_ops,
             sites,
+            check,
             list_targets,
         } => {
             if list_targets {
@@ -160,7 +169,11 @@ fn main() -> ExitCode {
                 target,
                 world_size,
                 out,
-                Output { report, sites },
+                Output {
+                    report,
+                    sites,
+                    check,
+                },
                 dot,
                 group,
                 shared_hidden,
@@ -198,6 +211,8 @@ struct Output {
     report: ReportFormat,
     /// One table line per site.
     sites: bool,
+    /// Run the per-site equivalence check after lowering.
+    check: bool,
 }
 
 /// `--list-targets`: one line per preset with its machine and the backend the
@@ -588,7 +603,7 @@ fn lower_cmd(
     target: Option<String>,
     world_size: Option<u32>,
     out: Option<PathBuf>,
-    Output { report, sites }: Output,
+    output: Output,
     dot: Option<PathBuf>,
     group: Option<String>,
     shared_hidden: Vec<u64>,
@@ -767,7 +782,7 @@ fn lower_cmd(
     let mut failed = 0usize;
     let mut json_reports = Vec::new();
     let mut loaded: Option<(PathBuf, Graph)> = None;
-    let output = Output { report, sites };
+    let report = output.report;
     for ((input, target_spec), out_path) in jobs.iter().zip(&out_paths) {
         let (target, target_name) = load_target(target_spec)?;
         let pair = Pair {
@@ -923,12 +938,70 @@ fn lower_pair(
     for (p, _) in &files {
         eprintln!("wrote {}", p.display());
     }
+    let check = if output.check {
+        Some(check_pair(pair, graph, &lowered, output)?)
+    } else {
+        None
+    };
     Ok(matches!(output.report, ReportFormat::Json).then(|| {
-        serde_json::json!({
+        let mut entry = serde_json::json!({
             "input": input.display().to_string(),
             "target": target_name,
             "report": lowered.report,
-        })
+        });
+        if let Some(c) = check {
+            entry["check"] = c;
+        }
+        entry
+    }))
+}
+
+/// `--check`: the per-site equivalence check of one lowered pair; prints its summary
+/// (table report) and returns its JSON, or the error when a site differs.
+fn check_pair(
+    pair: &Pair<'_>,
+    graph: &Graph,
+    lowered: &arfuse::Lowered,
+    output: &Output,
+) -> std::result::Result<serde_json::Value, String> {
+    const SEED: u64 = 0;
+    let start = std::time::Instant::now();
+    let result = arfuse::reference::check_sites(
+        graph,
+        &lowered.graph,
+        &lowered.sites,
+        pair.target.world_size,
+        None,
+        SEED,
+    )
+    .map_err(|e| format!("checking {} on {}: {e}", pair.input.display(), pair.target_name))?;
+    let seconds = start.elapsed().as_secs_f64();
+    if let ReportFormat::Table = output.report {
+        println!("check ({seconds:.2} s): {result}");
+    }
+    if !result.is_equivalent() {
+        if !matches!(output.report, ReportFormat::Table) {
+            eprintln!("{result}");
+        }
+        return Err(format!(
+            "{} on {}: {} of {} fused sites differ from the chains they replaced",
+            pair.input.display(),
+            pair.target_name,
+            result.failures().len(),
+            result.sites.len()
+        ));
+    }
+    let tokens: std::collections::BTreeSet<u64> =
+        result.sites.iter().flat_map(|s| s.tokens()).collect();
+    Ok(serde_json::json!({
+        "contract": result.contract,
+        "equivalent": true,
+        "world_size": result.world_size,
+        "seed": result.seed,
+        "sites": result.sites.len(),
+        "kept_nodes": result.kept_nodes,
+        "tokens": tokens,
+        "seconds": seconds,
     }))
 }
 

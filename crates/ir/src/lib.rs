@@ -32,6 +32,7 @@ mod graph;
 mod json;
 pub mod op;
 mod shape;
+mod site_map;
 mod text;
 mod validate;
 
@@ -48,5 +49,6 @@ pub use op::{
     Strategy,
 };
 pub use shape::{is_symbol_name, Dim, DimParseError, Shape, SymbolRange, Symbols, TensorType};
+pub use site_map::{NodeOutput, SiteInput, SiteMap, SiteOutput};
 pub use text::{canonical_text, to_dot};
 pub use validate::{broadcast, valid_eps, NVFP4_BLOCK};

@@ -73,17 +73,10 @@ fn eval_err(node: &str, message: impl Into<String>) -> ReferenceError {
 /// max`). Every value must lie in its declared range.
 pub fn bind_tokens(graph: &Graph, tokens: u64) -> Result<Bindings> {
     let syms = graph.symbols();
-    let mut b = Bindings::new();
-    if syms.contains_key("T") {
-        b.insert("T".into(), tokens);
-    } else if syms.contains_key("B") && syms.contains_key("S") {
-        b.insert("B".into(), 1);
-        b.insert("S".into(), tokens);
-    } else if syms.len() == 1 {
-        if let Some(name) = syms.keys().next() {
-            b.insert(name.clone(), tokens);
-        }
-    }
+    let mut b: Bindings = token_symbols(graph)
+        .into_iter()
+        .map(|(name, one)| (name, if one { 1 } else { tokens }))
+        .collect();
     for (name, r) in syms {
         if !b.contains_key(name) {
             if r.min == r.max {
@@ -104,6 +97,21 @@ pub fn bind_tokens(graph: &Graph, tokens: u64) -> Result<Bindings> {
         }
     }
     Ok(b)
+}
+
+/// The symbols [`bind_tokens`] binds from the token count, with `true` for the one it
+/// binds to 1 (`B` of a `B`, `S` graph).
+pub(crate) fn token_symbols(graph: &Graph) -> Vec<(String, bool)> {
+    let syms = graph.symbols();
+    if syms.contains_key("T") {
+        vec![("T".into(), false)]
+    } else if syms.contains_key("B") && syms.contains_key("S") {
+        vec![("B".into(), true), ("S".into(), false)]
+    } else if syms.len() == 1 {
+        syms.keys().map(|name| (name.clone(), false)).collect()
+    } else {
+        Vec::new()
+    }
 }
 
 /// The concrete shape of `shape` under `bindings`, with the per-tensor

@@ -13,7 +13,10 @@
 //!   physical scale layouts).
 //! - [`eval`]: the evaluator over W virtual ranks, symbol binding and seeded
 //!   random inputs.
-//! - [`equiv`]: [`check_equivalent`] and the token counts to run it on.
+//! - [`equiv`]: [`check_equivalent`] (whole graphs, small ones) and the token counts
+//!   to run it on.
+//! - [`sites`]: [`check_sites`], the same proof for a real model, site by site at
+//!   its real hidden size.
 //!
 //! ```
 //! use arfuse_ir::Graph;
@@ -44,6 +47,7 @@ pub mod equiv;
 pub mod error;
 pub mod eval;
 pub mod numerics;
+pub mod sites;
 pub mod tensor;
 
 pub use contract::CONTRACT_NAME;
@@ -51,5 +55,6 @@ pub use equiv::{
     check_equivalent, equivalence_token_counts, EquivalenceReport, OutputComparison, TokenReport,
 };
 pub use error::{ReferenceError, Result};
+pub use sites::{check_sites, check_wiring, cut_site, site_token_counts, SiteCheck, SiteCut, SitesReport};
 pub use eval::{bind_tokens, evaluate, random_inputs, Bindings, Evaluation, RankInputs};
 pub use tensor::{Storage, Tensor, TensorData};

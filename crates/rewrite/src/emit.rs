@@ -10,7 +10,9 @@ use crate::error::LowerError;
 use crate::plan::SiteDecision;
 use crate::site::{Input, Site};
 use arfuse_ir::op::{FusedAllReduceNorm, FusedOutput, FusedPlan, NormRounding};
-use arfuse_ir::{DType, Graph, Node, NodeId, Op, TensorType, Value};
+use arfuse_ir::{
+    DType, Graph, Node, NodeId, NodeOutput, Op, SiteInput, SiteMap, SiteOutput, TensorType, Value,
+};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet};
 
@@ -22,6 +24,8 @@ pub(crate) struct Emitted {
     pub fused_id_of: BTreeMap<u32, String>,
     /// Fused nodes already in the input.
     pub fused_before: usize,
+    /// What each fused node added here replaced, in all-reduce (graph) order.
+    pub sites: Vec<SiteMap>,
 }
 
 /// Step 5 of the pass, emit and check: every chosen site the policy fuses becomes one
@@ -55,6 +59,11 @@ pub(crate) fn emit_checked(
         });
     }
     let (out, fused_ids) = emit(g, &emits)?;
+    let sites = emits
+        .iter()
+        .zip(&fused_ids)
+        .map(|(e, fid)| site_map(g, e.site, fid))
+        .collect();
     let fused_id_of: BTreeMap<u32, String> =
         emits.iter().map(|e| e.site.inst).zip(fused_ids).collect();
     let fused_before = check_collectives(g, &out, instances, &fused_id_of)?;
@@ -64,7 +73,50 @@ pub(crate) fn emit_checked(
         graph: out,
         fused_id_of,
         fused_before,
+        sites,
     })
+}
+
+/// The site's chain as the original graph's ids: what `arfuse-reference`'s per-site
+/// check cuts out.
+fn site_map(g: &Graph, s: &Site, fused_node: &str) -> SiteMap {
+    let input = |i: &Input| match i {
+        Input::Value(v) => SiteInput {
+            value: NodeOutput::of(g, *v),
+            view: None,
+        },
+        Input::View(v, t) => SiteInput {
+            value: NodeOutput::of(g, *v),
+            view: Some(t.clone()),
+        },
+    };
+    let mut inputs = vec![input(&s.x_input())];
+    inputs.extend(s.residual.iter().map(input));
+    inputs.push(input(&s.weight));
+    inputs.extend(s.scale.iter().map(input));
+    SiteMap {
+        fused_node: fused_node.to_string(),
+        all_reduce: g.node(NodeId::new(s.inst as usize)).id.clone(),
+        replaced_nodes: s
+            .region
+            .iter()
+            .map(|&n| g.node(NodeId::new(n as usize)).id.clone())
+            .collect(),
+        inputs,
+        outputs: s
+            .ports
+            .iter()
+            .map(|p| SiteOutput {
+                output: p.output,
+                replaces: p
+                    .direct
+                    .iter()
+                    .chain(p.views.iter().map(|(v, _)| v))
+                    .map(|v| NodeOutput::of(g, *v))
+                    .collect(),
+            })
+            .collect(),
+    }
 }
 
 /// Every original all-reduce appears exactly once in `out`: kept as is, or in one

@@ -124,6 +124,9 @@ pub struct Lowered {
     pub graph: Graph,
     /// Per all-reduce: fused or why not; totals; warnings.
     pub report: Report,
+    /// One per fused node this lowering added, in the order of their all-reduces: the chain of the input
+    /// graph it replaces (what `arfuse_reference::check_sites` checks site by site).
+    pub sites: Vec<arfuse_ir::SiteMap>,
 }
 
 /// Lowers `graph` for `target` with [`LowerOptions::default`].
@@ -184,6 +187,7 @@ pub fn lower_with(
     Ok(Lowered {
         graph: emitted.graph,
         report,
+        sites: emitted.sites,
     })
 }
 

@@ -1,0 +1,687 @@
+//! The per-site equivalence check: every fused site of a lowered graph, at the graph's
+//! real hidden size, without evaluating the whole model.
+//!
+//! [`check_equivalent`] evaluates both graphs whole, which a real model cannot afford
+//! (an embedding table alone exceeds [`crate::eval::MAX_TENSOR_ELEMENTS`]).
+//! [`check_sites`] proves the same thing in two parts:
+//!
+//! 1. The wiring ([`check_wiring`]): every node the lowering kept (same id, op and
+//!    output types) reads what it read in the original graph, or a fused output that
+//!    replaces exactly that value; every fused input reads the value its [`SiteMap`]
+//!    names; every original node is kept, replaced by a site, or a constant only
+//!    replaced nodes read; every node new in the lowered graph is a fused node with a
+//!    map or a reshape. So the lowered graph is the original with each chain swapped
+//!    for its fused node, and nothing else changed.
+//! 2. The numerics ([`cut_site`], then [`check_equivalent`] on the two cuts): each
+//!    site's chain (the original nodes it replaced, with every value they read from
+//!    outside as an input of the cut, constants copied) against the fused node alone
+//!    with the same inputs, at the graph's own shapes, on W ranks with random per-rank
+//!    activations, bit for bit under the rounding contract, at the token counts of the
+//!    site's plan ([`site_token_counts`]).
+//!
+//! Together: each output of the lowered graph is the original's, bit for bit, for the
+//! inputs and token counts checked.
+
+use crate::equiv::{check_equivalent, EquivalenceReport};
+use crate::error::{ReferenceError, Result};
+use crate::eval::token_symbols;
+use arfuse_ir::{
+    FusedPlan, Graph, InputKind, Node, NodeId, NodeOutput, Op, SiteMap, Strategy, TensorType,
+    Value,
+};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fmt;
+
+/// One site's chain and fused node, each as a graph of its own with the same inputs
+/// (ids and types): what [`check_sites`] evaluates.
+#[derive(Clone, Debug)]
+pub struct SiteCut {
+    /// The original nodes the site replaced, their outside operands as inputs (constants
+    /// copied); outputs: every value the fused node replaces, in [`SiteMap::outputs`]
+    /// order.
+    pub original: Graph,
+    /// The fused node alone (plus the reshapes it reads or is read through), same
+    /// inputs and outputs.
+    pub lowered: Graph,
+}
+
+/// The check of one site.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SiteCheck {
+    /// The fused node's id in the lowered graph.
+    pub fused_node: String,
+    /// The all-reduce it replaced (original id).
+    pub all_reduce: String,
+    /// Hidden size H of the all-reduce input (elements), when constant.
+    pub hidden: Option<u64>,
+    /// Nodes of the original chain (the site's replaced nodes).
+    pub chain_nodes: usize,
+    /// The comparison at each token count checked (its `per_tokens` say which).
+    pub report: EquivalenceReport,
+}
+
+impl SiteCheck {
+    /// The token counts checked, in order.
+    pub fn tokens(&self) -> Vec<u64> {
+        self.report.per_tokens.iter().map(|t| t.tokens).collect()
+    }
+}
+
+/// Result of [`check_sites`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct SitesReport {
+    /// The contract both sides were evaluated under.
+    pub contract: &'static str,
+    /// World size W.
+    pub world_size: u32,
+    /// The seed of the inputs.
+    pub seed: u64,
+    /// Nodes the lowering kept whose inputs [`check_wiring`] checked.
+    pub kept_nodes: usize,
+    /// One per site, in the order given.
+    pub sites: Vec<SiteCheck>,
+}
+
+impl SitesReport {
+    /// True when every output of every site at every token count is bit-exact.
+    pub fn is_equivalent(&self) -> bool {
+        self.sites.iter().all(|s| s.report.is_equivalent())
+    }
+
+    /// The sites that are not.
+    pub fn failures(&self) -> Vec<&SiteCheck> {
+        self.sites
+            .iter()
+            .filter(|s| !s.report.is_equivalent())
+            .collect()
+    }
+}
+
+impl fmt::Display for SitesReport {
+    /// One line for the whole check, then one per group of sites with the same hidden
+    /// size and token counts, then every failing site's comparison.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let failed = self.failures();
+        writeln!(
+            f,
+            "{} | W = {} | seed = {} | {} sites, {} kept nodes rewired as before | {}",
+            self.contract,
+            self.world_size,
+            self.seed,
+            self.sites.len(),
+            self.kept_nodes,
+            if failed.is_empty() {
+                "EQUIVALENT"
+            } else {
+                "NOT EQUIVALENT"
+            }
+        )?;
+        let mut groups: BTreeMap<(Option<u64>, Vec<u64>), (usize, usize)> = BTreeMap::new();
+        for s in &self.sites {
+            let g = groups.entry((s.hidden, s.tokens())).or_default();
+            g.0 += 1;
+            if s.report.is_equivalent() {
+                g.1 += 1;
+            }
+        }
+        for ((h, tokens), (n, ok)) in &groups {
+            let h = h.map_or("?".to_string(), |h| h.to_string());
+            let t: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
+            writeln!(
+                f,
+                "  H = {h}, T = {}: {ok} of {n} sites bit-exact",
+                t.join(", ")
+            )?;
+        }
+        for s in failed {
+            writeln!(f, "site {} (all-reduce {}):", s.fused_node, s.all_reduce)?;
+            write!(f, "{}", s.report)?;
+        }
+        Ok(())
+    }
+}
+
+/// The token counts a site with `plan` is checked at: 1; the first and last T of every
+/// fused range and the first T of every unfused range (so every strategy switch is
+/// crossed); W - 1 and W where they are at most the largest of those.
+pub fn site_token_counts(plan: &FusedPlan, world_size: u32) -> Vec<u64> {
+    let mut t: BTreeSet<u64> = BTreeSet::from([1]);
+    for r in &plan.dispatch {
+        t.insert(r.min_tokens);
+        if r.strategy != Strategy::Unfused {
+            t.insert(r.max_tokens);
+        }
+    }
+    let top = t.last().copied().unwrap_or(1);
+    let w = u64::from(world_size);
+    for extra in [w.saturating_sub(1), w] {
+        if extra >= 1 && extra <= top {
+            t.insert(extra);
+        }
+    }
+    t.into_iter().collect()
+}
+
+/// Checks every site of `sites` (from `arfuse_rewrite::Lowered::sites`) of `lowered`
+/// against `original` on `world_size` virtual ranks: the wiring of the whole lowered
+/// graph, then each site's chain against its fused node (see the module doc).
+///
+/// `token_counts`: the T to check every site at; `None` takes each fused node's plan
+/// ([`site_token_counts`]). A T above the graph's token range is left out (the report
+/// says which T were checked); T from 1 is checked whatever the graph's range starts at,
+/// as the plan dispatches from T = 1.
+///
+/// Memory: one site's tensors at a time per worker thread (a chain at H = 16,384, T =
+/// 17, W = 8 is a few MiB).
+///
+/// Errors: [`ReferenceError::NotComparable`] naming the node when `lowered` is not a
+/// lowering of `original` as `sites` describe it, [`ReferenceError::InvalidParameter`]
+/// when a site has no token count to check, and any evaluation error of a cut.
+pub fn check_sites(
+    original: &Graph,
+    lowered: &Graph,
+    sites: &[SiteMap],
+    world_size: u32,
+    token_counts: Option<&[u64]>,
+    seed: u64,
+) -> Result<SitesReport> {
+    original
+        .validate()
+        .map_err(|p| ReferenceError::Ir(format!("original graph: {p}")))?;
+    lowered
+        .validate()
+        .map_err(|p| ReferenceError::Ir(format!("lowered graph: {p}")))?;
+    let kept_nodes = check_wiring(original, lowered, sites)?;
+    let checks: Vec<Result<SiteCheck>> = parallel_map(sites, |site| {
+        check_one(original, lowered, site, world_size, token_counts, seed)
+    });
+    Ok(SitesReport {
+        contract: crate::contract::CONTRACT_NAME,
+        world_size,
+        seed,
+        kept_nodes,
+        sites: checks.into_iter().collect::<Result<Vec<_>>>()?,
+    })
+}
+
+/// `f` over `items` on the machine's cores, results in input order.
+fn parallel_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(items.len().max(1));
+    let chunk = items.len().div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = items
+            .chunks(chunk)
+            .map(|part| s.spawn(|| part.iter().map(&f).collect::<Vec<R>>()))
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    })
+}
+
+fn check_one(
+    original: &Graph,
+    lowered: &Graph,
+    site: &SiteMap,
+    world_size: u32,
+    token_counts: Option<&[u64]>,
+    seed: u64,
+) -> Result<SiteCheck> {
+    let cut = cut_site(original, lowered, site)?;
+    let fused = fused_node(lowered, site)?;
+    let plan = match &lowered.node(fused).op {
+        Op::FusedAllreduceNorm(attrs) => attrs.plan.as_ref(),
+        _ => None,
+    };
+    let wanted = match (token_counts, plan) {
+        (Some(t), _) => t.to_vec(),
+        (None, Some(plan)) => site_token_counts(plan, world_size),
+        (None, None) => vec![1, u64::from(world_size.max(1))],
+    };
+    let max = token_max(&cut.original);
+    let tokens: Vec<u64> = wanted.into_iter().filter(|&t| t <= max).collect();
+    if tokens.is_empty() {
+        return Err(ReferenceError::InvalidParameter(format!(
+            "site {}: no token count to check at or below the graph's largest, {max}",
+            site.fused_node
+        )));
+    }
+    let report = check_equivalent(&cut.original, &cut.lowered, world_size, &tokens, seed)?;
+    let x = lowered.node(fused).inputs.first().copied();
+    Ok(SiteCheck {
+        fused_node: site.fused_node.clone(),
+        all_reduce: site.all_reduce.clone(),
+        hidden: x
+            .and_then(|v| lowered.value_type(v))
+            .and_then(|t| t.shape.last())
+            .and_then(|d| d.as_const()),
+        chain_nodes: site.replaced_nodes.len(),
+        report,
+    })
+}
+
+/// The largest token count the graph's token symbol allows.
+fn token_max(g: &Graph) -> u64 {
+    token_symbols(g)
+        .into_iter()
+        .filter(|(_, one)| !one)
+        .filter_map(|(name, _)| g.symbols().get(&name).map(|r| r.max))
+        .min()
+        .unwrap_or(u64::MAX)
+}
+
+fn fused_node(lowered: &Graph, site: &SiteMap) -> Result<NodeId> {
+    lowered
+        .find(&site.fused_node)
+        .filter(|&id| matches!(lowered.node(id).op, Op::FusedAllreduceNorm(_)))
+        .ok_or_else(|| {
+            ReferenceError::NotComparable(format!(
+                "site {}: no fused node with that id in the lowered graph",
+                site.fused_node
+            ))
+        })
+}
+
+fn resolve(g: &Graph, v: &NodeOutput, what: &str, site: &SiteMap) -> Result<Value> {
+    v.resolve(g).ok_or_else(|| {
+        ReferenceError::NotComparable(format!(
+            "site {}: {what} {v} is not in the original graph",
+            site.fused_node
+        ))
+    })
+}
+
+/// Cuts `site` out of both graphs (see [`SiteCut`]). The cuts keep the graphs' symbols,
+/// with the token symbol's range starting at 1.
+///
+/// Errors: [`ReferenceError::NotComparable`] when a replaced node, input or replaced
+/// value is missing, when a replaced value is not computed by the chain, or when the
+/// fused node is not in `lowered`.
+pub fn cut_site(original: &Graph, lowered: &Graph, site: &SiteMap) -> Result<SiteCut> {
+    let mut region: Vec<NodeId> = Vec::with_capacity(site.replaced_nodes.len());
+    for id in &site.replaced_nodes {
+        region.push(original.find(id).ok_or_else(|| {
+            ReferenceError::NotComparable(format!(
+                "site {}: replaced node {id:?} is not in the original graph",
+                site.fused_node
+            ))
+        })?);
+    }
+    region.sort_unstable();
+    let in_region: HashSet<NodeId> = region.iter().copied().collect();
+
+    // Every value the chain or the fused node reads from outside the chain, in order.
+    let mut boundary: Vec<Value> = Vec::new();
+    let mut seen: HashSet<Value> = HashSet::new();
+    let reads = region
+        .iter()
+        .flat_map(|&n| original.node(n).inputs.iter().copied())
+        .collect::<Vec<_>>();
+    let mut site_inputs = Vec::with_capacity(site.inputs.len());
+    for i in &site.inputs {
+        site_inputs.push(resolve(original, &i.value, "input", site)?);
+    }
+    for v in reads.into_iter().chain(site_inputs.iter().copied()) {
+        if !in_region.contains(&v.node) && seen.insert(v) {
+            boundary.push(v);
+        }
+    }
+    let mut taken: HashSet<String> = region
+        .iter()
+        .map(|&n| original.node(n).id.clone())
+        .collect();
+    let leaves: Vec<(Value, Node)> = boundary
+        .iter()
+        .map(|&v| Ok((v, leaf(original, v, &mut taken)?)))
+        .collect::<Result<_>>()?;
+
+    let original_cut = original_side(original, site, &region, &leaves)?;
+    let lowered_cut = lowered_side(original, lowered, site, &site_inputs, &leaves)?;
+    Ok(SiteCut {
+        original: original_cut,
+        lowered: lowered_cut,
+    })
+}
+
+/// The node that stands for outside value `v` in a cut: a copy of a constant, else an
+/// input of the producer's kind (activation when it is computed).
+fn leaf(g: &Graph, v: Value, taken: &mut HashSet<String>) -> Result<Node> {
+    let p = g.node(v.node);
+    let ty = value_type(g, v)?;
+    if let Op::Constant { .. } = p.op {
+        taken.insert(p.id.clone());
+        return Ok(p.clone());
+    }
+    let kind = match p.op {
+        Op::Input { kind } => kind,
+        _ => InputKind::Activation,
+    };
+    let base = if v.output == 0 {
+        p.id.clone()
+    } else {
+        format!("{}.out{}", p.id, v.output)
+    };
+    let mut id = base.clone();
+    let mut k = 2;
+    while !taken.insert(id.clone()) {
+        id = format!("{base}.{k}");
+        k += 1;
+    }
+    Ok(Node {
+        id,
+        op: Op::Input { kind },
+        inputs: Vec::new(),
+        outputs: vec![ty],
+        module: p.module.clone(),
+    })
+}
+
+fn value_type(g: &Graph, v: Value) -> Result<TensorType> {
+    g.value_type(v)
+        .cloned()
+        .ok_or_else(|| ReferenceError::Ir(format!("value {} has no type", g.value_ref(v))))
+}
+
+/// A graph with the original's symbols (token symbol from 1) and the cut's leaves.
+fn cut_with_leaves(
+    original: &Graph,
+    leaves: &[(Value, Node)],
+) -> Result<(Graph, HashMap<Value, Value>)> {
+    let mut g = Graph::new();
+    let tokens: HashSet<String> = token_symbols(original)
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    for (name, r) in original.symbols() {
+        let mut r = *r;
+        if tokens.contains(name) {
+            r.min = 1;
+        }
+        g.set_symbol(name.clone(), r);
+    }
+    let mut map = HashMap::new();
+    for (v, n) in leaves {
+        let id = add(&mut g, n.clone())?;
+        let k = if matches!(n.op, Op::Constant { .. }) {
+            v.output
+        } else {
+            0
+        };
+        map.insert(*v, Value::new(id, k));
+    }
+    Ok((g, map))
+}
+
+fn add(g: &mut Graph, n: Node) -> Result<NodeId> {
+    g.add_node(n)
+        .map_err(|e| ReferenceError::Ir(format!("building a site cut: {e}")))
+}
+
+fn original_side(
+    original: &Graph,
+    site: &SiteMap,
+    region: &[NodeId],
+    leaves: &[(Value, Node)],
+) -> Result<Graph> {
+    let (mut g, mut map) = cut_with_leaves(original, leaves)?;
+    for &n in region {
+        let node = original.node(n);
+        let inputs = node.inputs.iter().map(|v| map[v]).collect();
+        let id = add(
+            &mut g,
+            Node {
+                inputs,
+                ..node.clone()
+            },
+        )?;
+        for k in 0..node.outputs.len() as u32 {
+            map.insert(Value::new(n, k), Value::new(id, k));
+        }
+    }
+    let mut outs = Vec::new();
+    for o in &site.outputs {
+        for r in &o.replaces {
+            let v = resolve(original, r, "replaced value", site)?;
+            if !region.contains(&v.node) {
+                return Err(ReferenceError::NotComparable(format!(
+                    "site {}: replaced value {r} is not computed by the chain",
+                    site.fused_node
+                )));
+            }
+            outs.push(map[&v]);
+        }
+    }
+    g.set_outputs(outs)
+        .map_err(|e| ReferenceError::Ir(format!("building a site cut: {e}")))?;
+    Ok(g)
+}
+
+fn lowered_side(
+    original: &Graph,
+    lowered: &Graph,
+    site: &SiteMap,
+    site_inputs: &[Value],
+    leaves: &[(Value, Node)],
+) -> Result<Graph> {
+    let fused = fused_node(lowered, site)?;
+    let f = lowered.node(fused);
+    if f.inputs.len() != site.inputs.len() || f.outputs.len() != site.outputs.len() {
+        return Err(ReferenceError::NotComparable(format!(
+            "site {}: the map names {} inputs and {} outputs, the fused node has {} and {}",
+            site.fused_node,
+            site.inputs.len(),
+            site.outputs.len(),
+            f.inputs.len(),
+            f.outputs.len()
+        )));
+    }
+    let (mut g, map) = cut_with_leaves(original, leaves)?;
+    let mut inputs = Vec::with_capacity(f.inputs.len());
+    for (i, (si, v)) in site.inputs.iter().zip(site_inputs).enumerate() {
+        let src = map[v];
+        inputs.push(match &si.view {
+            None => src,
+            Some(t) => Value::new(reshape(&mut g, format!("{}.in{i}.view", f.id), src, t)?, 0),
+        });
+    }
+    let fid = add(
+        &mut g,
+        Node {
+            inputs,
+            ..f.clone()
+        },
+    )?;
+    let mut outs = Vec::new();
+    for (k, o) in site.outputs.iter().enumerate() {
+        let port = Value::new(fid, k as u32);
+        let mut views: BTreeMap<String, Value> = BTreeMap::new();
+        for r in &o.replaces {
+            let v = resolve(original, r, "replaced value", site)?;
+            let ty = value_type(original, v)?;
+            if Some(&ty) == f.outputs.get(k) {
+                outs.push(port);
+                continue;
+            }
+            let key = ty.to_string();
+            let view = match views.get(&key) {
+                Some(&view) => view,
+                None => {
+                    let id = format!("{}.out{k}.view{}", f.id, views.len());
+                    let view = Value::new(reshape(&mut g, id, port, &ty)?, 0);
+                    views.insert(key, view);
+                    view
+                }
+            };
+            outs.push(view);
+        }
+    }
+    g.set_outputs(outs)
+        .map_err(|e| ReferenceError::Ir(format!("building a site cut: {e}")))?;
+    Ok(g)
+}
+
+fn reshape(g: &mut Graph, id: String, src: Value, ty: &TensorType) -> Result<NodeId> {
+    add(
+        g,
+        Node {
+            id,
+            op: Op::Reshape,
+            inputs: vec![src],
+            outputs: vec![ty.clone()],
+            module: None,
+        },
+    )
+}
+
+/// Checks that `lowered` is `original` with each site's chain replaced by its fused
+/// node and nothing else changed (module doc, part 1). Returns the number of kept
+/// nodes checked.
+///
+/// Errors: [`ReferenceError::NotComparable`] naming the first node that breaks it.
+pub fn check_wiring(original: &Graph, lowered: &Graph, sites: &[SiteMap]) -> Result<usize> {
+    let by_fused: HashMap<&str, &SiteMap> =
+        sites.iter().map(|s| (s.fused_node.as_str(), s)).collect();
+    let w = Wiring {
+        original,
+        lowered,
+        by_fused: &by_fused,
+    };
+    let err = |m: String| Err(ReferenceError::NotComparable(m));
+    let mut kept_nodes = 0;
+    for (id, n) in lowered.nodes() {
+        if let Some(o) = w.kept(id) {
+            kept_nodes += 1;
+            let before = &original.node(o).inputs;
+            if before.len() != n.inputs.len() {
+                return err(format!("node {:?}: its input count changed", n.id));
+            }
+            for (j, (&now, &then)) in n.inputs.iter().zip(before).enumerate() {
+                if !w.stands_for(now).contains(&NodeOutput::of(original, then)) {
+                    return err(format!(
+                        "node {:?} input {j}: the lowered graph reads {}, which does not \
+                         stand for {}, the value it read in the original",
+                        n.id,
+                        lowered.value_ref(now),
+                        original.value_ref(then)
+                    ));
+                }
+            }
+            continue;
+        }
+        match &n.op {
+            Op::FusedAllreduceNorm(_) => {
+                let Some(site) = by_fused.get(n.id.as_str()) else {
+                    return err(format!(
+                        "fused node {:?} is new in the lowered graph but has no site map",
+                        n.id
+                    ));
+                };
+                for (i, (&u, si)) in n.inputs.iter().zip(&site.inputs).enumerate() {
+                    if !w.stands_for(u).contains(&si.value) {
+                        return err(format!(
+                            "fused node {:?} input {i}: reads {}, the site map says {}",
+                            n.id,
+                            lowered.value_ref(u),
+                            si.value
+                        ));
+                    }
+                }
+            }
+            Op::Reshape => {}
+            op => {
+                return err(format!(
+                    "node {:?} ({}) is neither in the original graph nor a fused node or a \
+                     reshape",
+                    n.id,
+                    op.name()
+                ))
+            }
+        }
+    }
+    for s in sites {
+        fused_node(lowered, s)?;
+    }
+    if lowered.outputs().len() != original.outputs().len() {
+        return err(format!(
+            "{} graph outputs, the original has {}",
+            lowered.outputs().len(),
+            original.outputs().len()
+        ));
+    }
+    for (j, (&now, &then)) in lowered.outputs().iter().zip(original.outputs()).enumerate() {
+        if !w.stands_for(now).contains(&NodeOutput::of(original, then)) {
+            return err(format!(
+                "graph output {j}: {} does not stand for {}",
+                lowered.value_ref(now),
+                original.value_ref(then)
+            ));
+        }
+    }
+    let replaced: HashSet<&str> = sites
+        .iter()
+        .flat_map(|s| s.replaced_nodes.iter().map(String::as_str))
+        .collect();
+    for (id, n) in original.nodes() {
+        let kept = lowered.find(&n.id).is_some_and(|l| w.kept(l) == Some(id));
+        let dropped_constant = matches!(n.op, Op::Constant { .. })
+            && original
+                .users(id)
+                .all(|(u, _)| replaced.contains(original.node(u).id.as_str()));
+        if !kept && !replaced.contains(n.id.as_str()) && !dropped_constant {
+            return err(format!(
+                "original node {:?} ({}) is neither kept nor replaced by a site",
+                n.id,
+                n.op.name()
+            ));
+        }
+    }
+    Ok(kept_nodes)
+}
+
+struct Wiring<'a> {
+    original: &'a Graph,
+    lowered: &'a Graph,
+    by_fused: &'a HashMap<&'a str, &'a SiteMap>,
+}
+
+impl Wiring<'_> {
+    /// The original node a lowered node is (same id, op and output types).
+    fn kept(&self, id: NodeId) -> Option<NodeId> {
+        let n = self.lowered.node(id);
+        self.original.find(&n.id).filter(|&o| {
+            let on = self.original.node(o);
+            on.op == n.op && on.outputs == n.outputs
+        })
+    }
+
+    /// The original values a lowered value stands for: a kept node's output itself; a
+    /// fused output, the values its site map says it replaces; a new reshape, what its
+    /// operand stands for.
+    fn stands_for(&self, u: Value) -> Vec<NodeOutput> {
+        let mut u = u;
+        // A chain of new reshapes is at most as long as the lowered graph.
+        for _ in 0..=self.lowered.len() {
+            if let Some(o) = self.kept(u.node) {
+                return vec![NodeOutput::of(self.original, Value::new(o, u.output))];
+            }
+            let n = self.lowered.node(u.node);
+            match (&n.op, n.inputs.as_slice()) {
+                (Op::FusedAllreduceNorm(_), _) => {
+                    return self
+                        .by_fused
+                        .get(n.id.as_str())
+                        .and_then(|s| s.outputs.get(u.output as usize))
+                        .map(|o| o.replaces.clone())
+                        .unwrap_or_default()
+                }
+                (Op::Reshape, [src]) => u = *src,
+                _ => return Vec::new(),
+            }
+        }
+        Vec::new()
+    }
+}
