@@ -87,11 +87,15 @@ enum Command {
         /// After lowering, check every fused site against the chain it replaced: the
         /// wiring of the whole lowered graph, then each chain cut out of the original
         /// at its real hidden size against its fused node alone, on W ranks with random
-        /// per-rank inputs, bit for bit under the rounding contract, at the token counts
-        /// of its plan (from T = 1 across every strategy switch). Fails the pair on any
-        /// difference.
+        /// per-rank inputs, bit for bit under the rounding contract: every site at
+        /// T = 1 and T = W, the first site of each kind at every T of its plan (T = 1,
+        /// both ends of each fused range, the first T of each unfused range). Fails the
+        /// pair on any difference.
         #[arg(long)]
         check: bool,
+        /// `--check` with every site at every T of its plan.
+        #[arg(long)]
+        check_all: bool,
         /// List the target presets (GPU, W, nodes, interconnect, the backend each
         /// resolves to) and exit.
         #[arg(long)]
@@ -156,6 +160,7 @@ fn main() -> ExitCode {
             all_reduce_ops,
             sites,
             check,
+            check_all,
             list_targets,
         } => {
             if list_targets {
@@ -172,7 +177,11 @@ fn main() -> ExitCode {
                 Output {
                     report,
                     sites,
-                    check,
+                    check: match (check, check_all) {
+                        (_, true) => Some(CheckTokens::Plan),
+                        (true, false) => Some(CheckTokens::PlanPerKind),
+                        (false, false) => None,
+                    },
                 },
                 dot,
                 group,
@@ -211,8 +220,15 @@ struct Output {
     report: ReportFormat,
     /// One table line per site.
     sites: bool,
-    /// Run the per-site equivalence check after lowering.
-    check: bool,
+    /// Run the per-site equivalence check after lowering, at these token counts.
+    check: Option<CheckTokens>,
+}
+
+/// `--check` (`PlanPerKind`) or `--check-all` (`Plan`).
+#[derive(Clone, Copy)]
+enum CheckTokens {
+    Plan,
+    PlanPerKind,
 }
 
 /// `--list-targets`: one line per preset with its machine and the backend the
@@ -938,10 +954,9 @@ fn lower_pair(
     for (p, _) in &files {
         eprintln!("wrote {}", p.display());
     }
-    let check = if output.check {
-        Some(check_pair(pair, graph, &lowered, output)?)
-    } else {
-        None
+    let check = match output.check {
+        Some(tokens) => Some(check_pair(pair, graph, &lowered, output, tokens)?),
+        None => None,
     };
     Ok(matches!(output.report, ReportFormat::Json).then(|| {
         let mut entry = serde_json::json!({
@@ -963,15 +978,20 @@ fn check_pair(
     graph: &Graph,
     lowered: &arfuse::Lowered,
     output: &Output,
+    tokens: CheckTokens,
 ) -> std::result::Result<serde_json::Value, String> {
     const SEED: u64 = 0;
+    let tokens = match tokens {
+        CheckTokens::Plan => arfuse::reference::SiteTokens::Plan,
+        CheckTokens::PlanPerKind => arfuse::reference::SiteTokens::PlanPerKind,
+    };
     let start = std::time::Instant::now();
     let result = arfuse::reference::check_sites(
         graph,
         &lowered.graph,
         &lowered.sites,
         pair.target.world_size,
-        None,
+        tokens,
         SEED,
     )
     .map_err(|e| format!("checking {} on {}: {e}", pair.input.display(), pair.target_name))?;

@@ -141,6 +141,20 @@ impl fmt::Display for SitesReport {
     }
 }
 
+/// Which token counts [`check_sites`] runs each site at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SiteTokens<'a> {
+    /// Every site at every T of its plan ([`site_token_counts`]).
+    Plan,
+    /// Every site at T = 1 and T = W; the first site of each kind (the same fused
+    /// attributes and plan, the same input and output types: in a decoder, one per
+    /// distinct layer pattern) at every T of its plan. A model then costs about one
+    /// layer at every T plus one token row per site.
+    PlanPerKind,
+    /// Every site at these T.
+    Given(&'a [u64]),
+}
+
 /// The token counts a site with `plan` is checked at: 1; the first and last T of every
 /// fused range and the first T of every unfused range (so every strategy switch is
 /// crossed); W - 1 and W where they are at most the largest of those.
@@ -166,10 +180,9 @@ pub fn site_token_counts(plan: &FusedPlan, world_size: u32) -> Vec<u64> {
 /// against `original` on `world_size` virtual ranks: the wiring of the whole lowered
 /// graph, then each site's chain against its fused node (see the module doc).
 ///
-/// `token_counts`: the T to check every site at; `None` takes each fused node's plan
-/// ([`site_token_counts`]). A T above the graph's token range is left out (the report
-/// says which T were checked); T from 1 is checked whatever the graph's range starts at,
-/// as the plan dispatches from T = 1.
+/// `tokens` says at which T ([`SiteTokens`]). A T above the graph's token range is
+/// left out (the report says which T were checked); T from 1 is checked whatever the
+/// graph's range starts at, as the plan dispatches from T = 1.
 ///
 /// Memory: one site's tensors at a time per worker thread (a chain at H = 16,384, T =
 /// 17, W = 8 is a few MiB).
@@ -182,7 +195,7 @@ pub fn check_sites(
     lowered: &Graph,
     sites: &[SiteMap],
     world_size: u32,
-    token_counts: Option<&[u64]>,
+    tokens: SiteTokens<'_>,
     seed: u64,
 ) -> Result<SitesReport> {
     original
@@ -192,8 +205,10 @@ pub fn check_sites(
         .validate()
         .map_err(|p| ReferenceError::Ir(format!("lowered graph: {p}")))?;
     let kept_nodes = check_wiring(original, lowered, sites)?;
-    let checks: Vec<Result<SiteCheck>> = parallel_map(sites, |site| {
-        check_one(original, lowered, site, world_size, token_counts, seed)
+    let first_of_kind = first_of_kind(original, lowered, sites);
+    let jobs: Vec<(&SiteMap, bool)> = sites.iter().zip(first_of_kind).collect();
+    let checks: Vec<Result<SiteCheck>> = parallel_map(&jobs, |&(site, first)| {
+        check_one(original, lowered, site, world_size, tokens, first, seed)
     });
     Ok(SitesReport {
         contract: crate::contract::CONTRACT_NAME,
@@ -223,12 +238,42 @@ fn parallel_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Ve
     })
 }
 
+/// For each site, whether it is the first of its kind: no earlier site has the same
+/// fused node attributes (plan included) and the same input and output types.
+fn first_of_kind(original: &Graph, lowered: &Graph, sites: &[SiteMap]) -> Vec<bool> {
+    let mut seen: HashSet<String> = HashSet::new();
+    sites
+        .iter()
+        .map(|s| {
+            let op = lowered
+                .find(&s.fused_node)
+                .map(|id| format!("{:?}", lowered.node(id).op))
+                .unwrap_or_default();
+            let types: Vec<String> = s
+                .inputs
+                .iter()
+                .map(|i| {
+                    let t = i.value.resolve(original).and_then(|v| original.value_type(v));
+                    format!("{:?}/{:?}", t, i.view)
+                })
+                .chain(s.outputs.iter().flat_map(|o| {
+                    o.replaces.iter().map(|r| {
+                        format!("{:?}", r.resolve(original).and_then(|v| original.value_type(v)))
+                    })
+                }))
+                .collect();
+            seen.insert(format!("{op}|{}", types.join("|")))
+        })
+        .collect()
+}
+
 fn check_one(
     original: &Graph,
     lowered: &Graph,
     site: &SiteMap,
     world_size: u32,
-    token_counts: Option<&[u64]>,
+    tokens: SiteTokens<'_>,
+    first_of_kind: bool,
     seed: u64,
 ) -> Result<SiteCheck> {
     let cut = cut_site(original, lowered, site)?;
@@ -237,10 +282,18 @@ fn check_one(
         Op::FusedAllreduceNorm(attrs) => attrs.plan.as_ref(),
         _ => None,
     };
-    let wanted = match (token_counts, plan) {
-        (Some(t), _) => t.to_vec(),
-        (None, Some(plan)) => site_token_counts(plan, world_size),
-        (None, None) => vec![1, u64::from(world_size.max(1))],
+    let w = u64::from(world_size.max(1));
+    let wanted = match (tokens, plan) {
+        (SiteTokens::Given(t), _) => t.to_vec(),
+        (SiteTokens::PlanPerKind, _) if !first_of_kind => {
+            if w == 1 {
+                vec![1]
+            } else {
+                vec![1, w]
+            }
+        }
+        (_, Some(plan)) => site_token_counts(plan, world_size),
+        (_, None) => vec![1, w],
     };
     let max = token_max(&cut.original);
     let tokens: Vec<u64> = wanted.into_iter().filter(|&t| t <= max).collect();
