@@ -195,6 +195,22 @@ impl NormRounding {
     }
 }
 
+/// Op names (`opaque` targets) of the wait that follows a functional collective.
+const WAIT_TARGETS: &[&str] = &["wait_tensor", "wait_tensor.default"];
+
+/// Whether an `opaque` op target is the wait that follows a functional collective
+/// (`wait_tensor`, matched by suffix so `torch.ops._c10d_functional.wait_tensor.default`
+/// counts too). With one input and its type as the output, such a node forwards its
+/// input: the pass sees through it, and the per-site check evaluates it as the identity.
+pub fn is_wait_target(target: &str) -> bool {
+    WAIT_TARGETS.iter().any(|w| {
+        target == *w
+            || target
+                .strip_suffix(w)
+                .is_some_and(|rest| rest.ends_with('.'))
+    })
+}
+
 /// Whether an op target (as torch names it, with or without `torch.ops.`) looks like a
 /// collective: any op of the `c10d`, `_c10d_functional` or `c10d_functional`
 /// namespaces, or an op of another namespace whose name contains `all_reduce`,

@@ -58,6 +58,10 @@ pub struct SiteCheck {
     pub chain_nodes: usize,
     /// The comparison at each token count checked (its `per_tokens` say which).
     pub report: EquivalenceReport,
+    /// Token counts asked for but not checked because T * H * W is above
+    /// [`SITE_ELEMENT_BUDGET`] (a T above the graph's token range is not asked for: the
+    /// graph never runs it).
+    pub skipped_tokens: Vec<u64>,
 }
 
 impl SiteCheck {
@@ -116,22 +120,28 @@ impl fmt::Display for SitesReport {
                 "NOT EQUIVALENT"
             }
         )?;
-        let mut groups: BTreeMap<(Option<u64>, Vec<u64>), (usize, usize)> = BTreeMap::new();
+        type Group = (Option<u64>, Vec<u64>, Vec<u64>);
+        let mut groups: BTreeMap<Group, (usize, usize)> = BTreeMap::new();
         for s in &self.sites {
-            let g = groups.entry((s.hidden, s.tokens())).or_default();
+            let key = (s.hidden, s.tokens(), s.skipped_tokens.clone());
+            let g = groups.entry(key).or_default();
             g.0 += 1;
             if s.report.is_equivalent() {
                 g.1 += 1;
             }
         }
-        for ((h, tokens), (n, ok)) in &groups {
+        let list = |t: &[u64]| t.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", ");
+        for ((h, tokens, skipped), (n, ok)) in &groups {
             let h = h.map_or("?".to_string(), |h| h.to_string());
-            let t: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
-            writeln!(
-                f,
-                "  H = {h}, T = {}: {ok} of {n} sites bit-exact",
-                t.join(", ")
-            )?;
+            write!(f, "  H = {h}, T = {}: {ok} of {n} sites bit-exact", list(tokens))?;
+            if !skipped.is_empty() {
+                write!(
+                    f,
+                    " (not checked: T = {}, T*H*W above the check's {SITE_ELEMENT_BUDGET} elements)",
+                    list(skipped)
+                )?;
+            }
+            writeln!(f)?;
         }
         for s in failed {
             writeln!(f, "site {} (all-reduce {}):", s.fused_node, s.all_reduce)?;
@@ -140,6 +150,12 @@ impl fmt::Display for SitesReport {
         Ok(())
     }
 }
+
+/// Most elements (T * H * W: one activation over all ranks) a site is checked at; a
+/// larger T is left out and listed in [`SiteCheck::skipped_tokens`]. Each row of a
+/// chain is computed independently of the others, so a large T adds rows, not new
+/// arithmetic; the budget keeps one site's tensors near 32 MiB each.
+pub const SITE_ELEMENT_BUDGET: u64 = 1 << 23;
 
 /// Which token counts [`check_sites`] runs each site at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -181,8 +197,9 @@ pub fn site_token_counts(plan: &FusedPlan, world_size: u32) -> Vec<u64> {
 /// graph, then each site's chain against its fused node (see the module doc).
 ///
 /// `tokens` says at which T ([`SiteTokens`]). A T above the graph's token range is
-/// left out (the report says which T were checked); T from 1 is checked whatever the
-/// graph's range starts at, as the plan dispatches from T = 1.
+/// left out, and so is a T with T * H * W above [`SITE_ELEMENT_BUDGET`] (listed in
+/// [`SiteCheck::skipped_tokens`]); the report says which T were checked. T from 1 is
+/// checked whatever the graph's range starts at, as the plan dispatches from T = 1.
 ///
 /// Memory: one site's tensors at a time per worker thread (a chain at H = 16,384, T =
 /// 17, W = 8 is a few MiB).
@@ -295,25 +312,34 @@ fn check_one(
         (_, Some(plan)) => site_token_counts(plan, world_size),
         (_, None) => vec![1, w],
     };
+    let x = lowered.node(fused).inputs.first().copied();
+    let hidden = x
+        .and_then(|v| lowered.value_type(v))
+        .and_then(|t| t.shape.last())
+        .and_then(|d| d.as_const());
     let max = token_max(&cut.original);
-    let tokens: Vec<u64> = wanted.into_iter().filter(|&t| t <= max).collect();
+    let fits = |t: &u64| {
+        t.checked_mul(hidden.unwrap_or(1))
+            .and_then(|e| e.checked_mul(w))
+            .is_some_and(|e| e <= SITE_ELEMENT_BUDGET)
+    };
+    let (tokens, skipped_tokens): (Vec<u64>, Vec<u64>) =
+        wanted.into_iter().filter(|&t| t <= max).partition(fits);
     if tokens.is_empty() {
         return Err(ReferenceError::InvalidParameter(format!(
-            "site {}: no token count to check at or below the graph's largest, {max}",
+            "site {}: no token count to check (asked for {skipped_tokens:?}; the graph's \
+             largest is {max}, the check's budget T * H * W <= {SITE_ELEMENT_BUDGET})",
             site.fused_node
         )));
     }
     let report = check_equivalent(&cut.original, &cut.lowered, world_size, &tokens, seed)?;
-    let x = lowered.node(fused).inputs.first().copied();
     Ok(SiteCheck {
         fused_node: site.fused_node.clone(),
         all_reduce: site.all_reduce.clone(),
-        hidden: x
-            .and_then(|v| lowered.value_type(v))
-            .and_then(|t| t.shape.last())
-            .and_then(|d| d.as_const()),
+        hidden,
         chain_nodes: site.replaced_nodes.len(),
         report,
+        skipped_tokens,
     })
 }
 
@@ -365,25 +391,26 @@ pub fn cut_site(original: &Graph, lowered: &Graph, site: &SiteMap) -> Result<Sit
         })?);
     }
     region.sort_unstable();
-    let in_region: HashSet<NodeId> = region.iter().copied().collect();
-
-    // Every value the chain or the fused node reads from outside the chain, in order.
-    let mut boundary: Vec<Value> = Vec::new();
-    let mut seen: HashSet<Value> = HashSet::new();
-    let reads = region
-        .iter()
-        .flat_map(|&n| original.node(n).inputs.iter().copied())
-        .collect::<Vec<_>>();
     let mut site_inputs = Vec::with_capacity(site.inputs.len());
     for i in &site.inputs {
         site_inputs.push(resolve(original, &i.value, "input", site)?);
     }
+    let nodes = with_input_views(original, &region, &site_inputs);
+    let in_cut: HashSet<NodeId> = nodes.iter().copied().collect();
+
+    // Every value the cut's nodes or the fused node read from outside them, in order.
+    let mut boundary: Vec<Value> = Vec::new();
+    let mut seen: HashSet<Value> = HashSet::new();
+    let reads = nodes
+        .iter()
+        .flat_map(|&n| original.node(n).inputs.iter().copied())
+        .collect::<Vec<_>>();
     for v in reads.into_iter().chain(site_inputs.iter().copied()) {
-        if !in_region.contains(&v.node) && seen.insert(v) {
+        if !in_cut.contains(&v.node) && seen.insert(v) {
             boundary.push(v);
         }
     }
-    let mut taken: HashSet<String> = region
+    let mut taken: HashSet<String> = nodes
         .iter()
         .map(|&n| original.node(n).id.clone())
         .collect();
@@ -392,12 +419,59 @@ pub fn cut_site(original: &Graph, lowered: &Graph, site: &SiteMap) -> Result<Sit
         .map(|&v| Ok((v, leaf(original, v, &mut taken)?)))
         .collect::<Result<_>>()?;
 
-    let original_cut = original_side(original, site, &region, &leaves)?;
+    let original_cut = original_side(original, site, &nodes, &region, &leaves)?;
     let lowered_cut = lowered_side(original, lowered, site, &site_inputs, &leaves)?;
     Ok(SiteCut {
         original: original_cut,
         lowered: lowered_cut,
     })
+}
+
+/// Most view nodes between a fused input and the value the chain reads.
+const MAX_VIEW_CHAIN: usize = 16;
+
+/// A node that forwards its one input's elements: a reshape, or a wait of a
+/// functional collective ([`arfuse_ir::op::is_wait_target`]) with its input's type.
+fn is_view(g: &Graph, n: NodeId) -> bool {
+    let node = g.node(n);
+    match &node.op {
+        Op::Reshape => node.inputs.len() == 1,
+        Op::Opaque { target, .. } => {
+            arfuse_ir::op::is_wait_target(target)
+                && node.inputs.len() == 1
+                && node.outputs.len() == 1
+                && g.value_type(node.inputs[0]) == Some(&node.outputs[0])
+        }
+        _ => false,
+    }
+}
+
+/// The chain's nodes plus the view nodes outside it that lead from a fused input to a
+/// value the chain reads (the pass saw through them, so the fused node reads the value
+/// before the views while the chain reads it after): the cut recomputes those views
+/// instead of taking their results as unrelated inputs. In graph order.
+fn with_input_views(g: &Graph, region: &[NodeId], site_inputs: &[Value]) -> Vec<NodeId> {
+    let in_region: HashSet<NodeId> = region.iter().copied().collect();
+    let targets: HashSet<Value> = site_inputs.iter().copied().collect();
+    let mut nodes: BTreeSet<NodeId> = region.iter().copied().collect();
+    for &n in region {
+        for &v in &g.node(n).inputs {
+            if in_region.contains(&v.node) || targets.contains(&v) {
+                continue;
+            }
+            let mut chain = Vec::new();
+            let mut u = v;
+            while chain.len() < MAX_VIEW_CHAIN && is_view(g, u.node) {
+                chain.push(u.node);
+                u = g.node(u.node).inputs[0];
+                if targets.contains(&u) {
+                    nodes.extend(chain.drain(..));
+                    break;
+                }
+            }
+        }
+    }
+    nodes.into_iter().collect()
 }
 
 /// The node that stands for outside value `v` in a cut: a copy of a constant, else an
@@ -477,16 +551,25 @@ fn add(g: &mut Graph, n: Node) -> Result<NodeId> {
 fn original_side(
     original: &Graph,
     site: &SiteMap,
+    nodes: &[NodeId],
     region: &[NodeId],
     leaves: &[(Value, Node)],
 ) -> Result<Graph> {
     let (mut g, mut map) = cut_with_leaves(original, leaves)?;
-    for &n in region {
+    for &n in nodes {
         let node = original.node(n);
         let inputs = node.inputs.iter().map(|v| map[v]).collect();
+        // A wait forwards its input: the identity, which the evaluator knows as a
+        // reshape to the same type.
+        let op = if is_view(original, n) {
+            Op::Reshape
+        } else {
+            node.op.clone()
+        };
         let id = add(
             &mut g,
             Node {
+                op,
                 inputs,
                 ..node.clone()
             },

@@ -3,13 +3,10 @@
 use crate::analysis::{FxAnalysis, FxGraph, Instance, Ty};
 use crate::lang::{Fx, Leaf, QKind};
 use arfuse_ir::op::FusedQuant;
+use arfuse_ir::op::is_wait_target as is_wait;
 use arfuse_ir::{Graph, Op, Value};
 use egg::{EGraph, Id};
 use std::collections::HashMap;
-
-/// Op names (`opaque` targets) of the wait that follows a functional collective.
-/// Matched by suffix so `torch.ops._c10d_functional.wait_tensor.default` counts too.
-const WAIT_TARGETS: &[&str] = &["wait_tensor", "wait_tensor.default"];
 
 /// The e-graph of a graph and the class of every IR value.
 pub(crate) struct Converted {
@@ -17,15 +14,6 @@ pub(crate) struct Converted {
     pub egraph: FxGraph,
     /// Class of every IR value, by node index then output index.
     pub value_class: Vec<Vec<Id>>,
-}
-
-fn is_wait(target: &str) -> bool {
-    WAIT_TARGETS.iter().any(|w| {
-        target == *w
-            || target
-                .strip_suffix(w)
-                .is_some_and(|rest| rest.ends_with('.'))
-    })
 }
 
 /// The all-reduces of `g` (node indices, in graph order): the instances the pass
