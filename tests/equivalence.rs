@@ -298,5 +298,17 @@ proptest! {
         let tokens = arfuse::reference::equivalence_token_counts(t.world_size, max_fused).unwrap();
         let eq = arfuse::reference::check_equivalent(&g, l, t.world_size, &tokens, seed).unwrap();
         prop_assert!(eq.is_bit_exact(), "{}\n{}", eq, l.canonical_text());
+        // The per-site check agrees, site by site, at the same token counts.
+        let by_site = arfuse::reference::check_sites(
+            &g,
+            l,
+            &lowered.sites,
+            t.world_size,
+            arfuse::reference::SiteTokens::Given(&tokens),
+            seed,
+        )
+        .unwrap();
+        prop_assert!(by_site.is_equivalent(), "{}\n{}", by_site, l.canonical_text());
+        prop_assert_eq!(by_site.sites.len(), spec.sites.len());
     }
 }

@@ -994,7 +994,13 @@ fn check_pair(
         tokens,
         SEED,
     )
-    .map_err(|e| format!("checking {} on {}: {e}", pair.input.display(), pair.target_name))?;
+    .map_err(|e| {
+        format!(
+            "checking {} on {}: {e}",
+            pair.input.display(),
+            pair.target_name
+        )
+    })?;
     let seconds = start.elapsed().as_secs_f64();
     if let ReportFormat::Table = output.report {
         println!("check ({seconds:.2} s): {result}");

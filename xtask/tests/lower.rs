@@ -425,3 +425,49 @@ fn list_targets_and_help() {
     let o = lower(&["--help"]);
     assert!(String::from_utf8_lossy(&o.stdout).contains("Usage: cargo xtask lower "));
 }
+
+#[test]
+fn check_verifies_every_site_and_says_which_token_counts() {
+    let tmp = TempDir::new("check");
+    let out = tmp.path("l.json");
+    let o = lower(&[EXPORTED, "--world-size", "8", "--out", &out, "--check"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let t = String::from_utf8_lossy(&o.stdout).into_owned();
+    let line = t
+        .lines()
+        .find(|l| l.starts_with("check ("))
+        .unwrap_or_else(|| panic!("{t}"));
+    assert!(
+        line.ends_with(
+            "| W = 8 | seed = 0 | 5 sites, 152 kept nodes rewired as before | EQUIVALENT"
+        ),
+        "{line}"
+    );
+    // The first site of each kind at every T of the plan (from T = 1, though the
+    // export's token symbol starts at 2), the others at T = 1 and W.
+    assert!(
+        t.contains("  H = 4096, T = 1, 7, 8, 16, 17, 64, 65: 3 of 3 sites bit-exact\n"),
+        "{t}"
+    );
+    assert!(
+        t.contains("  H = 4096, T = 1, 8: 2 of 2 sites bit-exact\n"),
+        "{t}"
+    );
+
+    let o = lower(&[
+        EXPORTED,
+        "--world-size",
+        "8",
+        "--out",
+        &out,
+        "--check-all",
+        "--report",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let c = &v[0]["check"];
+    assert_eq!(c["equivalent"], true);
+    assert_eq!(c["sites"], 5);
+    assert_eq!(c["tokens"], serde_json::json!([1, 7, 8, 16, 17, 64, 65]));
+}

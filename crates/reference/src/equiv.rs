@@ -225,7 +225,9 @@ fn check_comparable(original: &Graph, lowered: &Graph) -> Result<()> {
 /// Returns the report (check [`EquivalenceReport::is_equivalent`]); errors
 /// when a graph is invalid or cannot be evaluated, when the graphs are not
 /// comparable (different output count or types, a lowered input unknown to
-/// the original), or on an empty `token_counts`.
+/// the original), on an empty `token_counts`, and with
+/// [`ReferenceError::GraphTooLarge`] when a tensor is above the reference's
+/// budget: a real model is checked site by site with [`crate::check_sites`].
 pub fn check_equivalent(
     original: &Graph,
     lowered: &Graph,
@@ -245,6 +247,27 @@ pub fn check_equivalent(
         .validate()
         .map_err(|p| ReferenceError::Ir(format!("lowered graph: {p}")))?;
     check_comparable(original, lowered)?;
+    compare_graphs(original, lowered, world_size, token_counts, seed).map_err(|e| match e {
+        ReferenceError::TensorTooLarge {
+            node,
+            elements,
+            budget,
+        } => ReferenceError::GraphTooLarge {
+            node,
+            elements,
+            budget,
+        },
+        e => e,
+    })
+}
+
+fn compare_graphs(
+    original: &Graph,
+    lowered: &Graph,
+    world_size: u32,
+    token_counts: &[u64],
+    seed: u64,
+) -> Result<EquivalenceReport> {
     let mut per_tokens = Vec::with_capacity(token_counts.len());
     for &t in token_counts {
         let bo = bind_tokens(original, t)?;

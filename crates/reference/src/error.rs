@@ -43,6 +43,19 @@ pub enum ReferenceError {
         budget: u64,
     },
 
+    /// [`crate::check_equivalent`] evaluates whole graphs; this one has a tensor above
+    /// the reference's budget (a real model's embedding table, or its activations at a
+    /// large T). [`crate::check_sites`] checks each fused site on its own instead.
+    #[error("node {node}: a tensor of {elements} elements is above the reference budget of {budget}: the graph is too big to check whole; check it site by site with check_sites (`cargo xtask lower --check`)")]
+    GraphTooLarge {
+        /// Id of the node producing the tensor.
+        node: String,
+        /// Requested element count (saturated at `u64::MAX`).
+        elements: u64,
+        /// The budget.
+        budget: u64,
+    },
+
     /// A node could not be evaluated (bad operand shapes, dtypes, missing
     /// attributes, unbound symbol, ...). The message names the node.
     #[error("node {node}: {message}")]

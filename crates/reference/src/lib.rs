@@ -55,6 +55,9 @@ pub use equiv::{
     check_equivalent, equivalence_token_counts, EquivalenceReport, OutputComparison, TokenReport,
 };
 pub use error::{ReferenceError, Result};
-pub use sites::{check_sites, check_wiring, cut_site, site_token_counts, SiteCheck, SiteCut, SiteTokens, SitesReport, SITE_ELEMENT_BUDGET};
 pub use eval::{bind_tokens, evaluate, random_inputs, Bindings, Evaluation, RankInputs};
+pub use sites::{
+    check_sites, check_wiring, cut_site, site_token_counts, SiteCheck, SiteCut, SiteTokens,
+    SitesReport, SITE_ELEMENT_BUDGET,
+};
 pub use tensor::{Storage, Tensor, TensorData};

@@ -26,8 +26,7 @@ use crate::equiv::{check_equivalent, EquivalenceReport};
 use crate::error::{ReferenceError, Result};
 use crate::eval::token_symbols;
 use arfuse_ir::{
-    FusedPlan, Graph, InputKind, Node, NodeId, NodeOutput, Op, SiteMap, Strategy, TensorType,
-    Value,
+    FusedPlan, Graph, InputKind, Node, NodeId, NodeOutput, Op, SiteMap, Strategy, TensorType, Value,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
@@ -130,10 +129,19 @@ impl fmt::Display for SitesReport {
                 g.1 += 1;
             }
         }
-        let list = |t: &[u64]| t.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", ");
+        let list = |t: &[u64]| {
+            t.iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         for ((h, tokens, skipped), (n, ok)) in &groups {
             let h = h.map_or("?".to_string(), |h| h.to_string());
-            write!(f, "  H = {h}, T = {}: {ok} of {n} sites bit-exact", list(tokens))?;
+            write!(
+                f,
+                "  H = {h}, T = {}: {ok} of {n} sites bit-exact",
+                list(tokens)
+            )?;
             if !skipped.is_empty() {
                 write!(
                     f,
@@ -270,12 +278,18 @@ fn first_of_kind(original: &Graph, lowered: &Graph, sites: &[SiteMap]) -> Vec<bo
                 .inputs
                 .iter()
                 .map(|i| {
-                    let t = i.value.resolve(original).and_then(|v| original.value_type(v));
+                    let t = i
+                        .value
+                        .resolve(original)
+                        .and_then(|v| original.value_type(v));
                     format!("{:?}/{:?}", t, i.view)
                 })
                 .chain(s.outputs.iter().flat_map(|o| {
                     o.replaces.iter().map(|r| {
-                        format!("{:?}", r.resolve(original).and_then(|v| original.value_type(v)))
+                        format!(
+                            "{:?}",
+                            r.resolve(original).and_then(|v| original.value_type(v))
+                        )
                     })
                 }))
                 .collect();
@@ -332,7 +346,22 @@ fn check_one(
             site.fused_node
         )));
     }
-    let report = check_equivalent(&cut.original, &cut.lowered, world_size, &tokens, seed)?;
+    // The cut is small by construction: a tensor above the budget is this site's.
+    let report =
+        check_equivalent(&cut.original, &cut.lowered, world_size, &tokens, seed).map_err(|e| {
+            match e {
+                ReferenceError::GraphTooLarge {
+                    node,
+                    elements,
+                    budget,
+                } => ReferenceError::TensorTooLarge {
+                    node,
+                    elements,
+                    budget,
+                },
+                e => e,
+            }
+        })?;
     Ok(SiteCheck {
         fused_node: site.fused_node.clone(),
         all_reduce: site.all_reduce.clone(),
@@ -410,10 +439,7 @@ pub fn cut_site(original: &Graph, lowered: &Graph, site: &SiteMap) -> Result<Sit
             boundary.push(v);
         }
     }
-    let mut taken: HashSet<String> = nodes
-        .iter()
-        .map(|&n| original.node(n).id.clone())
-        .collect();
+    let mut taken: HashSet<String> = nodes.iter().map(|&n| original.node(n).id.clone()).collect();
     let leaves: Vec<(Value, Node)> = boundary
         .iter()
         .map(|&v| Ok((v, leaf(original, v, &mut taken)?)))

@@ -2,8 +2,8 @@
 
 use crate::analysis::{FxAnalysis, FxGraph, Instance, Ty};
 use crate::lang::{Fx, Leaf, QKind};
-use arfuse_ir::op::FusedQuant;
 use arfuse_ir::op::is_wait_target as is_wait;
+use arfuse_ir::op::FusedQuant;
 use arfuse_ir::{Graph, Op, Value};
 use egg::{EGraph, Id};
 use std::collections::HashMap;
