@@ -532,6 +532,9 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
 /// The preset `--world-size W` plans for, and the note saying which and what else
 /// has W ranks.
 fn world_size_choice(w: u32) -> Result<(String, String)> {
+    if w == 0 {
+        bail!("--world-size 0: a world size is the number of ranks in the tensor-parallel group, at least 1");
+    }
     let p =
         arfuse::policy::preset_for_world_size(w).with_context(|| format!("--world-size {w}"))?;
     let others: Vec<&str> = arfuse::policy::presets_with_world_size(w)
@@ -742,6 +745,12 @@ fn lower_cmd(
         if read_files.contains(&r) {
             bail!(
                 "{} is a file this run reads (a target or options file); refusing to overwrite it",
+                o.display()
+            );
+        }
+        if o.is_dir() {
+            bail!(
+                "{} is a directory; --out and --dot take a file name",
                 o.display()
             );
         }

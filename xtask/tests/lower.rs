@@ -471,3 +471,47 @@ fn check_verifies_every_site_and_says_which_token_counts() {
     assert_eq!(c["sites"], 5);
     assert_eq!(c["tokens"], serde_json::json!([1, 7, 8, 16, 17, 64, 65]));
 }
+
+#[test]
+fn a_directory_as_out_a_zero_world_size_and_ignored_all_reduce_ops_are_said() {
+    let tmp = TempDir::new("misc");
+    let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", &tmp.path("")]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("is a directory; --out and --dot take a file name"),
+        "{e}"
+    );
+    // Refused before lowering: no report was printed.
+    assert!(
+        o.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+
+    let o = lower(&[EXPORTED, "--world-size", "0"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--world-size 0: a world size is the number of ranks"),
+        "{}",
+        stderr(&o)
+    );
+
+    let out = tmp.path("l.json");
+    let o = lower(&[
+        LLAMA,
+        "--target",
+        "h200-sxm-x8",
+        "--out",
+        &out,
+        "--all-reduce-op",
+        "vllm.all_reduce",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains("warning: ")
+            && e.contains("(vllm.all_reduce) apply to torch.export and FX graphs only"),
+        "{e}"
+    );
+}

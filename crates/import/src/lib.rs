@@ -200,10 +200,26 @@ pub fn load_any_with(bytes: &[u8], options: &ImportOptions) -> Result<Imported, 
 
 fn load_plain(bytes: &[u8], options: &ImportOptions) -> Result<Imported, ImportError> {
     match detect(bytes) {
-        Format::ArfuseJson => Ok(Imported::from_graph(
-            Graph::from_json_slice(bytes)?,
-            Vec::new(),
-        )),
+        Format::ArfuseJson => {
+            // Framework all-reduce ops are a torch front-end option: an arfuse graph
+            // spells its all-reduces `all_reduce` (and keeps other ops opaque as written).
+            let notes = if options.all_reduce_ops.is_empty() {
+                Vec::new()
+            } else {
+                let names: Vec<&str> = options
+                    .all_reduce_ops
+                    .iter()
+                    .map(|o| o.target.as_str())
+                    .collect();
+                vec![format!(
+                    "warning: the framework all-reduce ops given ({}) apply to torch.export \
+                     and FX graphs only; this is an arfuse JSON graph, whose all-reduces are \
+                     `all_reduce` nodes: ignored",
+                    names.join(", ")
+                )]
+            };
+            Ok(Imported::from_graph(Graph::from_json_slice(bytes)?, notes))
+        }
         Format::TorchExportJson | Format::TorchExportPt2 => {
             torch_export::import_with(bytes, options)
         }

@@ -8,10 +8,12 @@ use crate::{DType, Dim, Graph, Node, Op, Shape, TensorType};
 /// NVFP4 block size in elements (domain.md section 1).
 pub const NVFP4_BLOCK: u64 = 16;
 
-/// True for an RMSNorm epsilon the IR accepts: finite and in (0, 1) (real models use
-/// 1e-5 or 1e-6; 1 or more would swamp mean(x^2) of any normalised activation).
+/// True for an RMSNorm epsilon the IR accepts: finite, in (0, 1), and non-zero as the
+/// f32 the kernels and the reference compute with (real models use 1e-5 or 1e-6; 1 or
+/// more would swamp mean(x^2) of any normalised activation; below about 7e-46 the f32
+/// is 0).
 pub fn valid_eps(eps: f64) -> bool {
-    eps.is_finite() && eps > 0.0 && eps < 1.0
+    eps.is_finite() && eps < 1.0 && (eps as f32) > 0.0
 }
 
 impl Graph {
@@ -188,7 +190,10 @@ impl<'a> Checker<'a> {
         if !valid_eps(eps) {
             self.err(
                 ProblemKind::Attribute,
-                format!("eps must be finite and in (0, 1) (models use 1e-5 or 1e-6), got {eps}"),
+                format!(
+                    "eps must be finite and in (0, 1), non-zero in f32 (models use 1e-5 or \
+                     1e-6), got {eps}"
+                ),
             );
         }
         self.finite_attr("weight_bias", weight_bias);

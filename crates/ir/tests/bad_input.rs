@@ -49,14 +49,16 @@ fn a_misspelt_attribute_is_named_with_the_expected_ones() {
 
 #[test]
 fn eps_must_be_in_zero_one() {
-    for eps in ["1e308", "1.0", "2"] {
+    // 1e-300 is 0 as an f32.
+    for eps in ["1e308", "1.0", "2", "1e-300", "0", "-1e-5"] {
         let e = error(&graph(
             T,
             &format!("{WEIGHT}{}", rms_norm("n", &format!(r#"{{"eps": {eps}}}"#))),
         ));
         assert!(
             e.contains(
-                "n [attribute]: eps must be finite and in (0, 1) (models use 1e-5 or 1e-6), got "
+                "n [attribute]: eps must be finite and in (0, 1), non-zero in f32 (models use \
+                 1e-5 or 1e-6), got "
             ),
             "{eps}: {e}"
         );
@@ -64,6 +66,12 @@ fn eps_must_be_in_zero_one() {
     Graph::from_json_str(&graph(
         T,
         &format!("{WEIGHT}{}", rms_norm("n", r#"{"eps": 0.999}"#)),
+    ))
+    .unwrap();
+    // The smallest positive f32 (a subnormal) is still an eps.
+    Graph::from_json_str(&graph(
+        T,
+        &format!("{WEIGHT}{}", rms_norm("n", r#"{"eps": 1.5e-45}"#)),
     ))
     .unwrap();
 }
