@@ -392,3 +392,40 @@ fn ids_are_sanitized_and_unique() {
     .unwrap();
     assert!(imp.graph.find("a_b_c").is_some());
 }
+
+#[test]
+fn an_rms_norm_eps_that_is_missing_not_a_number_or_out_of_range_is_said() {
+    for (eps, expected) in [
+        (
+            None,
+            "no explicit eps (torch's default depends on the dtype)",
+        ),
+        (Some(json!({"as_none": true})), "no explicit eps"),
+        (
+            Some(json!({"as_float": "NaN"})),
+            "eps is not a number: {\"as_float\":\"NaN\"}",
+        ),
+        (
+            Some(float(2.0)),
+            "eps = 2 is not an RMSNorm epsilon (finite, in (0, 1), non-zero in f32)",
+        ),
+        (Some(float(1e-300)), "is not an RMSNorm epsilon"),
+    ] {
+        let mut args = vec![
+            arg("input", t("x")),
+            arg("normalized_shape", json!({"as_ints": [8]})),
+            arg("weight", t("w")),
+        ];
+        if let Some(e) = eps.clone() {
+            args.push(arg("eps", e));
+        }
+        let (text, notes) = canon(
+            vec![node("n", "aten.rms_norm.default", args, "m.norm")],
+            vec![("x", bf16x()), ("w", meta(13, &[json!(8)])), ("n", bf16x())],
+            &["n"],
+        );
+        assert!(!text.contains("rms_norm("), "{eps:?}: {text}");
+        let notes = notes.join("\n");
+        assert!(notes.contains(expected), "{eps:?}: {notes}");
+    }
+}

@@ -491,10 +491,24 @@ fn rms_norm(v: &NodeView<'_>) -> Plan {
     let w = v
         .tensor_arg("weight")
         .ok_or_else(|| why("no weight (elementwise_affine=False)"))?;
-    let eps = v
-        .arg("eps")
-        .and_then(scalar)
-        .ok_or_else(|| why("no explicit eps (torch's default depends on the dtype)"))?;
+    let eps = match v.arg("eps") {
+        a if is_none(a) => {
+            return Err(why(
+                "no explicit eps (torch's default depends on the dtype)",
+            ))
+        }
+        Some(a) => scalar(a).ok_or_else(|| why(format!("eps is not a number: {a}")))?,
+        None => {
+            return Err(why(
+                "no explicit eps (torch's default depends on the dtype)",
+            ))
+        }
+    };
+    if !arfuse_ir::valid_eps(eps) {
+        return Err(why(format!(
+            "eps = {eps} is not an RMSNorm epsilon (finite, in (0, 1), non-zero in f32)"
+        )));
+    }
     let shape_len = v
         .arg("normalized_shape")
         .and_then(|a| a.get("as_ints").or_else(|| a.get("as_sym_ints")))
