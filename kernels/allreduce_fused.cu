@@ -182,6 +182,26 @@ __device__ __forceinline__ void arf_prefetch_epilogue(const ArfParams& p, int ra
   }
 }
 
+// Asks L2 for every slot of every vector of one token before the first poll: a
+// prefetch holds no register, so the W * vpt 16-byte reads of the token's reduce are
+// in flight together (32 at W = 8, vpt = 4), where the register-held batch
+// (ARF_POLL_BATCH) keeps two. The polls that follow then wait on L2, not on HBM, for
+// every slot already written. A slot still holding the sentinel is re-read by its poll
+// (a hint changes no value: peers' stores reach this GPU's L2, which the polls read).
+__device__ __forceinline__ void arf_prefetch_slots(u64 base, u64 slot_bytes, int vpt, int nvec) {
+#pragma unroll
+  for (int v = 0; v < ARF_MAX_VPT; ++v) {
+    const int idx = arf_vec_idx(v);
+    if (v < vpt && idx < nvec) {
+      // Not unrolled: one address register walks the slots (unrolled, W = 16 f32
+      // two-shot with per-token FP8 spilled 4 bytes on sm_90a).
+      u64 a = base + (u64)idx * 16u;
+#pragma unroll 1
+      for (int s = 0; s < ARF_W; ++s, a += slot_bytes) arf_prefetch_l2(a);
+    }
+  }
+}
+
 #if ARF_STRATEGY == 1
 // ---------------------------------------------------------------- one-shot Lamport
 // Every rank writes its T tokens into slot `rank` of the current buffer of every peer
@@ -218,6 +238,7 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     arf_prefetch_epilogue(p, rank, t, vpt, nvec);
     const u64 tok = c.ws + p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride + (u64)t * row_bytes;
+    arf_prefetch_slots(tok, slot_bytes, vpt, nvec);
     uint4 a[ARF_MAX_VPT];
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
@@ -286,6 +307,7 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     if (t < my_start || t >= my_end) continue;
     const u64 src = c.ws + p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride + (u64)(t - my_start) * row_bytes;
+    arf_prefetch_slots(src, rows * row_bytes, vpt, nvec);
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
