@@ -263,3 +263,88 @@ fn one_capacity_input_moves_every_consumer_together() {
         "{e}"
     );
 }
+
+/// Issue 21: the plan's one-shot / two-shot boundary against the bytes each strategy
+/// moves (`arfuse_runtime::check::bytes_moved`). One-shot pushes every token to every
+/// peer, (1 + 3W) R bytes per rank against two-shot's about 7 R (R = T*H*e), so past
+/// some size it costs more in traffic than the round trips it saves. For every
+/// one-shot T of every plan of arfuse's kernels on the corpus: the call's all-reduce
+/// input T*H*W*e is at most 1 MiB (the Lamport rule), and one-shot's extra bytes over
+/// two-shot are at most (3W - 6) MiB, the extra of a 1 MiB call; the first T past
+/// each one-shot range is over 1 MiB or not fused one-shot at all.
+#[test]
+fn one_shot_never_runs_past_the_bytes_boundary() {
+    use arfuse_runtime::check::{bytes_moved, Case};
+    use arfuse_runtime::variants::Strategy;
+    const MIB: u64 = 1 << 20;
+    let mut checked = 0usize;
+    for f in common::fixtures() {
+        for t in f.targets() {
+            let target = Target::preset(&t).unwrap();
+            let lowered = arfuse::lower(&f.graph, &target).unwrap();
+            for (_, n) in lowered.graph.nodes() {
+                let arfuse::ir::Op::FusedAllreduceNorm(a) = &n.op else {
+                    continue;
+                };
+                let plan = a.plan.as_ref().unwrap();
+                if plan.kernels() != arfuse::policy::KernelLibrary::Arfuse {
+                    continue;
+                }
+                let k = NodeKernels::from_graph(&lowered.graph, &n.id, target.world_size).unwrap();
+                let w = u64::from(k.world);
+                let input = |tokens: u64| tokens * u64::from(k.hidden) * w * k.dtype.bytes() as u64;
+                let case = |strategy, tokens: u64| Case {
+                    strategy,
+                    world: k.world,
+                    dtype: k.dtype,
+                    epilogue: k.epilogue,
+                    tokens: tokens as u32,
+                    hidden: k.hidden,
+                    weight_bias: k.weight_bias as u32,
+                    gamma_f32: k.gamma_f32,
+                    norm_round_twice: k.norm_round_twice,
+                };
+                for r in &plan.dispatch {
+                    if r.strategy != arfuse::ir::Strategy::OneShot {
+                        continue;
+                    }
+                    let tokens = r.max_tokens;
+                    let one = bytes_moved(&case(Strategy::OneShot, tokens)).unwrap();
+                    let two = bytes_moved(&case(Strategy::TwoShot, tokens)).unwrap();
+                    let (name, node) = (&f.name, &n.id);
+                    assert!(input(tokens) <= MIB, "{name} on {t}, {node}: T={tokens}");
+                    assert!(
+                        one.saturating_sub(two) <= (3 * w).saturating_sub(6) * MIB,
+                        "{name} on {t}, {node}: T={tokens} one-shot {one} B, two-shot {two} B"
+                    );
+                    let next = tokens + 1;
+                    let past = plan
+                        .dispatch
+                        .iter()
+                        .find(|q| q.min_tokens <= next && next <= q.max_tokens);
+                    if let Some(q) = past.filter(|q| q.strategy == arfuse::ir::Strategy::OneShot) {
+                        panic!("{name} on {t}, {node}: one-shot continues at T={next} ({q:?})");
+                    }
+                    if past.is_some_and(|q| q.strategy == arfuse::ir::Strategy::TwoShot) {
+                        // The rule, not the buffer, ended the one-shot range here, or the
+                        // buffer did and the call is within it: either way one-shot at T
+                        // would be over 1 MiB or not fit.
+                        let fits = arfuse_runtime::device::check_fits(
+                            &k.workspace,
+                            Strategy::OneShot,
+                            next as u32,
+                            k.hidden,
+                        )
+                        .is_ok();
+                        assert!(
+                            input(next) > MIB || !fits,
+                            "{name} on {t}, {node}: T={next}"
+                        );
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked > 1_000, "{checked}");
+}
