@@ -1,10 +1,10 @@
 //! The graph: nodes with typed outputs, edges naming output indices.
 
+use crate::id_index::IdIndex;
 use crate::{Op, ProblemKind, Symbols, TensorType};
 use petgraph::graph::{DiGraph, NodeIndex};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
-use std::collections::HashMap;
 use std::fmt;
 
 /// Most nodes a graph may hold. The largest real decoder graphs (405B, 126 layers,
@@ -86,7 +86,8 @@ pub struct BuildError {
 pub struct Graph {
     symbols: Symbols,
     g: DiGraph<Node, Use, u32>,
-    ids: HashMap<String, NodeId>,
+    /// Every node by its id.
+    ids: IdIndex,
     outputs: Vec<Value>,
     metadata: Option<serde_json::Value>,
 }
@@ -99,10 +100,15 @@ pub fn check_node_id(id: &str) -> Result<(), String> {
     if id.len() > MAX_ID_LEN {
         return Err(format!("node id is longer than {MAX_ID_LEN} bytes"));
     }
-    if id
-        .chars()
-        .any(|c| c == ':' || c.is_whitespace() || c.is_control())
-    {
+    // ASCII ids (nearly all) byte by byte: the ASCII whitespace and control characters
+    // are exactly the bytes up to 0x20 and 0x7f.
+    let bad = if id.is_ascii() {
+        id.bytes().any(|b| b == b':' || b <= b' ' || b == 0x7f)
+    } else {
+        id.chars()
+            .any(|c| c == ':' || c.is_whitespace() || c.is_control())
+    };
+    if bad {
         return Err(format!(
             "node id {id:?} contains ':' , whitespace or a control character"
         ));
@@ -158,9 +164,28 @@ impl Graph {
             message,
         };
         check_node_id(&node.id).map_err(|m| fail(ProblemKind::BadId, m))?;
-        if self.ids.contains_key(&node.id) {
+        let hash = self.ids.hash(&node.id);
+        let g = &self.g;
+        let id_of = |n: NodeId| g.node_weight(n).map(|w| w.id.as_str());
+        if self.ids.find(hash, &node.id, id_of).is_some() {
             return Err(fail(ProblemKind::DuplicateId, "duplicate node id".into()));
         }
+        let n = self.add_node_unindexed(node)?;
+        let g = &self.g;
+        self.ids
+            .insert_new(hash, n, |n: NodeId| g.node_weight(n).map(|w| w.id.as_str()));
+        Ok(n)
+    }
+
+    /// [`Graph::add_node`] for a node whose id the caller has checked (valid, not in
+    /// the graph) and indexes itself ([`Graph::set_id_index`]): every other check,
+    /// with the same errors, and the node is not found by [`Graph::find`] until then.
+    pub(crate) fn add_node_unindexed(&mut self, mut node: Node) -> Result<NodeId, BuildError> {
+        let fail = |kind, message: String| BuildError {
+            id: node.id.clone(),
+            kind,
+            message,
+        };
         if self.g.node_count() >= MAX_NODES {
             return Err(fail(
                 ProblemKind::Limit,
@@ -199,27 +224,33 @@ impl Graph {
                 Some(_) => {}
             }
         }
-        let edges: Vec<(NodeId, Use)> = node
-            .inputs
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                (
-                    v.node,
-                    Use {
-                        output: v.output,
-                        input: i as u32,
-                    },
-                )
-            })
-            .collect();
-        let id = node.id.clone();
+        let inputs = std::mem::take(&mut node.inputs);
         let n = self.g.add_node(node);
-        for (src, w) in edges {
-            self.g.add_edge(src, n, w);
+        // At most MAX_PORTS inputs (checked above): each position fits a u32.
+        for (i, v) in (0u32..).zip(&inputs) {
+            let w = Use {
+                output: v.output,
+                input: i,
+            };
+            self.g.add_edge(v.node, n, w);
         }
-        self.ids.insert(id, n);
+        self.g[n].inputs = inputs;
         Ok(n)
+    }
+
+    /// Replaces the id index with `ids`, which must name every node by its id (the
+    /// loader's, built once while checking the file).
+    pub(crate) fn set_id_index(&mut self, ids: IdIndex) {
+        self.ids = ids;
+    }
+
+    /// Makes room for `nodes` more nodes and `edges` more edges (a loader knows both).
+    pub(crate) fn reserve(&mut self, nodes: usize, edges: usize) {
+        self.g.reserve_nodes(nodes);
+        self.g.reserve_edges(edges);
+        let g = &self.g;
+        self.ids
+            .reserve(nodes, |n: NodeId| g.node_weight(n).map(|w| w.id.as_str()));
     }
 
     /// Sets the graph outputs. Errors when a value does not exist.
@@ -272,7 +303,9 @@ impl Graph {
 
     /// Looks a node up by its string id.
     pub fn find(&self, id: &str) -> Option<NodeId> {
-        self.ids.get(id).copied()
+        let g = &self.g;
+        let id_of = |n: NodeId| g.node_weight(n).map(|w| w.id.as_str());
+        self.ids.find(self.ids.hash(id), id, id_of)
     }
 
     /// All nodes in topological order.

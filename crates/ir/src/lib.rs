@@ -29,6 +29,7 @@
 mod dtype;
 mod error;
 mod graph;
+mod id_index;
 mod json;
 pub mod op;
 mod shape;

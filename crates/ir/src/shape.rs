@@ -109,7 +109,10 @@ impl Dim {
         if text.is_empty() {
             return Err(err("empty"));
         }
-        let mut dim = Dim::constant(1);
+        // The product of the factors, left to right: the constant part checked for
+        // overflow factor by factor, the symbols sorted at the end.
+        let mut coeff: u64 = 1;
+        let mut syms: Vec<String> = Vec::new();
         for factor in text.split('*') {
             let factor = factor.trim();
             if factor.is_empty() {
@@ -117,20 +120,23 @@ impl Dim {
             }
             if factor.bytes().all(|b| b.is_ascii_digit()) {
                 let n: u64 = factor.parse().map_err(|_| err("constant overflows u64"))?;
-                dim = dim
-                    .checked_mul(&Dim::constant(n))
+                coeff = coeff
+                    .checked_mul(n)
                     .ok_or_else(|| err("constant overflows u64"))?;
             } else if is_symbol_name(factor) {
-                dim = dim
-                    .checked_mul(&Dim::symbol(factor))
-                    .ok_or_else(|| err("constant overflows u64"))?;
+                syms.push(factor.to_owned());
             } else {
                 return Err(err(
                     "a factor must be an integer or a symbol name [A-Za-z_][A-Za-z0-9_]*",
                 ));
             }
         }
-        Ok(dim)
+        if coeff == 0 {
+            // As for `checked_mul`: a zero product has no symbols.
+            return Ok(Dim::constant(0));
+        }
+        syms.sort();
+        Ok(Dim { coeff, syms })
     }
 }
 
@@ -272,10 +278,39 @@ impl TensorType {
     /// nvfp4_scale_bytes}`, as the runtime does. The IR uses this only to refuse types
     /// whose size overflows.
     pub fn max_bytes(&self, symbols: &Symbols) -> Option<u64> {
-        self.shape
-            .numel()?
-            .max_value(symbols)?
-            .checked_mul(self.dtype.size_bytes())
+        let elements = match self.max_elements_any_order(symbols) {
+            Some(elements) => elements?,
+            None => self.shape.numel()?.max_value(symbols)?,
+        };
+        elements.checked_mul(self.dtype.size_bytes())
+    }
+
+    /// The largest element count under `symbols` (`Some(None)` on overflow), computed
+    /// without building the element count's monomial, when that gives what
+    /// `numel()?.max_value(symbols)` gives: every symbol declared with a non-zero
+    /// maximum, so that the symbols' order (sorted, in `numel`) cannot decide whether
+    /// a partial product overflows. `None` otherwise.
+    fn max_elements_any_order(&self, symbols: &Symbols) -> Option<Option<u64>> {
+        // The constant part, multiplied in `numel`'s order; once 0 it stays 0.
+        let mut coeff: u64 = 1;
+        for d in self.shape.dims() {
+            match coeff.checked_mul(d.coeff) {
+                Some(c) => coeff = c,
+                None => return Some(None),
+            }
+        }
+        if coeff == 0 {
+            return Some(Some(0));
+        }
+        let mut value = Some(coeff);
+        for s in self.shape.dims().iter().flat_map(|d| d.syms.iter()) {
+            let max = symbols.get(s)?.max;
+            if max == 0 {
+                return None;
+            }
+            value = value.and_then(|v| v.checked_mul(max));
+        }
+        Some(value)
     }
 }
 
@@ -310,6 +345,96 @@ mod tests {
         let b = Shape(vec![Dim::parse("B*S").unwrap(), Dim::constant(4096)]);
         assert_eq!(a.numel(), b.numel());
         assert_eq!(a.leading().unwrap().to_string(), "B*S");
+    }
+
+    /// `Dim::parse` as the product of its factors by `checked_mul`, left to right.
+    fn parse_by_products(text: &str) -> Option<Dim> {
+        let mut dim = Dim::constant(1);
+        for factor in text.split('*') {
+            let factor = factor.trim();
+            let d = if factor.bytes().all(|b| b.is_ascii_digit()) {
+                Dim::constant(factor.parse().ok()?)
+            } else {
+                Dim::symbol(factor)
+            };
+            dim = dim.checked_mul(&d)?;
+        }
+        Some(dim)
+    }
+
+    #[test]
+    fn parse_is_the_product_of_the_factors() {
+        let big = "99999999999";
+        for text in [
+            "T",
+            "4096",
+            "2*T",
+            "T*2",
+            "S*B",
+            "B*S*B",
+            " 2 * T ",
+            "0",
+            "0*T",
+            "T*0",
+            "1*1*T",
+            "B*0*99999999999*99999999999",
+            &format!("{big}*{big}*0"),
+            &format!("{big}*{big}"),
+        ] {
+            let parsed = Dim::parse(text).ok();
+            assert_eq!(parsed, parse_by_products(text), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn max_bytes_is_numel_at_the_maxima_in_every_case() {
+        let mut syms = Symbols::new();
+        syms.insert("T".into(), SymbolRange { min: 1, max: 8192 });
+        syms.insert("Z".into(), SymbolRange { min: 0, max: 0 });
+        syms.insert(
+            "B".into(),
+            SymbolRange {
+                min: 1,
+                max: 1 << 31,
+            },
+        );
+        let dims = [
+            Dim::constant(0),
+            Dim::constant(1),
+            Dim::constant(3),
+            Dim::constant(u64::MAX / 2),
+            Dim::symbol("T"),
+            Dim::symbol("Z"),
+            Dim::symbol("B"),
+            Dim::symbol("Q"),
+        ];
+        let mut shapes = vec![vec![]];
+        for _ in 0..3 {
+            let longer: Vec<Vec<Dim>> = shapes
+                .iter()
+                .flat_map(|s| {
+                    dims.iter().map(move |d| {
+                        let mut s = s.clone();
+                        s.push(d.clone());
+                        s
+                    })
+                })
+                .collect();
+            shapes.extend(longer);
+        }
+        shapes.push(vec![Dim::symbol("B"); 5]);
+        shapes.push([vec![Dim::symbol("B"); 4], vec![Dim::symbol("Z")]].concat());
+        for dims in shapes {
+            for dtype in [DType::Bf16, DType::F32] {
+                let t = TensorType::new(dtype, dims.clone());
+                let want = t
+                    .shape
+                    .numel()
+                    .and_then(|n| n.max_value(&syms))
+                    .and_then(|n| n.checked_mul(dtype.size_bytes()));
+                assert_eq!(t.max_bytes(&syms), want, "{t}");
+            }
+        }
     }
 
     #[test]

@@ -216,7 +216,7 @@ impl<'a> Checker<'a> {
 
     fn weight(&mut self, i: usize, h: u64, x_dtype: DType, weight_bias: f64) {
         let w = self.input(i);
-        if w.shape != Shape(vec![dim(h)]) {
+        if w.shape.dims() != [dim(h)] {
             self.err(
                 ProblemKind::Shape,
                 format!("weight (input {i}) is {}, expected [{h}]", w.shape),
@@ -240,7 +240,7 @@ impl<'a> Checker<'a> {
 
     fn scalar_f32(&mut self, i: usize, what: &str) {
         let t = self.input(i);
-        let ok_shape = t.shape.rank() == 0 || t.shape == Shape(vec![dim(1)]);
+        let ok_shape = t.shape.rank() == 0 || t.shape.dims() == [dim(1)];
         if t.dtype != DType::F32 || !ok_shape {
             self.err(
                 ProblemKind::Shape,
