@@ -28,6 +28,14 @@ fn check(g: &Graph, l: &Lowered, w: u32, tokens: SiteTokens<'_>) -> SitesReport 
     check_sites(g, &l.graph, &l.sites, w, tokens, 7).unwrap()
 }
 
+/// A corpus model (only its own files read) and its lowering for 8x H200.
+fn on_h200(name: &str) -> (Graph, Lowered) {
+    let path = common::root().join(format!("ir-fixtures/models/{name}.options.json"));
+    let graph = common::load(&path).graph;
+    let lowered = arfuse::lower(&graph, &Target::preset("h200-sxm-x8").unwrap()).unwrap();
+    (graph, lowered)
+}
+
 /// The lowered graph's JSON with `edit` applied, loaded back.
 fn edited(g: &Graph, edit: impl FnOnce(&mut Json)) -> Graph {
     let mut j: Json = serde_json::from_str(&g.to_json_string()).unwrap();
@@ -68,13 +76,8 @@ fn every_corpus_model_checks_site_by_site_at_t_1() {
 #[test]
 fn per_kind_checks_every_strategy_switch_of_the_plan() {
     // Llama-3.1-8B on H200: one-shot 1..=16, two-shot 17..=64, unfused above.
-    let f = common::fixtures()
-        .into_iter()
-        .find(|f| f.name == "llama31_8b_decomposed_3d_tp8")
-        .unwrap();
-    let target = Target::preset("h200-sxm-x8").unwrap();
-    let l = arfuse::lower(&f.graph, &target).unwrap();
-    let r = check(&f.graph, &l, 8, SiteTokens::PlanPerKind);
+    let (graph, l) = on_h200("llama31_8b_decomposed_3d_tp8");
+    let r = check(&graph, &l, 8, SiteTokens::PlanPerKind);
     assert!(r.is_equivalent(), "{r}");
     assert_eq!(r.sites.len(), 65);
     let full: Vec<_> = r.sites.iter().filter(|s| s.tokens().len() > 2).collect();
@@ -121,17 +124,12 @@ fn the_three_exports_check_site_by_site_from_t_1() {
 
 #[test]
 fn a_changed_eps_is_caught_at_its_site_only() {
-    let f = common::fixtures()
-        .into_iter()
-        .find(|f| f.name == "llama31_8b_tp8")
-        .unwrap();
-    let target = Target::preset("h200-sxm-x8").unwrap();
-    let l = arfuse::lower(&f.graph, &target).unwrap();
+    let (graph, l) = on_h200("llama31_8b_tp8");
     let victim = l.sites[3].fused_node.clone();
     let bad = edited(&l.graph, |j| {
         node_mut(j, &victim)["attrs"]["eps"] = serde_json::json!(0.5);
     });
-    let r = check_sites(&f.graph, &bad, &l.sites, 8, SiteTokens::Given(&[1, 3]), 1).unwrap();
+    let r = check_sites(&graph, &bad, &l.sites, 8, SiteTokens::Given(&[1, 3]), 1).unwrap();
     assert!(!r.is_equivalent());
     let failed: Vec<&str> = r.failures().iter().map(|s| s.fused_node.as_str()).collect();
     assert_eq!(failed, vec![victim.as_str()]);
@@ -147,14 +145,9 @@ fn a_changed_eps_is_caught_at_its_site_only() {
 
 #[test]
 fn rewired_nodes_and_missing_maps_are_refused_naming_the_node() {
-    let f = common::fixtures()
-        .into_iter()
-        .find(|f| f.name == "llama31_8b_tp8")
-        .unwrap();
-    let target = Target::preset("h200-sxm-x8").unwrap();
-    let l = arfuse::lower(&f.graph, &target).unwrap();
+    let (graph, l) = on_h200("llama31_8b_tp8");
     let err = |g: &Graph, sites: &[arfuse::ir::SiteMap]| match check_sites(
-        &f.graph,
+        &graph,
         g,
         sites,
         8,
@@ -209,12 +202,8 @@ fn rewired_nodes_and_missing_maps_are_refused_naming_the_node() {
 
 #[test]
 fn the_whole_graph_check_says_a_real_model_is_too_big() {
-    let f = common::fixtures()
-        .into_iter()
-        .find(|f| f.name == "llama31_8b_tp8")
-        .unwrap();
-    let l = arfuse::lower(&f.graph, &Target::preset("h200-sxm-x8").unwrap()).unwrap();
-    let e = arfuse::reference::check_equivalent(&f.graph, &l.graph, 8, &[1], 0).unwrap_err();
+    let (graph, l) = on_h200("llama31_8b_tp8");
+    let e = arfuse::reference::check_equivalent(&graph, &l.graph, 8, &[1], 0).unwrap_err();
     assert!(matches!(e, ReferenceError::GraphTooLarge { .. }), "{e:?}");
     assert!(e.to_string().contains("check_sites"), "{e}");
 }

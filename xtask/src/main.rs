@@ -8,6 +8,7 @@
 //! Run `cargo xtask help` for details.
 
 use anyhow::{bail, Context, Result};
+use arfuse::reference::SiteTokens;
 use arfuse::{Graph, LowerOptions, Target};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::{Path, PathBuf};
@@ -178,8 +179,8 @@ fn main() -> ExitCode {
                     report,
                     sites,
                     check: match (check, check_all) {
-                        (_, true) => Some(CheckTokens::Plan),
-                        (true, false) => Some(CheckTokens::PlanPerKind),
+                        (_, true) => Some(SiteTokens::Plan),
+                        (true, false) => Some(SiteTokens::PlanPerKind),
                         (false, false) => None,
                     },
                 },
@@ -220,15 +221,9 @@ struct Output {
     report: ReportFormat,
     /// One table line per site.
     sites: bool,
-    /// Run the per-site equivalence check after lowering, at these token counts.
-    check: Option<CheckTokens>,
-}
-
-/// `--check` (`PlanPerKind`) or `--check-all` (`Plan`).
-#[derive(Clone, Copy)]
-enum CheckTokens {
-    Plan,
-    PlanPerKind,
+    /// Run the per-site equivalence check after lowering, at these token counts
+    /// (`--check`: `PlanPerKind`, `--check-all`: `Plan`).
+    check: Option<SiteTokens<'static>>,
 }
 
 /// `--list-targets`: one line per preset with its machine and the backend the
@@ -987,13 +982,9 @@ fn check_pair(
     graph: &Graph,
     lowered: &arfuse::Lowered,
     output: &Output,
-    tokens: CheckTokens,
+    tokens: SiteTokens<'_>,
 ) -> std::result::Result<serde_json::Value, String> {
     const SEED: u64 = 0;
-    let tokens = match tokens {
-        CheckTokens::Plan => arfuse::reference::SiteTokens::Plan,
-        CheckTokens::PlanPerKind => arfuse::reference::SiteTokens::PlanPerKind,
-    };
     let start = std::time::Instant::now();
     let result = arfuse::reference::check_sites(
         graph,

@@ -137,6 +137,23 @@ impl Graph {
         self.metadata.as_ref()
     }
 
+    /// True when `id` is the wait of a functional collective that forwards its input:
+    /// an `opaque` op whose target is a wait ([`crate::op::is_wait_target`]) with one
+    /// input and one output of the input's type. The pass sees through it; the
+    /// per-site check evaluates it as the identity.
+    pub fn is_forwarding_wait(&self, id: NodeId) -> bool {
+        let n = self.node(id);
+        match &n.op {
+            Op::Opaque { target, .. } => {
+                crate::op::is_wait_target(target)
+                    && n.inputs.len() == 1
+                    && n.outputs.len() == 1
+                    && self.value_type(n.inputs[0]) == Some(&n.outputs[0])
+            }
+            _ => false,
+        }
+    }
+
     /// The tensor-parallel size the graph was built or exported for, when its metadata
     /// records one (key `world_size`, else `tp`, a non-negative integer; `arfuse-models`
     /// writes `tp`). Lowering and the runtime refuse another world size.

@@ -200,8 +200,8 @@ const WAIT_TARGETS: &[&str] = &["wait_tensor", "wait_tensor.default"];
 
 /// Whether an `opaque` op target is the wait that follows a functional collective
 /// (`wait_tensor`, matched by suffix so `torch.ops._c10d_functional.wait_tensor.default`
-/// counts too). With one input and its type as the output, such a node forwards its
-/// input: the pass sees through it, and the per-site check evaluates it as the identity.
+/// counts too). [`crate::Graph::is_forwarding_wait`] says when such a node forwards its
+/// input.
 pub fn is_wait_target(target: &str) -> bool {
     WAIT_TARGETS.iter().any(|w| {
         target == *w

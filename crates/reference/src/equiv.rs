@@ -240,12 +240,7 @@ pub fn check_equivalent(
             "no token counts to check".into(),
         ));
     }
-    original
-        .validate()
-        .map_err(|p| ReferenceError::Ir(format!("original graph: {p}")))?;
-    lowered
-        .validate()
-        .map_err(|p| ReferenceError::Ir(format!("lowered graph: {p}")))?;
+    validate_pair(original, lowered)?;
     check_comparable(original, lowered)?;
     compare_graphs(original, lowered, world_size, token_counts, seed).map_err(|e| match e {
         ReferenceError::TensorTooLarge {
@@ -259,6 +254,31 @@ pub fn check_equivalent(
         },
         e => e,
     })
+}
+
+/// Both graphs of a check validated, the error saying which one fails.
+pub(crate) fn validate_pair(original: &Graph, lowered: &Graph) -> Result<()> {
+    original
+        .validate()
+        .map_err(|p| ReferenceError::Ir(format!("original graph: {p}")))?;
+    lowered
+        .validate()
+        .map_err(|p| ReferenceError::Ir(format!("lowered graph: {p}")))
+}
+
+/// [`check_equivalent`] without the whole-graph framing of a too-large tensor: the
+/// per-site check's cuts are small, so a tensor above the budget is the site's
+/// ([`ReferenceError::TensorTooLarge`]).
+pub(crate) fn check_cut(
+    original: &Graph,
+    lowered: &Graph,
+    world_size: u32,
+    token_counts: &[u64],
+    seed: u64,
+) -> Result<EquivalenceReport> {
+    validate_pair(original, lowered)?;
+    check_comparable(original, lowered)?;
+    compare_graphs(original, lowered, world_size, token_counts, seed)
 }
 
 fn compare_graphs(

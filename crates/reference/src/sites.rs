@@ -1,7 +1,7 @@
 //! The per-site equivalence check: every fused site of a lowered graph, at the graph's
 //! real hidden size, without evaluating the whole model.
 //!
-//! [`check_equivalent`] evaluates both graphs whole, which a real model cannot afford
+//! [`crate::check_equivalent`] evaluates both graphs whole, which a real model cannot afford
 //! (an embedding table alone exceeds [`crate::eval::MAX_TENSOR_ELEMENTS`]).
 //! [`check_sites`] proves the same thing in two parts:
 //!
@@ -12,7 +12,7 @@
 //!    replaced nodes read; every node new in the lowered graph is a fused node with a
 //!    map or a reshape. So the lowered graph is the original with each chain swapped
 //!    for its fused node, and nothing else changed.
-//! 2. The numerics ([`cut_site`], then [`check_equivalent`] on the two cuts): each
+//! 2. The numerics ([`cut_site`], then the comparison of [`crate::check_equivalent`] on the two cuts): each
 //!    site's chain (the original nodes it replaced, with every value they read from
 //!    outside as an input of the cut, constants copied) against the fused node alone
 //!    with the same inputs, at the graph's own shapes, on W ranks with random per-rank
@@ -22,12 +22,13 @@
 //! Together: each output of the lowered graph is the original's, bit for bit, for the
 //! inputs and token counts checked.
 
-use crate::equiv::{check_equivalent, EquivalenceReport};
+use crate::equiv::{check_cut, validate_pair, EquivalenceReport};
 use crate::error::{ReferenceError, Result};
 use crate::eval::token_symbols;
 use arfuse_ir::{
     FusedPlan, Graph, InputKind, Node, NodeId, NodeOutput, Op, SiteMap, Strategy, TensorType, Value,
 };
+use rayon::prelude::*;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 
@@ -53,8 +54,6 @@ pub struct SiteCheck {
     pub all_reduce: String,
     /// Hidden size H of the all-reduce input (elements), when constant.
     pub hidden: Option<u64>,
-    /// Nodes of the original chain (the site's replaced nodes).
-    pub chain_nodes: usize,
     /// The comparison at each token count checked (its `per_tokens` say which).
     pub report: EquivalenceReport,
     /// Token counts asked for but not checked because T * H * W is above
@@ -223,43 +222,20 @@ pub fn check_sites(
     tokens: SiteTokens<'_>,
     seed: u64,
 ) -> Result<SitesReport> {
-    original
-        .validate()
-        .map_err(|p| ReferenceError::Ir(format!("original graph: {p}")))?;
-    lowered
-        .validate()
-        .map_err(|p| ReferenceError::Ir(format!("lowered graph: {p}")))?;
+    validate_pair(original, lowered)?;
     let kept_nodes = check_wiring(original, lowered, sites)?;
     let first_of_kind = first_of_kind(original, lowered, sites);
-    let jobs: Vec<(&SiteMap, bool)> = sites.iter().zip(first_of_kind).collect();
-    let checks: Vec<Result<SiteCheck>> = parallel_map(&jobs, |&(site, first)| {
-        check_one(original, lowered, site, world_size, tokens, first, seed)
-    });
+    let checks: Vec<Result<SiteCheck>> = sites
+        .par_iter()
+        .zip(first_of_kind)
+        .map(|(site, first)| check_one(original, lowered, site, world_size, tokens, first, seed))
+        .collect();
     Ok(SitesReport {
         contract: crate::contract::CONTRACT_NAME,
         world_size,
         seed,
         kept_nodes,
         sites: checks.into_iter().collect::<Result<Vec<_>>>()?,
-    })
-}
-
-/// `f` over `items` on the machine's cores, results in input order.
-fn parallel_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
-    let threads = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-        .min(items.len().max(1));
-    let chunk = items.len().div_ceil(threads).max(1);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = items
-            .chunks(chunk)
-            .map(|part| s.spawn(|| part.iter().map(&f).collect::<Vec<R>>()))
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
     })
 }
 
@@ -346,27 +322,11 @@ fn check_one(
             site.fused_node
         )));
     }
-    // The cut is small by construction: a tensor above the budget is this site's.
-    let report =
-        check_equivalent(&cut.original, &cut.lowered, world_size, &tokens, seed).map_err(|e| {
-            match e {
-                ReferenceError::GraphTooLarge {
-                    node,
-                    elements,
-                    budget,
-                } => ReferenceError::TensorTooLarge {
-                    node,
-                    elements,
-                    budget,
-                },
-                e => e,
-            }
-        })?;
+    let report = check_cut(&cut.original, &cut.lowered, world_size, &tokens, seed)?;
     Ok(SiteCheck {
         fused_node: site.fused_node.clone(),
         all_reduce: site.all_reduce.clone(),
         hidden,
-        chain_nodes: site.replaced_nodes.len(),
         report,
         skipped_tokens,
     })
@@ -457,18 +417,11 @@ pub fn cut_site(original: &Graph, lowered: &Graph, site: &SiteMap) -> Result<Sit
 const MAX_VIEW_CHAIN: usize = 16;
 
 /// A node that forwards its one input's elements: a reshape, or a wait of a
-/// functional collective ([`arfuse_ir::op::is_wait_target`]) with its input's type.
+/// functional collective ([`Graph::is_forwarding_wait`]).
 fn is_view(g: &Graph, n: NodeId) -> bool {
-    let node = g.node(n);
-    match &node.op {
-        Op::Reshape => node.inputs.len() == 1,
-        Op::Opaque { target, .. } => {
-            arfuse_ir::op::is_wait_target(target)
-                && node.inputs.len() == 1
-                && node.outputs.len() == 1
-                && g.value_type(node.inputs[0]) == Some(&node.outputs[0])
-        }
-        _ => false,
+    match g.node(n).op {
+        Op::Reshape => g.node(n).inputs.len() == 1,
+        _ => g.is_forwarding_wait(n),
     }
 }
 

@@ -105,14 +105,7 @@ pub(crate) fn convert(g: &Graph, group: &str) -> Converted {
                 let i = eg.add(Fx::Leaf(Leaf::Inst(idx)));
                 vec![eg.add(Fx::AllReduce([i, inp(0)]))]
             }
-            Op::Opaque { target, .. }
-                if is_wait(target)
-                    && ins == 1
-                    && n.outputs.len() == 1
-                    && g.value_type(n.inputs[0]) == Some(&n.outputs[0]) =>
-            {
-                vec![eg.add(Fx::Wait(inp(0)))]
-            }
+            Op::Opaque { .. } if g.is_forwarding_wait(id) => vec![eg.add(Fx::Wait(inp(0)))],
             Op::Add if ins == 2 => vec![eg.add(Fx::Add([inp(0), inp(1)]))],
             Op::Mul if ins == 2 => vec![eg.add(Fx::Mul([inp(0), inp(1)]))],
             Op::ToDtype { dtype } if ins == 1 => {
