@@ -207,3 +207,45 @@ fn the_whole_graph_check_says_a_real_model_is_too_big() {
     assert!(matches!(e, ReferenceError::GraphTooLarge { .. }), "{e:?}");
     assert!(e.to_string().contains("check_sites"), "{e}");
 }
+
+#[test]
+fn no_token_count_beyond_the_plan_and_no_other_world_size() {
+    let path = common::root().join("ir-fixtures/models/llama31_8b_tp8.options.json");
+    let graph = common::load(&path).graph;
+    // A machine that never batches more than 3 tokens, no capture sizes (they would
+    // extend the plan): no T past the plan's last, though T = W = 8 is otherwise
+    // checked on every site.
+    let mut target = Target::preset("h200-sxm-x8").unwrap();
+    target.max_batched_tokens = 3;
+    target.capture_sizes.clear();
+    target.validate().unwrap();
+    let l = arfuse::lower(&graph, &target).unwrap();
+    let end = l
+        .graph
+        .nodes()
+        .find_map(|(_, n)| match &n.op {
+            arfuse::ir::Op::FusedAllreduceNorm(a) => a.plan.as_ref(),
+            _ => None,
+        })
+        .and_then(|p| p.dispatch.last())
+        .unwrap()
+        .max_tokens;
+    assert!(end < 8, "{end}");
+    let r = check(&graph, &l, 8, SiteTokens::PlanPerKind);
+    assert!(r.is_equivalent(), "{r}");
+    for s in &r.sites {
+        let t = s.tokens();
+        assert!(t.iter().all(|&t| t <= end), "{}: {t:?}", s.fused_node);
+        assert_eq!(t[0], 1);
+    }
+    // The plans are for W = 8: a check on 4 ranks is refused, naming the site.
+    match check_sites(&graph, &l.graph, &l.sites, 4, SiteTokens::Given(&[1]), 0) {
+        Err(ReferenceError::InvalidParameter(m)) => {
+            assert!(
+                m.contains("checked for world size 4, but its plan is for 8"),
+                "{m}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+}

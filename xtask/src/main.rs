@@ -90,12 +90,13 @@ enum Command {
         /// at its real hidden size against its fused node alone, on W ranks with random
         /// per-rank inputs, bit for bit under the rounding contract: every site at
         /// T = 1 and T = W, the first site of each kind at every T of its plan (T = 1,
-        /// both ends of each fused range, the first T of each unfused range). Fails the
-        /// pair on any difference.
+        /// W - 1 and W, both ends of each fused range, the first T of each unfused
+        /// range); never a T the graph or the plan cannot run. Fails the pair, writing
+        /// nothing, on any difference.
         #[arg(long)]
         check: bool,
         /// `--check` with every site at every T of its plan.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "check")]
         check_all: bool,
         /// List the target presets (GPU, W, nodes, interconnect, the backend each
         /// resolves to) and exit.
@@ -930,8 +931,26 @@ fn lower_pair(
             r.unknown_collectives.join(", ")
         ));
     }
-    // The outputs first: a reader that closes stdout early (`| head`) must not cost
-    // the lowered graph.
+    // `--check` before anything is written: a pair whose check fails leaves no output.
+    let check = match output.check {
+        Some(tokens) => Some(check_pair(pair, graph, &lowered, tokens)?),
+        None => None,
+    };
+    if let Some(Checked {
+        failure: Some(why),
+        summary,
+        ..
+    }) = &check
+    {
+        print_report(pair, graph, &lowered, output, elapsed);
+        match output.report {
+            ReportFormat::Table => println!("{summary}"),
+            ReportFormat::Json => eprintln!("{summary}"),
+        }
+        return Err(format!("{why} (nothing written)"));
+    }
+    // The outputs before the report: a reader that closes stdout early (`| head`) must
+    // not cost the lowered graph.
     if pair.default_out {
         if let Some(dir) = out_path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
@@ -942,10 +961,39 @@ fn lower_pair(
         files.push((d, lowered.graph.to_dot()));
     }
     write_all_atomic(&files).map_err(|e| format!("{e:#} (nothing written)"))?;
+    print_report(pair, graph, &lowered, output, elapsed);
+    if let (Some(c), ReportFormat::Table) = (&check, &output.report) {
+        println!("{}", c.summary);
+    }
+    for (p, _) in &files {
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(matches!(output.report, ReportFormat::Json).then(|| {
+        let mut entry = serde_json::json!({
+            "input": input.display().to_string(),
+            "target": target_name,
+            "report": lowered.report,
+        });
+        if let Some(c) = check {
+            entry["check"] = c.json;
+        }
+        entry
+    }))
+}
+
+/// The table report of one pair (nothing with `--report json`).
+fn print_report(
+    pair: &Pair<'_>,
+    graph: &Graph,
+    lowered: &arfuse::Lowered,
+    output: &Output,
+    elapsed: std::time::Duration,
+) {
     if let ReportFormat::Table = output.report {
         println!(
-            "== {} on {target_name} ({} graph nodes, lowered in {:.1} ms)",
-            input.display(),
+            "== {} on {} ({} graph nodes, lowered in {:.1} ms)",
+            pair.input.display(),
+            pair.target_name,
             graph.len(),
             elapsed.as_secs_f64() * 1e3
         );
@@ -955,35 +1003,26 @@ fn lower_pair(
             println!("{}", lowered.report);
         }
     }
-    for (p, _) in &files {
-        eprintln!("wrote {}", p.display());
-    }
-    let check = match output.check {
-        Some(tokens) => Some(check_pair(pair, graph, &lowered, output, tokens)?),
-        None => None,
-    };
-    Ok(matches!(output.report, ReportFormat::Json).then(|| {
-        let mut entry = serde_json::json!({
-            "input": input.display().to_string(),
-            "target": target_name,
-            "report": lowered.report,
-        });
-        if let Some(c) = check {
-            entry["check"] = c;
-        }
-        entry
-    }))
 }
 
-/// `--check`: the per-site equivalence check of one lowered pair; prints its summary
-/// (table report) and returns its JSON, or the error when a site differs.
+/// What `--check` found for one pair.
+struct Checked {
+    /// `check (N s): ...`, the check's table.
+    summary: String,
+    /// The JSON report's `check` entry.
+    json: serde_json::Value,
+    /// Why the pair fails, when a site differs.
+    failure: Option<String>,
+}
+
+/// `--check`: the per-site equivalence check of one lowered pair, or the error when it
+/// could not run.
 fn check_pair(
     pair: &Pair<'_>,
     graph: &Graph,
     lowered: &arfuse::Lowered,
-    output: &Output,
     tokens: SiteTokens<'_>,
-) -> std::result::Result<serde_json::Value, String> {
+) -> std::result::Result<Checked, String> {
     const SEED: u64 = 0;
     let start = std::time::Instant::now();
     let result = arfuse::reference::check_sites(
@@ -1002,33 +1041,52 @@ fn check_pair(
         )
     })?;
     let seconds = start.elapsed().as_secs_f64();
-    if let ReportFormat::Table = output.report {
-        println!("check ({seconds:.2} s): {result}");
+    let mut summary = format!("check ({seconds:.2} s): {result}");
+    if lowered.report.already_fused > 0 {
+        summary.push_str(&format!(
+            "  {} fused node(s) already in the input are kept as they are and not checked \
+             (no original chain to compare with)\n",
+            lowered.report.already_fused
+        ));
     }
-    if !result.is_equivalent() {
-        if !matches!(output.report, ReportFormat::Table) {
-            eprintln!("{result}");
-        }
-        return Err(format!(
+    let failure = (!result.is_equivalent()).then(|| {
+        format!(
             "{} on {}: {} of {} fused sites differ from the chains they replaced",
             pair.input.display(),
             pair.target_name,
             result.failures().len(),
             result.sites.len()
-        ));
-    }
-    let tokens: std::collections::BTreeSet<u64> =
-        result.sites.iter().flat_map(|s| s.tokens()).collect();
-    Ok(serde_json::json!({
+        )
+    });
+    let groups: Vec<serde_json::Value> = result
+        .groups()
+        .into_iter()
+        .map(|g| {
+            serde_json::json!({
+                "hidden": g.hidden,
+                "tokens": g.tokens,
+                "skipped_tokens": g.skipped_tokens,
+                "fused_nodes": g.fused_nodes,
+                "bit_exact": g.bit_exact,
+            })
+        })
+        .collect();
+    let json = serde_json::json!({
         "contract": result.contract,
-        "equivalent": true,
+        "equivalent": result.is_equivalent(),
         "world_size": result.world_size,
         "seed": result.seed,
         "sites": result.sites.len(),
         "kept_nodes": result.kept_nodes,
-        "tokens": tokens,
+        "already_fused_not_checked": lowered.report.already_fused,
+        "groups": groups,
         "seconds": seconds,
-    }))
+    });
+    Ok(Checked {
+        summary,
+        json,
+        failure,
+    })
 }
 
 fn cargo() -> std::process::Command {

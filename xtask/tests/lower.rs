@@ -439,18 +439,23 @@ fn check_verifies_every_site_and_says_which_token_counts() {
         .unwrap_or_else(|| panic!("{t}"));
     assert!(
         line.ends_with(
-            "| W = 8 | seed = 0 | 5 sites, 152 kept nodes rewired as before | EQUIVALENT"
+            "| W = 8 | seed = 0 | 5 fused site(s), 152 kept node(s) read what they read before | EQUIVALENT"
         ),
         "{line}"
     );
     // The first site of each kind at every T of the plan (from T = 1, though the
     // export's token symbol starts at 2), the others at T = 1 and W.
     assert!(
-        t.contains("  H = 4096, T = 1, 7, 8, 16, 17, 64, 65: 3 of 3 sites bit-exact\n"),
+        t.contains(
+            "  H = 4096, T = 1, 7, 8, 16, 17, 64, 65: 3 of 3 sites bit-exact (fused.all_reduce, \
+             fused.all_reduce_1, fused.all_reduce_4)\n"
+        ),
         "{t}"
     );
     assert!(
-        t.contains("  H = 4096, T = 1, 8: 2 of 2 sites bit-exact\n"),
+        t.contains(
+            "  H = 4096, T = 1, 8: 2 of 2 sites bit-exact (fused.all_reduce_2, fused.all_reduce_3)\n"
+        ),
         "{t}"
     );
 
@@ -469,7 +474,53 @@ fn check_verifies_every_site_and_says_which_token_counts() {
     let c = &v[0]["check"];
     assert_eq!(c["equivalent"], true);
     assert_eq!(c["sites"], 5);
-    assert_eq!(c["tokens"], serde_json::json!([1, 7, 8, 16, 17, 64, 65]));
+    let groups = c["groups"].as_array().unwrap();
+    assert_eq!(groups.len(), 1, "{c}");
+    assert_eq!(
+        groups[0]["tokens"],
+        serde_json::json!([1, 7, 8, 16, 17, 64, 65])
+    );
+    assert_eq!(groups[0]["fused_nodes"].as_array().unwrap().len(), 5);
+    assert_eq!(groups[0]["bit_exact"], 5);
+
+    // Both flags: refused by clap.
+    let o = lower(&[EXPORTED, "--world-size", "8", "--check", "--check-all"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("cannot be used with"), "{}", stderr(&o));
+}
+
+#[test]
+fn check_says_when_there_is_nothing_to_check_or_a_node_is_unchecked() {
+    let tmp = TempDir::new("check-none");
+    // Nothing fuses on h200-nvl-x8: said, not called equivalent.
+    let nvl = tmp.path("nvl.json");
+    let o = lower(&[LLAMA, "--target", "h200-nvl-x8", "--out", &nvl, "--check"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let t = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        t.contains("| 0 fused site(s), 518 kept node(s) read what they read before | no fused site to check"),
+        "{t}"
+    );
+
+    // A lowered graph re-lowered: its fused nodes are kept and said to be unchecked.
+    let first = tmp.path("first.json");
+    let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", &first]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let again = tmp.path("again.json");
+    let o = lower(&[
+        &first,
+        "--target",
+        "h200-sxm-x8",
+        "--out",
+        &again,
+        "--check",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let t = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        t.contains("65 fused node(s) already in the input are kept as they are and not checked"),
+        "{t}"
+    );
 }
 
 #[test]

@@ -57,7 +57,7 @@ pub use equiv::{
 pub use error::{ReferenceError, Result};
 pub use eval::{bind_tokens, evaluate, random_inputs, Bindings, Evaluation, RankInputs};
 pub use sites::{
-    check_sites, check_wiring, cut_site, site_token_counts, SiteCheck, SiteCut, SiteTokens,
-    SitesReport, SITE_ELEMENT_BUDGET,
+    check_sites, check_wiring, cut_site, site_token_counts, SiteCheck, SiteCut, SiteGroup,
+    SiteTokens, SitesReport, SITE_ELEMENT_BUDGET,
 };
 pub use tensor::{Storage, Tensor, TensorData};

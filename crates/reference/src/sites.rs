@@ -57,8 +57,8 @@ pub struct SiteCheck {
     /// The comparison at each token count checked (its `per_tokens` say which).
     pub report: EquivalenceReport,
     /// Token counts asked for but not checked because T * H * W is above
-    /// [`SITE_ELEMENT_BUDGET`] (a T above the graph's token range is not asked for: the
-    /// graph never runs it).
+    /// [`SITE_ELEMENT_BUDGET`] (a T above the graph's token range or the plan's last T is
+    /// not asked for: it never runs).
     pub skipped_tokens: Vec<u64>,
 }
 
@@ -99,53 +99,91 @@ impl SitesReport {
     }
 }
 
+/// Sites checked alike: the same hidden size, token counts and skipped token counts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SiteGroup {
+    /// Hidden size H (elements), when constant.
+    pub hidden: Option<u64>,
+    /// The token counts checked.
+    pub tokens: Vec<u64>,
+    /// The token counts left out ([`SiteCheck::skipped_tokens`]).
+    pub skipped_tokens: Vec<u64>,
+    /// The fused node of each site of the group, in site order.
+    pub fused_nodes: Vec<String>,
+    /// How many of them were bit-exact at every T.
+    pub bit_exact: usize,
+}
+
+impl SitesReport {
+    /// The sites grouped by hidden size, token counts and skipped token counts, in
+    /// that order.
+    pub fn groups(&self) -> Vec<SiteGroup> {
+        type Key = (Option<u64>, Vec<u64>, Vec<u64>);
+        let mut groups: BTreeMap<Key, (Vec<String>, usize)> = BTreeMap::new();
+        for s in &self.sites {
+            let g = groups
+                .entry((s.hidden, s.tokens(), s.skipped_tokens.clone()))
+                .or_default();
+            g.0.push(s.fused_node.clone());
+            g.1 += usize::from(s.report.is_equivalent());
+        }
+        groups
+            .into_iter()
+            .map(
+                |((hidden, tokens, skipped_tokens), (fused_nodes, bit_exact))| SiteGroup {
+                    hidden,
+                    tokens,
+                    skipped_tokens,
+                    fused_nodes,
+                    bit_exact,
+                },
+            )
+            .collect()
+    }
+}
+
 impl fmt::Display for SitesReport {
-    /// One line for the whole check, then one per group of sites with the same hidden
-    /// size and token counts, then every failing site's comparison.
+    /// One line for the whole check, then one per group of sites ([`Self::groups`]),
+    /// then every failing site's comparison.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let failed = self.failures();
+        let verdict = match (self.sites.is_empty(), failed.is_empty()) {
+            (true, _) => "no fused site to check",
+            (false, true) => "EQUIVALENT",
+            (false, false) => "NOT EQUIVALENT",
+        };
         writeln!(
             f,
-            "{} | W = {} | seed = {} | {} sites, {} kept nodes rewired as before | {}",
+            "{} | W = {} | seed = {} | {} fused site(s), {} kept node(s) read what they read before | {verdict}",
             self.contract,
             self.world_size,
             self.seed,
             self.sites.len(),
             self.kept_nodes,
-            if failed.is_empty() {
-                "EQUIVALENT"
-            } else {
-                "NOT EQUIVALENT"
-            }
         )?;
-        type Group = (Option<u64>, Vec<u64>, Vec<u64>);
-        let mut groups: BTreeMap<Group, (usize, usize)> = BTreeMap::new();
-        for s in &self.sites {
-            let key = (s.hidden, s.tokens(), s.skipped_tokens.clone());
-            let g = groups.entry(key).or_default();
-            g.0 += 1;
-            if s.report.is_equivalent() {
-                g.1 += 1;
-            }
-        }
         let list = |t: &[u64]| {
             t.iter()
                 .map(|t| t.to_string())
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        for ((h, tokens, skipped), (n, ok)) in &groups {
-            let h = h.map_or("?".to_string(), |h| h.to_string());
+        for g in self.groups() {
+            let h = g.hidden.map_or("?".to_string(), |h| h.to_string());
             write!(
                 f,
-                "  H = {h}, T = {}: {ok} of {n} sites bit-exact",
-                list(tokens)
+                "  H = {h}, T = {}: {} of {} sites bit-exact",
+                list(&g.tokens),
+                g.bit_exact,
+                g.fused_nodes.len()
             )?;
-            if !skipped.is_empty() {
+            if g.fused_nodes.len() <= 4 {
+                write!(f, " ({})", g.fused_nodes.join(", "))?;
+            }
+            if !g.skipped_tokens.is_empty() {
                 write!(
                     f,
                     " (not checked: T = {}, T*H*W above the check's {SITE_ELEMENT_BUDGET} elements)",
-                    list(skipped)
+                    list(&g.skipped_tokens)
                 )?;
             }
             writeln!(f)?;
@@ -203,8 +241,8 @@ pub fn site_token_counts(plan: &FusedPlan, world_size: u32) -> Vec<u64> {
 /// against `original` on `world_size` virtual ranks: the wiring of the whole lowered
 /// graph, then each site's chain against its fused node (see the module doc).
 ///
-/// `tokens` says at which T ([`SiteTokens`]). A T above the graph's token range is
-/// left out, and so is a T with T * H * W above [`SITE_ELEMENT_BUDGET`] (listed in
+/// `tokens` says at which T ([`SiteTokens`]). A T above the graph's token range or
+/// above the last T of the site's plan is left out, and so is a T with T * H * W above [`SITE_ELEMENT_BUDGET`] (listed in
 /// [`SiteCheck::skipped_tokens`]); the report says which T were checked. T from 1 is
 /// checked whatever the graph's range starts at, as the plan dispatches from T = 1.
 ///
@@ -213,7 +251,8 @@ pub fn site_token_counts(plan: &FusedPlan, world_size: u32) -> Vec<u64> {
 ///
 /// Errors: [`ReferenceError::NotComparable`] naming the node when `lowered` is not a
 /// lowering of `original` as `sites` describe it, [`ReferenceError::InvalidParameter`]
-/// when a site has no token count to check, and any evaluation error of a cut.
+/// when a site has no token count to check or its plan is for another world size, and
+/// any evaluation error of a cut.
 pub fn check_sites(
     original: &Graph,
     lowered: &Graph,
@@ -307,7 +346,17 @@ fn check_one(
         .and_then(|v| lowered.value_type(v))
         .and_then(|t| t.shape.last())
         .and_then(|d| d.as_const());
-    let max = token_max(&cut.original);
+    if let Some(plan) = plan.filter(|p| p.workspace.world_size != world_size) {
+        return Err(ReferenceError::InvalidParameter(format!(
+            "site {}: checked for world size {world_size}, but its plan is for {}",
+            site.fused_node, plan.workspace.world_size
+        )));
+    }
+    // Neither above the graph's token range nor above the plan's last T.
+    let max = token_max(&cut.original).min(
+        plan.and_then(|p| p.dispatch.last())
+            .map_or(u64::MAX, |r| r.max_tokens),
+    );
     let fits = |t: &u64| {
         t.checked_mul(hidden.unwrap_or(1))
             .and_then(|e| e.checked_mul(w))
