@@ -310,5 +310,16 @@ proptest! {
         .unwrap();
         prop_assert!(by_site.is_equivalent(), "{}\n{}", by_site, l.canonical_text());
         prop_assert_eq!(by_site.sites.len(), spec.sites.len());
+        // Windows (a boundary inside every chain at the smallest) change nothing but
+        // the e-graph totals.
+        for window_nodes in [1, 1 + (seed % 13) as usize] {
+            let options = arfuse::LowerOptions { window_nodes, ..Default::default() };
+            let cut = arfuse::lower_with(&g, &t, &options).unwrap();
+            prop_assert_eq!(l.canonical_text(), cut.graph.canonical_text());
+            prop_assert_eq!(&lowered.sites, &cut.sites);
+            let mut report = cut.report.clone();
+            report.runner = lowered.report.runner.clone();
+            prop_assert_eq!(&lowered.report, &report);
+        }
     }
 }

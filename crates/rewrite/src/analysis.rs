@@ -7,9 +7,11 @@
 //! is looked up from its instance, so it never has to live in a merged class.
 
 use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
+use crate::uses::Uses;
 use arfuse_ir::{broadcast, DType, Dim, Shape, TensorType, NVFP4_BLOCK};
 use egg::{Analysis, DidMerge, EGraph, Id};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use rustc_hash::FxHashMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Most outputs of a tuple class (the fused node's four ports).
 pub(crate) const MAX_OUTS: usize = 4;
@@ -57,17 +59,53 @@ pub(crate) struct Instance {
     pub uses: usize,
 }
 
-/// The analysis and its side tables.
-#[derive(Default)]
-pub(crate) struct FxAnalysis {
-    shapes: Vec<Shape>,
-    shape_ids: HashMap<Shape, u32>,
-    /// IR type and constant value of every IR value, by node index then output.
-    pub values: Vec<Vec<(Option<Ty>, Option<u64>)>>,
+/// What the rules know of the input graph, built once per lowering
+/// ([`crate::convert::facts`]) and lent to the analysis of every window.
+#[derive(Debug, Default)]
+pub(crate) struct Facts {
+    /// Who reads each value.
+    pub uses: Uses,
+    /// IR type and constant value of every IR value, by flat value index
+    /// ([`Uses::flat`]).
+    pub values: Vec<(Option<Ty>, Option<u64>)>,
     /// The all-reduces, by IR node index.
     pub instances: BTreeMap<u32, Instance>,
     /// The layer's process group the rules fuse.
     pub group: String,
+}
+
+/// The shape interner: every shape the pass meets, by a dense id.
+#[derive(Debug, Default)]
+pub(crate) struct Shapes {
+    shapes: Vec<Shape>,
+    ids: FxHashMap<Shape, u32>,
+}
+
+impl Shapes {
+    /// The id of `shape`.
+    pub fn intern(&mut self, shape: &Shape) -> u32 {
+        if let Some(&id) = self.ids.get(shape) {
+            return id;
+        }
+        let id = self.shapes.len() as u32;
+        self.shapes.push(shape.clone());
+        self.ids.insert(shape.clone(), id);
+        id
+    }
+
+    /// The shape with id `id`.
+    pub fn get(&self, id: u32) -> Option<&Shape> {
+        self.shapes.get(id as usize)
+    }
+}
+
+/// The analysis of one window's e-graph: the lowering's [`Facts`], the shape interner
+/// (lent for the window and handed back) and the refusals the rules log.
+pub(crate) struct FxAnalysis<'a> {
+    /// The input graph's facts.
+    pub facts: &'a Facts,
+    /// Every shape met so far (ids are stable across windows).
+    pub shapes: Shapes,
     /// Why a rule refused a match, by all-reduce instance (deduplicated, ordered).
     pub refusals: BTreeMap<u32, BTreeSet<String>>,
     /// Refusals at an op (instance, class of the op, why), named by the IR node of the
@@ -75,21 +113,25 @@ pub(crate) struct FxAnalysis {
     pub refusals_at: BTreeSet<(u32, Id, String)>,
 }
 
-impl FxAnalysis {
+impl<'a> FxAnalysis<'a> {
+    /// The analysis of a window over `facts`, interning into `shapes`.
+    pub fn new(facts: &'a Facts, shapes: Shapes) -> FxAnalysis<'a> {
+        FxAnalysis {
+            facts,
+            shapes,
+            refusals: BTreeMap::new(),
+            refusals_at: BTreeSet::new(),
+        }
+    }
+
     /// The id of `shape` in the interner.
     pub fn intern(&mut self, shape: &Shape) -> u32 {
-        if let Some(&id) = self.shape_ids.get(shape) {
-            return id;
-        }
-        let id = self.shapes.len() as u32;
-        self.shapes.push(shape.clone());
-        self.shape_ids.insert(shape.clone(), id);
-        id
+        self.shapes.intern(shape)
     }
 
     /// The shape with interned id `id`.
     pub fn shape(&self, id: u32) -> Option<&Shape> {
-        self.shapes.get(id as usize)
+        self.shapes.get(id)
     }
 
     /// The IR tensor type of `ty`.
@@ -188,19 +230,20 @@ fn value(ty: Option<Ty>) -> Data {
     }
 }
 
-impl Analysis<Fx> for FxAnalysis {
+impl<'a> Analysis<Fx> for FxAnalysis<'a> {
     type Data = Data;
 
-    fn make(egraph: &mut EGraph<Fx, FxAnalysis>, enode: &Fx) -> Data {
+    fn make(egraph: &mut EGraph<Fx, FxAnalysis<'a>>, enode: &Fx) -> Data {
         let ty = |id: &Id| egraph[*id].data.ty();
         let leaf = |id: &Id| egraph[*id].data.leaf;
         match enode {
             Fx::Leaf(Leaf::Value(n, k)) => {
-                let (t, c) = egraph
-                    .analysis
-                    .values
-                    .get(*n as usize)
-                    .and_then(|v| v.get(*k as usize))
+                let facts = egraph.analysis.facts;
+                let v = arfuse_ir::Value::new(arfuse_ir::NodeId::new(*n as usize), *k);
+                let (t, c) = facts
+                    .uses
+                    .flat(v)
+                    .and_then(|i| facts.values.get(i))
                     .copied()
                     .unwrap_or((None, None));
                 Data {
@@ -222,6 +265,13 @@ impl Analysis<Fx> for FxAnalysis {
                 let (Some(ta), Some(tb)) = (ty(a), ty(b)) else {
                     return value(None);
                 };
+                // Equal shapes broadcast to themselves (no shape to build and intern).
+                if ta.shape == tb.shape {
+                    return value(Some(Ty {
+                        dtype: ta.dtype,
+                        shape: ta.shape,
+                    }));
+                }
                 let an = &mut egraph.analysis;
                 let s = match (an.shape(ta.shape), an.shape(tb.shape)) {
                     (Some(sa), Some(sb)) => broadcast(sa, sb),
@@ -315,7 +365,7 @@ impl Analysis<Fx> for FxAnalysis {
 }
 
 /// The e-graph type of the pass.
-pub(crate) type FxGraph = EGraph<Fx, FxAnalysis>;
+pub(crate) type FxGraph<'a> = EGraph<Fx, FxAnalysis<'a>>;
 
 /// True when class `id` holds an all-reduce (seen through `wait`).
 pub(crate) fn all_reduce_in(egraph: &FxGraph, id: Id) -> Option<u32> {

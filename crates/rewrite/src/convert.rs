@@ -1,20 +1,16 @@
 //! IR -> e-graph: one e-node per IR op the rules model, an opaque leaf per other value.
+//!
+//! [`facts`] reads the whole graph once (every value's type, every all-reduce and its
+//! uses); [`convert`] builds the e-graph of one window's nodes
+//! ([`crate::window::Window`]), a value read from outside the window an opaque leaf.
 
-use crate::analysis::{FxAnalysis, FxGraph, Instance, Ty};
+use crate::analysis::{Facts, FxAnalysis, FxGraph, Instance, Shapes, Ty};
 use crate::lang::{Fx, Leaf, QKind};
+use crate::uses::Uses;
 use arfuse_ir::op::is_wait_target as is_wait;
 use arfuse_ir::op::FusedQuant;
-use arfuse_ir::{Graph, Op, Value};
+use arfuse_ir::{DType, Graph, Node, NodeId, Op, Value};
 use egg::{EGraph, Id};
-use std::collections::HashMap;
-
-/// The e-graph of a graph and the class of every IR value.
-pub(crate) struct Converted {
-    /// The e-graph (not yet rebuilt by a runner).
-    pub egraph: FxGraph,
-    /// Class of every IR value, by node index then output index.
-    pub value_class: Vec<Vec<Id>>,
-}
 
 /// The all-reduces of `g` (node indices, in graph order): the instances the pass
 /// accounts for, each exactly once in its output.
@@ -25,123 +21,286 @@ pub(crate) fn all_reduces(g: &Graph) -> Vec<u32> {
         .collect()
 }
 
-/// Step 1 of the pass, the conversion: builds the e-graph of `g` (which passed validation), for layer group `group`.
-pub(crate) fn convert(g: &Graph, group: &str) -> Converted {
-    let mut an = FxAnalysis::default();
-    an.group = group.to_string();
-    // Graph-output uses per value, counted once (not rescanned per all-reduce).
-    let mut output_uses: HashMap<Value, usize> = HashMap::new();
-    for v in g.outputs() {
-        *output_uses.entry(*v).or_default() += 1;
+/// What one IR node becomes in the e-graph: the e-node of an op the rules model, or
+/// [`Form::Opaque`] (one opaque leaf per output). The one definition of what the
+/// rules model (the windows' halos follow exactly these nodes).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Form {
+    Opaque,
+    AllReduce,
+    Wait,
+    Add,
+    Mul,
+    ToDtype(DType),
+    Pow(f64),
+    Mean,
+    Rsqrt,
+    Reshape,
+    RmsNorm { eps: f64, bias: f64 },
+    FusedAddRmsNorm { eps: f64, bias: f64 },
+    Quant(QKind),
+}
+
+fn form(g: &Graph, id: NodeId, n: &Node) -> Form {
+    let ins = n.inputs.len();
+    let quant = match &n.op {
+        Op::QuantFp8Static => Some(FusedQuant::Fp8Static),
+        Op::QuantFp8PerToken => Some(FusedQuant::Fp8PerToken),
+        Op::QuantFp8PerTokenGroup {
+            group_size,
+            scale_layout,
+        } => Some(FusedQuant::Fp8PerTokenGroup {
+            group_size: *group_size,
+            scale_layout: *scale_layout,
+        }),
+        Op::QuantNvfp4 { scale_layout } => Some(FusedQuant::Nvfp4 {
+            scale_layout: *scale_layout,
+        }),
+        _ => None,
+    };
+    if let Some(q) = quant {
+        let q = QKind::from_ir(q);
+        let want_in = if q.takes_scale_input() { 2 } else { 1 };
+        let want_out = if q.writes_scales() { 2 } else { 1 };
+        // Validation guarantees the arity; stay total anyway.
+        return if ins == want_in && n.outputs.len() == want_out {
+            Form::Quant(q)
+        } else {
+            Form::Opaque
+        };
     }
-    // Side tables first: every value's type and constant, every all-reduce.
+    match &n.op {
+        Op::AllReduce { .. } if ins == 1 => Form::AllReduce,
+        Op::Opaque { .. } if g.is_forwarding_wait(id) => Form::Wait,
+        Op::Add if ins == 2 => Form::Add,
+        Op::Mul if ins == 2 => Form::Mul,
+        Op::ToDtype { dtype } if ins == 1 => Form::ToDtype(*dtype),
+        Op::Pow { exponent } if ins == 1 => Form::Pow(*exponent),
+        Op::Mean { dims, keepdim } if ins == 1 && *keepdim && is_last_dim(g, n, dims) => Form::Mean,
+        Op::Rsqrt if ins == 1 => Form::Rsqrt,
+        Op::Reshape if ins == 1 => Form::Reshape,
+        Op::RmsNorm { eps, weight_bias } if ins == 2 => Form::RmsNorm {
+            eps: *eps,
+            bias: *weight_bias,
+        },
+        Op::FusedAddRmsNorm { eps, weight_bias } if ins == 3 && n.outputs.len() == 2 => {
+            Form::FusedAddRmsNorm {
+                eps: *eps,
+                bias: *weight_bias,
+            }
+        }
+        _ => Form::Opaque,
+    }
+}
+
+/// How far the rules see through node `id`, for the windows' halos: `None` when they
+/// do not model it (it becomes opaque leaves), `Some(0)` for a view or a wait (the rules
+/// see through any number of them), `Some(1)` for every other modeled op.
+pub(crate) fn modeled_step(g: &Graph, id: NodeId) -> Option<u32> {
+    match form(g, id, g.node(id)) {
+        Form::Opaque => None,
+        Form::Reshape | Form::Wait => Some(0),
+        _ => Some(1),
+    }
+}
+
+/// The facts of `g` (which passed validation) for layer group `group`: every value's
+/// type and constant (shapes interned into the returned [`Shapes`]), every all-reduce
+/// with its uses.
+pub(crate) fn facts(g: &Graph, group: &str, uses: Uses) -> (Facts, Shapes) {
+    let mut shapes = Shapes::default();
+    let mut values = Vec::with_capacity(uses.values());
+    let mut instances = std::collections::BTreeMap::new();
     for (id, n) in g.nodes() {
         let konst = match n.op {
             Op::Constant { value } => Some(value.to_bits()),
             _ => None,
         };
-        let row = n
-            .outputs
-            .iter()
-            .map(|t| {
-                let ty = Ty {
-                    dtype: t.dtype,
-                    shape: an.intern(&t.shape),
-                };
-                (Some(ty), konst)
-            })
-            .collect();
-        an.values.push(row);
+        for t in &n.outputs {
+            let ty = Ty {
+                dtype: t.dtype,
+                shape: shapes.intern(&t.shape),
+            };
+            values.push((Some(ty), konst));
+        }
         if let Op::AllReduce { group, .. } = &n.op {
-            an.instances.insert(
+            instances.insert(
                 id.index() as u32,
                 Instance {
                     id: n.id.clone(),
                     group: group.clone(),
-                    uses: uses_through_views(g, &output_uses, Value::new(id, 0)),
+                    uses: uses_through_views(g, &uses, Value::new(id, 0)),
                 },
             );
         }
     }
-    let mut eg: FxGraph = EGraph::new(an);
-    let mut value_class: Vec<Vec<Id>> = Vec::with_capacity(g.len());
-    for (id, n) in g.nodes() {
-        let idx = id.index() as u32;
-        let inp = |k: usize| -> Id {
-            let v = n.inputs[k];
-            value_class[v.node.index()][v.output as usize]
-        };
-        let opaque = |eg: &mut FxGraph| -> Vec<Id> {
-            (0..n.outputs.len() as u32)
-                .map(|k| eg.add(Fx::Leaf(Leaf::Value(idx, k))))
-                .collect()
-        };
-        let ins = n.inputs.len();
-        let quant_op = match &n.op {
-            Op::QuantFp8Static => Some(FusedQuant::Fp8Static),
-            Op::QuantFp8PerToken => Some(FusedQuant::Fp8PerToken),
-            Op::QuantFp8PerTokenGroup {
-                group_size,
-                scale_layout,
-            } => Some(FusedQuant::Fp8PerTokenGroup {
-                group_size: *group_size,
-                scale_layout: *scale_layout,
-            }),
-            Op::QuantNvfp4 { scale_layout } => Some(FusedQuant::Nvfp4 {
-                scale_layout: *scale_layout,
-            }),
-            _ => None,
-        };
-        if let Some(q) = quant_op {
-            let classes = match quant(&mut eg, q, n, &inp) {
-                Some(c) => c,
-                None => opaque(&mut eg),
-            };
-            value_class.push(classes);
+    let facts = Facts {
+        uses,
+        values,
+        instances,
+        group: group.to_string(),
+    };
+    (facts, shapes)
+}
+
+/// The class of every IR value a window converted, by flat value index; reused from
+/// window to window.
+#[derive(Debug, Default)]
+pub(crate) struct Classes {
+    class: Vec<Option<Id>>,
+    /// Flat indices set by the current window, in the order they were set.
+    set: Vec<u32>,
+}
+
+impl Classes {
+    /// Room for the `values` values of a graph.
+    pub fn new(values: usize) -> Classes {
+        Classes {
+            class: vec![None; values],
+            set: Vec::new(),
+        }
+    }
+
+    /// The class of flat value `i`, when the window converted it.
+    pub fn get(&self, i: usize) -> Option<Id> {
+        self.class.get(i).copied().flatten()
+    }
+
+    /// Flat indices of every value the window converted, ascending (graph order).
+    pub fn converted(&self) -> &[u32] {
+        &self.set
+    }
+
+    fn put(&mut self, i: usize, c: Id) {
+        if let Some(slot) = self.class.get_mut(i) {
+            if slot.is_none() {
+                self.set.push(i as u32);
+            }
+            *slot = Some(c);
+        }
+    }
+
+    /// Forgets the current window.
+    pub fn clear(&mut self) {
+        for &i in &self.set {
+            self.class[i as usize] = None;
+        }
+        self.set.clear();
+    }
+}
+
+/// Step 1 of the pass, the conversion: builds the e-graph of the window `nodes`
+/// (ascending) of `g`, recording every value's class in `classes` (cleared first). A
+/// value read from outside the window is an opaque leaf.
+pub(crate) fn convert<'a>(
+    g: &Graph,
+    nodes: &[u32],
+    analysis: FxAnalysis<'a>,
+    classes: &mut Classes,
+) -> FxGraph<'a> {
+    classes.clear();
+    let facts: &'a Facts = analysis.facts;
+    let uses = &facts.uses;
+    let mut eg: FxGraph<'a> = EGraph::new(analysis);
+    for &idx in nodes {
+        let id = NodeId::new(idx as usize);
+        let n = g.node(id);
+        let first = uses.values_of(idx).start;
+        let f = form(g, id, n);
+        if f == Form::Opaque {
+            for k in 0..n.outputs.len() {
+                let c = eg.add(Fx::Leaf(Leaf::Value(idx, k as u32)));
+                classes.put(first + k, c);
+            }
             continue;
         }
-        let classes: Vec<Id> = match &n.op {
-            Op::AllReduce { .. } if ins == 1 => {
-                let i = eg.add(Fx::Leaf(Leaf::Inst(idx)));
-                vec![eg.add(Fx::AllReduce([i, inp(0)]))]
-            }
-            Op::Opaque { .. } if g.is_forwarding_wait(id) => vec![eg.add(Fx::Wait(inp(0)))],
-            Op::Add if ins == 2 => vec![eg.add(Fx::Add([inp(0), inp(1)]))],
-            Op::Mul if ins == 2 => vec![eg.add(Fx::Mul([inp(0), inp(1)]))],
-            Op::ToDtype { dtype } if ins == 1 => {
-                let d = eg.add(Fx::Leaf(Leaf::DType(*dtype)));
-                vec![eg.add(Fx::ToDtype([d, inp(0)]))]
-            }
-            Op::Pow { exponent } if ins == 1 => {
-                let e = eg.add(Fx::Leaf(Leaf::Exp(exponent.to_bits())));
-                vec![eg.add(Fx::Pow([e, inp(0)]))]
-            }
-            Op::Mean { dims, keepdim } if ins == 1 && *keepdim && is_last_dim(g, n, dims) => {
-                let m = eg.add(Fx::Leaf(Leaf::MeanLast));
-                vec![eg.add(Fx::Mean([m, inp(0)]))]
-            }
-            Op::Rsqrt if ins == 1 => vec![eg.add(Fx::Rsqrt(inp(0)))],
-            Op::Reshape if ins == 1 => {
-                let s = eg.analysis.intern(&n.outputs[0].shape);
-                let s = eg.add(Fx::Leaf(Leaf::Shape(s)));
-                vec![eg.add(Fx::Reshape([s, inp(0)]))]
-            }
-            Op::RmsNorm { eps, weight_bias } if ins == 2 => {
-                let a = eg.add(Fx::Leaf(norm_leaf(*eps, *weight_bias)));
-                vec![eg.add(Fx::RmsNorm([a, inp(0), inp(1)]))]
-            }
-            Op::FusedAddRmsNorm { eps, weight_bias } if ins == 3 && n.outputs.len() == 2 => {
-                let a = eg.add(Fx::Leaf(norm_leaf(*eps, *weight_bias)));
-                let t = eg.add(Fx::FusedAddRmsNorm([a, inp(0), inp(1), inp(2)]));
-                gets(&mut eg, t, 2)
-            }
-            _ => opaque(&mut eg),
-        };
-        value_class.push(classes);
+        // A modeled op has at most three inputs (`form` checks each arity).
+        let mut ins = [Id::from(0usize); 3];
+        for (slot, v) in ins.iter_mut().zip(&n.inputs) {
+            *slot = input_class(&mut eg, uses, classes, *v);
+        }
+        let (outs, count) = enodes(&mut eg, idx, n, f, ins);
+        for (k, c) in outs.iter().take(count).enumerate() {
+            classes.put(first + k, *c);
+        }
     }
-    Converted {
-        egraph: eg,
-        value_class,
+    // Leaves of outside values were recorded when first read: restore graph order.
+    classes.set.sort_unstable();
+    eg
+}
+
+/// The class of input value `v`: the class its node got in this window, else (a value
+/// from outside the window) its opaque leaf.
+fn input_class(eg: &mut FxGraph, uses: &Uses, classes: &mut Classes, v: Value) -> Id {
+    let Some(i) = uses.flat(v) else {
+        // Validation guarantees every input exists; stay total anyway.
+        return eg.add(Fx::Leaf(Leaf::Value(v.node.index() as u32, v.output)));
+    };
+    if let Some(c) = classes.get(i) {
+        return c;
+    }
+    let c = eg.add(Fx::Leaf(Leaf::Value(v.node.index() as u32, v.output)));
+    classes.put(i, c);
+    c
+}
+
+/// Adds the e-nodes of modeled node `idx` (of form `form`, inputs' classes `ins`); the
+/// classes of its outputs (the first `count` of the array; none for
+/// [`Form::Opaque`], which the caller converts).
+fn enodes(eg: &mut FxGraph, idx: u32, n: &Node, form: Form, ins: [Id; 3]) -> ([Id; 2], usize) {
+    let x = ins[0];
+    let one = |c: Id| ([c, c], 1);
+    match form {
+        Form::Opaque => ([x, x], 0),
+        Form::Quant(q) => {
+            let kl = eg.add(Fx::Leaf(Leaf::Quant(q)));
+            let s = if q.takes_scale_input() {
+                ins[1]
+            } else {
+                eg.add(Fx::Leaf(Leaf::None))
+            };
+            let t = eg.add(Fx::Quant([kl, x, s]));
+            let q0 = get(eg, t, 0);
+            if q.writes_scales() {
+                ([q0, get(eg, t, 1)], 2)
+            } else {
+                ([q0, q0], 1)
+            }
+        }
+        Form::FusedAddRmsNorm { eps, bias } => {
+            let a = eg.add(Fx::Leaf(norm_leaf(eps, bias)));
+            let t = eg.add(Fx::FusedAddRmsNorm([a, x, ins[1], ins[2]]));
+            ([get(eg, t, 0), get(eg, t, 1)], 2)
+        }
+        Form::AllReduce => {
+            let i = eg.add(Fx::Leaf(Leaf::Inst(idx)));
+            one(eg.add(Fx::AllReduce([i, x])))
+        }
+        Form::Wait => one(eg.add(Fx::Wait(x))),
+        Form::Add => one(eg.add(Fx::Add([x, ins[1]]))),
+        Form::Mul => one(eg.add(Fx::Mul([x, ins[1]]))),
+        Form::ToDtype(dtype) => {
+            let d = eg.add(Fx::Leaf(Leaf::DType(dtype)));
+            one(eg.add(Fx::ToDtype([d, x])))
+        }
+        Form::Pow(exponent) => {
+            let e = eg.add(Fx::Leaf(Leaf::Exp(exponent.to_bits())));
+            one(eg.add(Fx::Pow([e, x])))
+        }
+        Form::Mean => {
+            let m = eg.add(Fx::Leaf(Leaf::MeanLast));
+            one(eg.add(Fx::Mean([m, x])))
+        }
+        Form::Rsqrt => one(eg.add(Fx::Rsqrt(x))),
+        Form::Reshape => {
+            let s = eg.analysis.intern(&n.outputs[0].shape);
+            let s = eg.add(Fx::Leaf(Leaf::Shape(s)));
+            one(eg.add(Fx::Reshape([s, x])))
+        }
+        Form::RmsNorm { eps, bias } => {
+            let a = eg.add(Fx::Leaf(norm_leaf(eps, bias)));
+            one(eg.add(Fx::RmsNorm([a, x, ins[1]])))
+        }
     }
 }
 
@@ -153,40 +312,13 @@ fn norm_leaf(eps: f64, bias: f64) -> Leaf {
     }
 }
 
-fn gets(eg: &mut FxGraph, t: Id, n: u8) -> Vec<Id> {
-    (0..n)
-        .map(|k| {
-            let p = eg.add(Fx::Leaf(Leaf::Port(k)));
-            eg.add(Fx::Get([p, t]))
-        })
-        .collect()
-}
-
-fn quant(
-    eg: &mut FxGraph,
-    q: FusedQuant,
-    n: &arfuse_ir::Node,
-    inp: &dyn Fn(usize) -> Id,
-) -> Option<Vec<Id>> {
-    let q = QKind::from_ir(q);
-    let want_in = if q.takes_scale_input() { 2 } else { 1 };
-    let want_out = if q.writes_scales() { 2 } else { 1 };
-    if n.inputs.len() != want_in || n.outputs.len() != want_out {
-        // Validation guarantees the arity; stay total anyway.
-        return None;
-    }
-    let k = eg.add(Fx::Leaf(Leaf::Quant(q)));
-    let s = if want_in == 2 {
-        inp(1)
-    } else {
-        eg.add(Fx::Leaf(Leaf::None))
-    };
-    let t = eg.add(Fx::Quant([k, inp(0), s]));
-    Some(gets(eg, t, want_out as u8))
+fn get(eg: &mut FxGraph, t: Id, k: u8) -> Id {
+    let p = eg.add(Fx::Leaf(Leaf::Port(k)));
+    eg.add(Fx::Get([p, t]))
 }
 
 /// True when `dims` names exactly the last dim of the node's input.
-fn is_last_dim(g: &Graph, n: &arfuse_ir::Node, dims: &[i64]) -> bool {
+fn is_last_dim(g: &Graph, n: &Node, dims: &[i64]) -> bool {
     let Some(rank) = n
         .inputs
         .first()
@@ -202,31 +334,24 @@ fn is_last_dim(g: &Graph, n: &arfuse_ir::Node, dims: &[i64]) -> bool {
 const MAX_VIEW_DEPTH: usize = 16;
 
 /// Users of `v` that are not views: reshapes and waits are followed (up to
-/// [`MAX_VIEW_DEPTH`] deep), graph outputs (`output_uses`, per value) count.
-pub(crate) fn uses_through_views(
-    g: &Graph,
-    output_uses: &HashMap<Value, usize>,
-    v: Value,
-) -> usize {
-    fn go(g: &Graph, outs: &HashMap<Value, usize>, v: Value, depth: usize) -> usize {
-        let mut n = outs.get(&v).copied().unwrap_or(0);
-        for (u, e) in g.users(v.node) {
-            if e.output != v.output {
-                continue;
-            }
-            let node = g.node(u);
+/// [`MAX_VIEW_DEPTH`] deep), graph outputs count.
+pub(crate) fn uses_through_views(g: &Graph, uses: &Uses, v: Value) -> usize {
+    fn go(g: &Graph, uses: &Uses, v: Value, depth: usize) -> usize {
+        let mut n = uses.output_uses(v);
+        for &u in uses.users_of(v) {
+            let node = g.node(NodeId::new(u as usize));
             let view = match &node.op {
                 Op::Reshape => true,
                 Op::Opaque { target, .. } => is_wait(target) && node.inputs.len() == 1,
                 _ => false,
             };
             if view && depth < MAX_VIEW_DEPTH && node.outputs.len() == 1 {
-                n += go(g, outs, Value::new(u, 0), depth + 1);
+                n += go(g, uses, Value::new(NodeId::new(u as usize), 0), depth + 1);
             } else {
                 n += 1;
             }
         }
         n
     }
-    go(g, output_uses, v, 0)
+    go(g, uses, v, 0)
 }

@@ -7,11 +7,19 @@
 //!
 //! ## Pipeline
 //!
-//! [`lower_with`] is these steps, each one function of the module that owns it:
+//! [`lower_with`] is these steps, each one function of the module that owns it. Steps
+//! 1 to 3 run window by window (`find_sites`, `window`): a graph larger than
+//! [`LowerOptions::window_nodes`] is cut into consecutive ranges of nodes, and each
+//! range's all-reduces are decided in an e-graph of the range and a halo around it
+//! (every modeled node up to 64 steps downstream of those all-reduces and 16 steps
+//! upstream, views free), so the work and memory per site stay flat however many
+//! layers the model has; the result is the whole graph's (`tests/windows.rs`).
 //!
 //! 1. Convert (`convert::convert`): IR -> e-graph. The ops the rules look into become
 //!    e-nodes, every other value an opaque leaf keyed by the IR value; all-reduces
-//!    carry their instance.
+//!    carry their instance. What the whole graph says once (every value's type, every
+//!    all-reduce and its uses: `convert::facts`, `uses::Uses`) is read before the
+//!    first window and lent to each.
 //! 2. Run the rules (`rules::saturate`), one file per family (`rules/`):
 //!    normalisation of every norm spelling to `rms_norm`, views and waits seen
 //!    through, the fusion of the residual and the first-layer forms (Gemma included),
@@ -51,6 +59,8 @@ mod plan;
 mod report;
 mod rules;
 mod site;
+mod uses;
+mod window;
 
 pub use error::LowerError;
 pub use report::{
@@ -69,6 +79,10 @@ pub const DEFAULT_ITER_LIMIT: usize = 64;
 /// Default e-node limit: about 20 e-nodes per IR node of the largest graph the IR
 /// accepts ([`arfuse_ir::MAX_NODES`]).
 pub const DEFAULT_NODE_LIMIT: usize = 20 * arfuse_ir::MAX_NODES;
+/// Default window size, in IR nodes: the e-graph of a larger graph is built one window
+/// at a time (see [`LowerOptions::window_nodes`]). Every graph of the bundled corpus
+/// (at most 2,754 nodes) is one window.
+pub const DEFAULT_WINDOW_NODES: usize = 8192;
 
 /// Options of [`lower_with`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -79,11 +93,20 @@ pub struct LowerOptions {
     pub group: Option<String>,
     /// Most runner iterations. Default [`DEFAULT_ITER_LIMIT`].
     pub iter_limit: usize,
-    /// Most e-nodes. Default [`DEFAULT_NODE_LIMIT`]. Hitting either limit is
-    /// [`LowerError::NotSaturated`], never a partial result. There is no time limit:
-    /// the result must not depend on the machine's speed (the two budgets bound the
-    /// work).
+    /// Most e-nodes, over every window. Default [`DEFAULT_NODE_LIMIT`]. Hitting either
+    /// limit is [`LowerError::NotSaturated`], never a partial result. There is no time
+    /// limit: the result must not depend on the machine's speed (the two budgets bound
+    /// the work).
     pub node_limit: usize,
+    /// Nodes of the input graph whose sites one e-graph decides: the graph's nodes, in
+    /// order, are cut into ranges of this many, and each range's all-reduces are
+    /// matched in an e-graph of the range plus every modeled node up to 64 steps
+    /// downstream of them and 16 steps upstream (its halo), so the work and memory per
+    /// site do not grow with the model. A graph of at most this many nodes is one
+    /// e-graph. Default [`DEFAULT_WINDOW_NODES`]; 0 counts as 1. The sites, plans and
+    /// output do not depend on it (tested down to windows of 16 nodes); the report's
+    /// e-graph totals do.
+    pub window_nodes: usize,
     /// Hidden sizes (elements) of other graphs that share this graph's workspace, e.g.
     /// a speculative-decoding draft model: the workspace is sized for the widest of
     /// them and of this graph's own (domain.md §5), so `max_token_num` is the one the
@@ -98,6 +121,7 @@ impl Default for LowerOptions {
             group: None,
             iter_limit: DEFAULT_ITER_LIMIT,
             node_limit: DEFAULT_NODE_LIMIT,
+            window_nodes: DEFAULT_WINDOW_NODES,
             shared_hidden_sizes: Vec::new(),
         }
     }
@@ -160,10 +184,8 @@ pub fn lower_with(
     let (group, group_source) = choose_group(graph, options)?;
     let instances = convert::all_reduces(graph);
 
-    let conv = convert::convert(graph, &group);
-    let (eg, runner) = rules::saturate(conv.egraph, options)?;
-    let index = site::Index::new(graph, &eg, &conv.value_class);
-    let choice = site::choose(&index, &instances, target);
+    let found = find_sites(graph, target, options, &group, &instances)?;
+    let choice = found.choice;
     let planned = plan::plan_graph(graph, target, &choice.chosen, &options.shared_hidden_sizes)?;
     let emitted = emit::emit_checked(
         graph,
@@ -178,8 +200,8 @@ pub fn lower_with(
         group,
         group_source,
         instances: &instances,
-        runner,
-        rule_refusals: index.rule_refusals(),
+        runner: found.runner,
+        rule_refusals: found.rule_refusals,
         choice,
         planned,
         emitted: &emitted,
@@ -189,6 +211,85 @@ pub fn lower_with(
         report,
         sites: emitted.sites,
     })
+}
+
+/// What steps 1 to 3 found over every window.
+struct Found {
+    choice: site::Choice,
+    rule_refusals: BTreeMap<u32, Vec<String>>,
+    runner: RunnerReport,
+}
+
+/// Steps 1 to 3 (convert, run the rules, choose sites), window by window
+/// ([`window::Windows`]): each window's e-graph decides the all-reduces of its core
+/// and is dropped before the next is built.
+///
+/// Errors: [`LowerError::NotSaturated`] when a window's runner stops at a limit (the
+/// e-node limit counts every window's e-nodes), [`LowerError::Internal`] when a rule
+/// does not parse.
+fn find_sites(
+    graph: &Graph,
+    target: &Target,
+    options: &LowerOptions,
+    group: &str,
+    instances: &[u32],
+) -> Result<Found, LowerError> {
+    let (facts, mut shapes) = convert::facts(graph, group, uses::Uses::new(graph));
+    let rules = rules::all().map_err(LowerError::Internal)?;
+    let mut classes = convert::Classes::new(facts.uses.values());
+    let mut claimed = site::Claimed::new(graph.len());
+    let mut found = Found {
+        choice: site::Choice::default(),
+        rule_refusals: BTreeMap::new(),
+        runner: RunnerReport {
+            stop_reason: "saturated".into(),
+            iterations: 0,
+            egraph_nodes: 0,
+            egraph_classes: 0,
+            windows: 0,
+            limits: RunnerLimits {
+                iterations: options.iter_limit,
+                egraph_nodes: options.node_limit,
+            },
+        },
+    };
+    let mut windows = window::Windows::new(graph, &facts.uses, instances, options.window_nodes);
+    let mut w = window::Window::default();
+    while windows.next(&mut w) {
+        let analysis = analysis::FxAnalysis::new(&facts, std::mem::take(&mut shapes));
+        let eg = convert::convert(graph, &w.nodes, analysis, &mut classes);
+        let budget = options.node_limit.saturating_sub(found.runner.egraph_nodes);
+        let r = &mut found.runner;
+        let (mut eg, ran) = match rules::saturate(eg, &rules, options.iter_limit, budget) {
+            Ok(done) => done,
+            Err((stop, ran)) => {
+                // egg names the e-node count it stopped at; name the configured limit
+                // and count the earlier windows' e-nodes too.
+                let reason = match stop {
+                    rules::Stop::NodeLimit(n) => format!(
+                        "e-node limit {} (the e-graph had {} e-nodes when it stopped)",
+                        options.node_limit,
+                        r.egraph_nodes + n
+                    ),
+                    rules::Stop::Other(s) => s,
+                };
+                return Err(LowerError::NotSaturated {
+                    reason,
+                    iterations: ran.iterations,
+                    nodes: r.egraph_nodes + ran.nodes,
+                });
+            }
+        };
+        r.iterations = r.iterations.max(ran.iterations);
+        r.egraph_nodes += ran.nodes;
+        r.egraph_classes += ran.classes;
+        r.windows += 1;
+        let index = site::Index::new(graph, &eg, &classes);
+        site::choose(&index, &w.owned, target, &mut claimed, &mut found.choice);
+        index.rule_refusals(&w.owned, &mut found.rule_refusals);
+        shapes = std::mem::take(&mut eg.analysis.shapes);
+    }
+    Ok(found)
 }
 
 /// The graph's own tensor-parallel size, when its metadata records one (`tp` or

@@ -371,6 +371,11 @@ pub struct RunnerReport {
     pub egraph_nodes: usize,
     /// E-classes at the end.
     pub egraph_classes: usize,
+    /// E-graphs built, one per window of the graph that holds an all-reduce
+    /// (`LowerOptions::window_nodes`); 1 for a graph that fits one window, the e-graph
+    /// of the whole graph. `iterations` is the most any window took, `egraph_nodes`
+    /// and `egraph_classes` the sums over the windows.
+    pub windows: usize,
     /// The limits it ran under.
     pub limits: RunnerLimits,
 }
@@ -972,16 +977,31 @@ impl Report {
                 group_digits(n)
             )?;
         }
-        writeln!(
-            f,
-            "e-graph: {} after {} iteration(s), {} e-nodes, {} e-classes (limits: {} iterations, {} e-nodes)",
-            self.runner.stop_reason,
-            self.runner.iterations,
-            self.runner.egraph_nodes,
-            self.runner.egraph_classes,
-            self.runner.limits.iterations,
-            self.runner.limits.egraph_nodes
-        )
+        let r = &self.runner;
+        if r.windows > 1 {
+            writeln!(
+                f,
+                "e-graph: {} in each of {} windows, after at most {} iteration(s); {} e-nodes, {} e-classes in all (limits: {} iterations per window, {} e-nodes in all)",
+                r.stop_reason,
+                r.windows,
+                r.iterations,
+                r.egraph_nodes,
+                r.egraph_classes,
+                r.limits.iterations,
+                r.limits.egraph_nodes
+            )
+        } else {
+            writeln!(
+                f,
+                "e-graph: {} after {} iteration(s), {} e-nodes, {} e-classes (limits: {} iterations, {} e-nodes)",
+                r.stop_reason,
+                r.iterations,
+                r.egraph_nodes,
+                r.egraph_classes,
+                r.limits.iterations,
+                r.limits.egraph_nodes
+            )
+        }
     }
 }
 

@@ -4,12 +4,14 @@
 //! at most one per all-reduce.
 
 use crate::analysis::FxGraph;
+use crate::convert::Classes;
 use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
+use crate::uses::Uses;
 use arfuse_ir::op::{FusedOutput, FusedQuant};
 use arfuse_ir::{Graph, NodeId, Op, TensorType, Value};
 use arfuse_policy::Target;
 use egg::Id;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 /// Most IR nodes one site may replace (a decomposed norm with views and a quant has
 /// about 15); a larger region means the match is not the chain it should be.
@@ -62,102 +64,87 @@ pub(crate) struct Site {
     pub x_ty: TensorType,
 }
 
-/// Indexes over the saturated e-graph and the IR, built once.
-pub(crate) struct Index<'a> {
-    g: &'a Graph,
-    eg: &'a FxGraph,
-    value_class: Vec<Vec<Id>>,
-    /// IR values by canonical class, in graph order.
-    values_in: HashMap<Id, Vec<Value>>,
-    /// For a class c: classes holding IR values that contain `reshape(_, c)`.
-    view_parents: HashMap<Id, Vec<Id>>,
-    /// Index of a node's first value in the flat value numbering.
-    value_base: Vec<u32>,
-    /// Consumers (node indices) of every value, flat: those of flat value `i` are
-    /// `user_list[user_start[i]..user_start[i + 1]]`, in graph order.
-    user_start: Vec<u32>,
-    user_list: Vec<u32>,
-    outputs: HashSet<Value>,
+/// Indexes over one window's saturated e-graph and the IR.
+pub(crate) struct Index<'g, 'e, 'a> {
+    g: &'g Graph,
+    eg: &'e FxGraph<'a>,
+    uses: &'a Uses,
+    /// (canonical class, flat value) of every IR value the window converted, sorted:
+    /// the values of a class in graph order.
+    values_in: Vec<(Id, u32)>,
+    /// (class c, class holding an IR value that contains `reshape(_, c)`), sorted,
+    /// without repeats.
+    view_parents: Vec<(Id, Id)>,
+    /// Canonical class of every converted value, by flat index.
+    classes: &'e Classes,
 }
 
-impl<'a> Index<'a> {
-    pub fn new(g: &'a Graph, eg: &'a FxGraph, value_class: &[Vec<Id>]) -> Index<'a> {
-        let value_class: Vec<Vec<Id>> = value_class
+impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
+    pub fn new(g: &'g Graph, eg: &'e FxGraph<'a>, classes: &'e Classes) -> Index<'g, 'e, 'a> {
+        let uses = &eg.analysis.facts.uses;
+        let mut values_in: Vec<(Id, u32)> = classes
+            .converted()
             .iter()
-            .map(|row| row.iter().map(|c| eg.find(*c)).collect())
+            .filter_map(|&i| Some((eg.find(classes.get(i as usize)?), i)))
             .collect();
-        let mut values_in: HashMap<Id, Vec<Value>> = HashMap::with_capacity(g.len());
-        let mut value_base: Vec<u32> = Vec::with_capacity(g.len());
-        let mut n_values = 0u32;
-        for (id, n) in g.nodes() {
-            for (k, c) in value_class[id.index()].iter().enumerate() {
-                values_in
-                    .entry(*c)
-                    .or_default()
-                    .push(Value::new(id, k as u32));
+        values_in.sort_unstable();
+        let mut view_parents: Vec<(Id, Id)> = Vec::new();
+        let mut last = None;
+        for &(c, _) in &values_in {
+            if last == Some(c) {
+                continue;
             }
-            value_base.push(n_values);
-            n_values += n.outputs.len() as u32;
-        }
-        // Users, as a flat table (counting pass, then filling pass).
-        let flat = |v: &Value| (value_base[v.node.index()] + v.output) as usize;
-        let mut user_start = vec![0u32; n_values as usize + 1];
-        for (_, n) in g.nodes() {
-            for v in &n.inputs {
-                user_start[flat(v) + 1] += 1;
-            }
-        }
-        for i in 1..user_start.len() {
-            user_start[i] += user_start[i - 1];
-        }
-        let mut fill = user_start.clone();
-        let mut user_list = vec![0u32; user_start.last().copied().unwrap_or(0) as usize];
-        for (id, n) in g.nodes() {
-            for v in &n.inputs {
-                let slot = &mut fill[flat(v)];
-                user_list[*slot as usize] = id.index() as u32;
-                *slot += 1;
-            }
-        }
-        let mut view_parents: HashMap<Id, Vec<Id>> = HashMap::new();
-        for &c in values_in.keys() {
+            last = Some(c);
             for node in &eg[c].nodes {
                 if let Fx::Reshape([_, child]) = node {
-                    view_parents.entry(eg.find(*child)).or_default().push(c);
+                    view_parents.push((eg.find(*child), c));
                 }
             }
         }
-        for v in view_parents.values_mut() {
-            v.sort();
-            v.dedup();
-        }
+        view_parents.sort_unstable();
+        view_parents.dedup();
         Index {
             g,
             eg,
-            value_class,
+            uses,
             values_in,
             view_parents,
-            value_base,
-            user_start,
-            user_list,
-            outputs: g.outputs().iter().copied().collect(),
+            classes,
         }
+    }
+
+    /// The IR values in class `c` (canonical), in graph order.
+    fn values_of(&self, c: Id) -> impl Iterator<Item = Value> + '_ {
+        let lo = self.values_in.partition_point(|(k, _)| *k < c);
+        self.values_in[lo..]
+            .iter()
+            .take_while(move |(k, _)| *k == c)
+            .map(|(_, i)| self.uses.value(*i as usize))
+    }
+
+    /// The first IR value in class `c` (canonical).
+    fn first_value(&self, c: Id) -> Option<Value> {
+        self.values_of(c).next()
+    }
+
+    /// Classes holding an IR value that contain `reshape(_, c)` (canonical).
+    fn view_parents_of(&self, c: Id) -> impl Iterator<Item = Id> + '_ {
+        let lo = self.view_parents.partition_point(|(k, _)| *k < c);
+        self.view_parents[lo..]
+            .iter()
+            .take_while(move |(k, _)| *k == c)
+            .map(|(_, p)| *p)
     }
 
     /// Consumers (node indices) of value `v`, in graph order.
     fn users_of(&self, v: Value) -> &[u32] {
-        let Some(base) = self.value_base.get(v.node.index()) else {
-            return &[];
-        };
-        let i = (base + v.output) as usize;
-        match (self.user_start.get(i), self.user_start.get(i + 1)) {
-            (Some(&a), Some(&b)) => self.user_list.get(a as usize..b as usize).unwrap_or(&[]),
-            _ => &[],
-        }
+        self.uses.users_of(v)
     }
 
-    fn class(&self, v: Value) -> Id {
-        self.value_class[v.node.index()][v.output as usize]
+    /// The canonical class of `v`, when the window converted it.
+    fn class(&self, v: Value) -> Option<Id> {
+        let c = self.classes.get(self.uses.flat(v)?)?;
+        Some(self.eg.find(c))
     }
 
     fn node(&self, i: u32) -> &arfuse_ir::Node {
@@ -167,23 +154,22 @@ impl<'a> Index<'a> {
     /// An IR input for class `c`: a value in it, else a value whose view it is.
     fn materialize(&self, c: Id) -> Option<Input> {
         let c = self.eg.find(c);
-        if let Some(v) = self.values_in.get(&c).and_then(|vs| vs.first()) {
-            return Some(Input::Value(*v));
+        if let Some(v) = self.first_value(c) {
+            return Some(Input::Value(v));
         }
         let ty = self.eg[c].data.ty()?;
         let tt = self.eg.analysis.tensor_type(ty)?;
         self.eg[c].nodes.iter().find_map(|n| match n {
             Fx::Reshape([_, src]) => self
-                .values_in
-                .get(&self.eg.find(*src))
-                .and_then(|vs| vs.first())
-                .map(|v| Input::View(*v, tt.clone())),
+                .first_value(self.eg.find(*src))
+                .map(|v| Input::View(v, tt.clone())),
             _ => None,
         })
     }
 
-    /// Every fused candidate, by all-reduce instance, most complete first.
-    pub fn candidates(&self) -> BTreeMap<u32, Vec<(Id, [Id; 6], FKind)>> {
+    /// Every fused candidate of the all-reduces `owned` (ascending), by all-reduce
+    /// instance, most complete first.
+    pub fn candidates(&self, owned: &[u32]) -> BTreeMap<u32, Vec<(Id, [Id; 6], FKind)>> {
         let mut out: BTreeMap<u32, Vec<(Id, [Id; 6], FKind)>> = BTreeMap::new();
         for class in self.eg.classes() {
             for node in &class.nodes {
@@ -193,7 +179,9 @@ impl<'a> Index<'a> {
                 else {
                     continue;
                 };
-                out.entry(i).or_default().push((class.id, *ch, k));
+                if owned.binary_search(&i).is_ok() {
+                    out.entry(i).or_default().push((class.id, *ch, k));
+                }
             }
         }
         for v in out.values_mut() {
@@ -212,7 +200,7 @@ impl<'a> Index<'a> {
         fclass: Id,
         ch: [Id; 6],
         kind: FKind,
-        claimed: &BTreeSet<u32>,
+        claimed: &Claimed,
     ) -> Result<Site, String> {
         let eg = self.eg;
         let [_, _, x, r, w, s] = ch;
@@ -259,12 +247,12 @@ impl<'a> Index<'a> {
             let Some(ty) = eg[gc].data.ty().and_then(|t| eg.analysis.tensor_type(t)) else {
                 continue;
             };
-            let direct = self.values_in.get(&gc).cloned().unwrap_or_default();
+            let direct: Vec<Value> = self.values_of(gc).collect();
             let mut views = Vec::new();
-            for vc in self.view_parents.get(&gc).into_iter().flatten() {
-                for v in self.values_in.get(vc).into_iter().flatten() {
-                    if let Some(t) = self.g.value_type(*v) {
-                        views.push((*v, t.clone()));
+            for vc in self.view_parents_of(gc) {
+                for v in self.values_of(vc) {
+                    if let Some(t) = self.g.value_type(v) {
+                        views.push((v, t.clone()));
                     }
                 }
             }
@@ -332,7 +320,7 @@ impl<'a> Index<'a> {
                 }
             }
             for v in &node.inputs {
-                if frontier.contains(&self.class(*v)) {
+                if self.class(*v).is_some_and(|c| frontier.contains(&c)) {
                     continue;
                 }
                 let p = self.node(v.node.index() as u32);
@@ -345,7 +333,7 @@ impl<'a> Index<'a> {
         if !region.contains(&inst) {
             return Err("internal: the fused node does not replace its all-reduce".into());
         }
-        if let Some(n) = region.iter().find(|n| claimed.contains(n)) {
+        if let Some(n) = region.iter().find(|n| claimed.contains(**n)) {
             return Err(format!(
                 "node `{}` belongs to another fused site",
                 self.node(*n).id
@@ -373,11 +361,7 @@ impl<'a> Index<'a> {
                     .iter()
                     .find(|u| !region.contains(u))
                     .map(|u| format!("node `{}`", self.node(*u).id))
-                    .or_else(|| {
-                        self.outputs
-                            .contains(&v)
-                            .then(|| "a graph output".to_string())
-                    });
+                    .or_else(|| self.uses.is_output(v).then(|| "a graph output".to_string()));
                 if let Some(user) = outside {
                     let what = if n == inst {
                         "the all-reduce output".to_string()
@@ -393,7 +377,7 @@ impl<'a> Index<'a> {
         }
         // Live outputs: read by something outside the region.
         let live = |v: &Value| {
-            self.outputs.contains(v) || self.users_of(*v).iter().any(|u| !region.contains(u))
+            self.uses.is_output(*v) || self.users_of(*v).iter().any(|u| !region.contains(u))
         };
         ports.retain(|p| p.direct.iter().any(live) || p.views.iter().any(|(v, _)| live(v)));
         // Every replaced value of a written port stays mapped (a later fused node may
@@ -443,18 +427,17 @@ impl<'a> Index<'a> {
         })
     }
 
-    /// Every refusal the rules logged, by all-reduce instance: those against the
-    /// all-reduce (in their set order), then those at an op, each naming the op's IR
-    /// node (in their set order).
-    pub fn rule_refusals(&self) -> BTreeMap<u32, Vec<String>> {
+    /// Every refusal the rules logged against the all-reduces `owned` (ascending), added
+    /// to `out` by instance: those against the all-reduce (in their set order), then
+    /// those at an op, each naming the op's IR node (in their set order).
+    pub fn rule_refusals(&self, owned: &[u32], out: &mut BTreeMap<u32, Vec<String>>) {
         let an = &self.eg.analysis;
-        let mut out: BTreeMap<u32, Vec<String>> = an
-            .refusals
-            .iter()
-            .map(|(inst, r)| (*inst, r.iter().cloned().collect()))
-            .collect();
+        let mine = |inst: &u32| owned.binary_search(inst).is_ok();
+        for (inst, r) in an.refusals.iter().filter(|(i, _)| mine(i)) {
+            out.entry(*inst).or_default().extend(r.iter().cloned());
+        }
         let mut at_op: BTreeMap<u32, BTreeSet<String>> = BTreeMap::new();
-        for (inst, at, why) in &an.refusals_at {
+        for (inst, at, why) in an.refusals_at.iter().filter(|(i, _, _)| mine(i)) {
             let at = self
                 .node_of(*at)
                 .unwrap_or_else(|| "an op with no node of its own".into());
@@ -466,22 +449,23 @@ impl<'a> Index<'a> {
         for (inst, named) in at_op {
             out.entry(inst).or_default().extend(named);
         }
-        out
     }
 
     /// The IR node a class stands for, as "`id` (op)", when the class holds an IR value.
     pub fn node_of(&self, c: Id) -> Option<String> {
-        let v = self.values_in.get(&self.eg.find(c))?.first()?;
+        let v = self.first_value(self.eg.find(c))?;
         let n = self.g.node(v.node);
         Some(format!("`{}` ({})", n.id, n.op.name()))
     }
 
     fn is_wait_node(&self, n: u32) -> bool {
         let v = Value::new(arfuse_ir::NodeId::new(n as usize), 0);
-        self.eg[self.class(v)]
-            .nodes
-            .iter()
-            .any(|e| matches!(e, Fx::Wait(_) | Fx::AllReduce(_)))
+        self.class(v).is_some_and(|c| {
+            self.eg[c]
+                .nodes
+                .iter()
+                .any(|e| matches!(e, Fx::Wait(_) | Fx::AllReduce(_)))
+        })
     }
 }
 
@@ -548,15 +532,21 @@ pub(crate) struct Choice {
     pub notes: BTreeMap<u32, Vec<String>>,
 }
 
-/// Step 3 of the pass, choosing the sites: per all-reduce (in graph order), the first
-/// candidate (most complete first) whose epilogue the target can fuse, that passes
-/// the IR checks ([`Index::check`]) against the nodes earlier sites claimed.
-pub(crate) fn choose(index: &Index<'_>, instances: &[u32], target: &Target) -> Choice {
-    let candidates = index.candidates();
+/// Step 3 of the pass, choosing the sites, for the all-reduces `owned` of one window
+/// (ascending): per all-reduce (in graph order), the first candidate (most complete
+/// first) whose epilogue the target can fuse, that passes the IR checks
+/// ([`Index::check`]) against the nodes earlier sites claimed (`claimed`, by node
+/// index, over every window so far). Adds to `out`.
+pub(crate) fn choose(
+    index: &Index<'_, '_, '_>,
+    owned: &[u32],
+    target: &Target,
+    claimed: &mut Claimed,
+    out: &mut Choice,
+) {
+    let candidates = index.candidates(owned);
     let nvfp4_ok = crate::plan::nvfp4_ok(target);
-    let mut claimed: BTreeSet<u32> = BTreeSet::new();
-    let mut out = Choice::default();
-    for &inst in instances {
+    for &inst in owned {
         let Some(cands) = candidates.get(&inst) else {
             continue;
         };
@@ -565,9 +555,9 @@ pub(crate) fn choose(index: &Index<'_>, instances: &[u32], target: &Target) -> C
                 out.notes.entry(inst).or_default().push(note);
                 continue;
             }
-            match index.check(inst, *class, *ch, *kind, &claimed) {
+            match index.check(inst, *class, *ch, *kind, claimed) {
                 Ok(s) => {
-                    claimed.extend(s.region.iter().copied());
+                    claimed.claim(&s.region);
                     out.chosen.insert(inst, s);
                     break;
                 }
@@ -575,7 +565,29 @@ pub(crate) fn choose(index: &Index<'_>, instances: &[u32], target: &Target) -> C
             }
         }
     }
-    out
+}
+
+/// The IR nodes the chosen sites replace, by node index.
+#[derive(Debug, Default)]
+pub(crate) struct Claimed(Vec<bool>);
+
+impl Claimed {
+    /// Nothing claimed in a graph of `nodes` nodes.
+    pub fn new(nodes: usize) -> Claimed {
+        Claimed(vec![false; nodes])
+    }
+
+    fn contains(&self, n: u32) -> bool {
+        self.0.get(n as usize).copied().unwrap_or(false)
+    }
+
+    fn claim(&mut self, region: &BTreeSet<u32>) {
+        for &n in region {
+            if let Some(c) = self.0.get_mut(n as usize) {
+                *c = true;
+            }
+        }
+    }
 }
 
 /// Why a candidate's quant epilogue is not fused on this target (the quant then runs

@@ -276,3 +276,60 @@ fn quant_epilogues_fuse_behind_3d_views() {
         }
     }
 }
+
+#[test]
+fn windows_change_nothing_but_the_egraph_totals() {
+    // Every stack form, lowered whole and in windows that cut every layer (down to one
+    // node); the targets fuse NVFP4 (b200) or leave it unfused (h200).
+    let quants = [
+        None,
+        Some(Quant::Fp8Static),
+        Some(Quant::Fp8PerToken),
+        Some(Quant::Fp8Group),
+        Some(Quant::Fp8GroupF32Ue8m0),
+        Some(Quant::Nvfp4),
+    ];
+    let mut compared = 0;
+    for norm in [NormForm::RmsNorm, NormForm::FusedAdd, NormForm::Decomposed] {
+        for view_3d in [false, true] {
+            for quant in quants {
+                for (gemma, live) in [(false, false), (false, true), (true, false)] {
+                    let g = Stack {
+                        layers: 4,
+                        norm,
+                        view_3d,
+                        quant: quant.filter(|_| !gemma),
+                        gemma,
+                        norm_live_with_quant: live,
+                        final_residual_live: live,
+                        ..Stack::default()
+                    }
+                    .build();
+                    for target in [h200(), b200()] {
+                        let whole = arfuse_rewrite::lower(&g, &target).unwrap();
+                        assert_eq!(whole.report.runner.windows, 1);
+                        for w in [1, 5, 23] {
+                            let what = format!(
+                                "{norm:?} 3d={view_3d} {quant:?} gemma={gemma} live={live}, \
+                                 windows of {w}"
+                            );
+                            let options = arfuse_rewrite::LowerOptions {
+                                window_nodes: w,
+                                ..Default::default()
+                            };
+                            let cut = arfuse_rewrite::lower_with(&g, &target, &options).unwrap();
+                            assert!(cut.report.runner.windows > 1, "{what}");
+                            assert_eq!(whole.graph.to_string(), cut.graph.to_string(), "{what}");
+                            assert_eq!(whole.sites, cut.sites, "{what}");
+                            let mut report = cut.report.clone();
+                            report.runner = whole.report.runner.clone();
+                            assert_eq!(whole.report, report, "{what}");
+                            compared += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(compared, 3 * 2 * 6 * 3 * 2 * 3);
+}

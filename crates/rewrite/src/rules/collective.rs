@@ -10,7 +10,7 @@ use crate::analysis::{all_reduce_in, FxAnalysis, FxGraph};
 use crate::lang::Fx;
 use egg::{Id, Rewrite, Subst};
 
-pub(crate) fn rules() -> Result<Vec<Rewrite<Fx, FxAnalysis>>, String> {
+pub(crate) fn rules<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
     Ok(vec![rule(
         "wait-of-all-reduce",
         "(wait ?a)",

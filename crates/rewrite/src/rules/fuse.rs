@@ -43,7 +43,7 @@ pub(crate) const VECTOR_BYTES: u64 = 16;
 /// rows gave sub-warp blocks whose warp-shuffle reduction hung (domain.md §6).
 pub(crate) const MIN_ROW_BYTES: u64 = 32 * VECTOR_BYTES;
 
-pub(crate) fn rules() -> Result<Vec<Rewrite<Fx, FxAnalysis>>, String> {
+pub(crate) fn rules<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
     // One search of the `rms_norm` classes for every form (and for `norm-of-view`,
     // see [`super::view`]); the applier enumerates exactly the matches the patterns in
     // the module docs would, so the e-graph is scanned once instead of four times.
@@ -158,16 +158,17 @@ fn fuse(
 fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<FKind, String> {
     let an = &eg.analysis;
     let group = an
+        .facts
         .instances
         .get(&inst)
         .map(|i| i.group.as_str())
         .unwrap_or("");
-    if group != an.group {
+    if group != an.facts.group {
         return Err(format!(
             "the all-reduce is over group `{group}`, but the layer's tensor-parallel group is \
              `{}`; only all-reduces over the layer's group are fused (set LowerOptions::group \
              if the layer's group is another one)",
-            an.group
+            an.facts.group
         ));
     }
     let Some(Leaf::Norm { eps, bias, twice }) = eg[n].data.leaf else {
@@ -219,7 +220,7 @@ fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<
             );
         }
         if let Some(other) = all_reduce_in(eg, r) {
-            if let Some(o) = an.instances.get(&other).filter(|o| o.uses == 1) {
+            if let Some(o) = an.facts.instances.get(&other).filter(|o| o.uses == 1) {
                 return Err(format!(
                     "the add sums this all-reduce and another one (`{}`) used only by it: \
                      a layout with two reductions is never fused",
@@ -229,7 +230,12 @@ fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<
         }
     }
     if let Some(src) = all_reduce_in(eg, x) {
-        let src = an.instances.get(&src).map(|i| i.id.as_str()).unwrap_or("?");
+        let src = an
+            .facts
+            .instances
+            .get(&src)
+            .map(|i| i.id.as_str())
+            .unwrap_or("?");
         return Err(format!(
             "the all-reduce reduces the output of another all-reduce (`{src}`): a layout \
              with two reductions is never fused"

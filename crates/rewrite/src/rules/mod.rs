@@ -18,70 +18,75 @@ pub(crate) mod quant;
 pub(crate) mod view;
 
 use crate::analysis::{FxAnalysis, FxGraph};
-use crate::error::LowerError;
 use crate::lang::{Fx, Leaf};
-use crate::report::RunnerReport;
-use crate::LowerOptions;
 use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Runner, SimpleScheduler, StopReason, Subst};
 use egg::{Symbol, Var};
 use std::cell::RefCell;
 
-/// Step 2 of the pass, running the rules: every rule of [`all`] on `egraph` until
-/// saturation, within the limits of `options`.
+/// What one saturated e-graph ran to.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Ran {
+    /// Iterations the runner took.
+    pub iterations: usize,
+    /// E-nodes at the end.
+    pub nodes: usize,
+    /// E-classes at the end.
+    pub classes: usize,
+}
+
+/// Step 2 of the pass, running the rules: every rule of `rules` ([`all`]) on one
+/// window's `egraph` until saturation, within `iter_limit` iterations and `node_limit`
+/// e-nodes.
 ///
-/// Errors: [`LowerError::NotSaturated`] when a limit stops the runner first (the result
-/// would depend on the limits), [`LowerError::Internal`] when a rule does not parse.
-pub(crate) fn saturate(
-    egraph: FxGraph,
-    options: &LowerOptions,
-) -> Result<(FxGraph, RunnerReport), LowerError> {
-    let rules = all().map_err(LowerError::Internal)?;
-    let runner = Runner::default()
+/// Errors: what stopped the runner first, when not saturation (the result would
+/// depend on the limits), with the iterations and e-nodes it ran to.
+pub(crate) fn saturate<'a>(
+    egraph: FxGraph<'a>,
+    rules: &[Rewrite<Fx, FxAnalysis<'a>>],
+    iter_limit: usize,
+    node_limit: usize,
+) -> Result<(FxGraph<'a>, Ran), (Stop, Ran)> {
+    // The runner's own analysis is replaced by `egraph`'s.
+    let placeholder = FxAnalysis::new(egraph.analysis.facts, Default::default());
+    let runner: Runner<Fx, FxAnalysis<'a>, ()> = Runner::new(placeholder)
         .with_scheduler(SimpleScheduler)
-        .with_iter_limit(options.iter_limit)
-        .with_node_limit(options.node_limit)
+        .with_iter_limit(iter_limit)
+        .with_node_limit(node_limit)
         // No wall-clock limit (egg's default is 5 s): the iteration and e-node budgets
         // bound the work, so the result does not depend on the machine's speed.
         .with_time_limit(std::time::Duration::MAX)
         .with_egraph(egraph)
-        .run(&rules);
-    let iterations = runner.iterations.len();
+        .run(rules);
     let eg = runner.egraph;
-    let reason = match runner.stop_reason {
-        Some(StopReason::Saturated) => {
-            let report = RunnerReport {
-                stop_reason: "saturated".into(),
-                iterations,
-                egraph_nodes: eg.total_size(),
-                egraph_classes: eg.number_of_classes(),
-                limits: crate::RunnerLimits {
-                    iterations: options.iter_limit,
-                    egraph_nodes: options.node_limit,
-                },
-            };
-            return Ok((eg, report));
-        }
-        Some(StopReason::IterationLimit(n)) => format!("iteration limit {n}"),
-        // egg reports the e-node count it stopped at; name the configured limit.
-        Some(StopReason::NodeLimit(n)) => format!(
-            "e-node limit {} (the e-graph had {n} e-nodes when it stopped)",
-            options.node_limit
-        ),
-        Some(StopReason::TimeLimit(s)) => format!("time limit {s} s"),
-        Some(StopReason::Other(s)) => s,
-        None => "no stop reason".into(),
-    };
-    Err(LowerError::NotSaturated {
-        reason,
-        iterations,
+    let ran = Ran {
+        iterations: runner.iterations.len(),
         nodes: eg.total_size(),
-    })
+        classes: eg.number_of_classes(),
+    };
+    let stop = match runner.stop_reason {
+        Some(StopReason::Saturated) => return Ok((eg, ran)),
+        Some(StopReason::IterationLimit(n)) => Stop::Other(format!("iteration limit {n}")),
+        Some(StopReason::NodeLimit(n)) => Stop::NodeLimit(n),
+        Some(StopReason::TimeLimit(s)) => Stop::Other(format!("time limit {s} s")),
+        Some(StopReason::Other(s)) => Stop::Other(s),
+        None => Stop::Other("no stop reason".into()),
+    };
+    Err((stop, ran))
+}
+
+/// Why a runner stopped before saturation.
+#[derive(Clone, Debug)]
+pub(crate) enum Stop {
+    /// The e-node limit, with the e-nodes the runner counted when it stopped.
+    NodeLimit(usize),
+    /// Any other reason, in words.
+    Other(String),
 }
 
 /// Every rule of the pass, in a fixed order.
 ///
 /// Errors: a rule that does not parse (a bug in this crate, reported as such).
-pub(crate) fn all() -> Result<Vec<Rewrite<Fx, FxAnalysis>>, String> {
+pub(crate) fn all<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
     let mut rules = Vec::new();
     rules.extend(collective::rules()?);
     rules.extend(norm::rules()?);
@@ -98,7 +103,7 @@ pub(crate) type ApplyFn = fn(&mut FxGraph, Id, &Subst) -> Vec<Id>;
 /// An applier given by a function (each rule's conditions live in its function).
 pub(crate) struct FnApplier(pub ApplyFn);
 
-impl Applier<Fx, FxAnalysis> for FnApplier {
+impl<'a> Applier<Fx, FxAnalysis<'a>> for FnApplier {
     fn apply_one(
         &self,
         egraph: &mut FxGraph,
@@ -112,11 +117,11 @@ impl Applier<Fx, FxAnalysis> for FnApplier {
 }
 
 /// A rule from a pattern and an applier function.
-pub(crate) fn rule(
+pub(crate) fn rule<'a>(
     name: &str,
     pattern: &str,
     apply: ApplyFn,
-) -> Result<Rewrite<Fx, FxAnalysis>, String> {
+) -> Result<Rewrite<Fx, FxAnalysis<'a>>, String> {
     let p: Pattern<Fx> = pattern
         .parse()
         .map_err(|e| format!("rule {name}: pattern {pattern:?} does not parse: {e}"))?;

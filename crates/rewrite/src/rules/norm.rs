@@ -28,7 +28,7 @@ use crate::lang::{Fx, Leaf};
 use arfuse_ir::DType;
 use egg::{Id, Rewrite, Subst};
 
-pub(crate) fn rules() -> Result<Vec<Rewrite<Fx, FxAnalysis>>, String> {
+pub(crate) fn rules<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
     // Three searches instead of one pattern per spelling: the inner part of the
     // decomposition (`NF`, 8 spellings) is matched by [`normed`] in the applier, so the
     // e-graph is scanned once per outer form, not once per spelling (32 scans of every

@@ -28,7 +28,7 @@ use crate::lang::{Fx, Leaf, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
 use arfuse_ir::DType;
 use egg::{Id, Rewrite, Subst};
 
-pub(crate) fn rules() -> Result<Vec<Rewrite<Fx, FxAnalysis>>, String> {
+pub(crate) fn rules<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
     Ok(vec![rule("fuse-quant", "(quant ?q ?y ?s)", fuse_quant)?])
 }
 

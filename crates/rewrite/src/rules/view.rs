@@ -19,7 +19,7 @@ use crate::analysis::{all_reduce_in, FxAnalysis, FxGraph};
 use crate::lang::{Fx, Leaf};
 use egg::{Id, Rewrite, Subst};
 
-pub(crate) fn rules() -> Result<Vec<Rewrite<Fx, FxAnalysis>>, String> {
+pub(crate) fn rules<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
     // `norm-of-view` is applied by the single `rms_norm` search of [`super::fuse`];
     // both operand orders of `add-of-view` share one search of the `add` classes.
     Ok(vec![

@@ -1,0 +1,196 @@
+//! Windows: the pieces of a large graph the e-graph works on one at a time, so that the
+//! work per site stays the same however many layers the model has.
+//!
+//! The graph's nodes (in their topological order) are cut into consecutive core ranges
+//! of [`crate::LowerOptions::window_nodes`] nodes. A window decides the all-reduces of
+//! its core, and holds, besides its core:
+//! - the forward halo: every node the rules model that is at most [`FORWARD_HALO`]
+//!   steps downstream of one of those all-reduces through modeled nodes, so that every
+//!   chain an all-reduce of the core can start (a site replaces at most
+//!   [`crate::site::MAX_REGION_NODES`] nodes) is inside, with its residual add, norm,
+//!   quant and views;
+//! - the backward halo: every modeled node at most [`BACKWARD_HALO`] steps upstream of
+//!   a node of the window, so that the classes the rules look into below a matched op
+//!   (a weight `1 + w.float()`, the all-reduce behind a wait or a view, the residual)
+//!   are built as in the whole graph.
+//!
+//! Views and waits are no step ([`crate::convert::modeled_step`]): the rules see
+//! through chains of any length of them, so a halo follows such a chain to its end.
+//! Every other value a window's nodes read becomes an opaque leaf, as every value of
+//! an op the rules do not model already is. A graph of at most `window_nodes` nodes is
+//! one window holding every node: the e-graph of the whole graph.
+
+use crate::convert::modeled_step;
+use crate::uses::Uses;
+use arfuse_ir::{Graph, NodeId};
+use std::collections::VecDeque;
+
+/// Steps downstream of an all-reduce that its window reaches past its core: the most
+/// nodes one site may replace, so no chain the site check could accept is cut.
+pub(crate) const FORWARD_HALO: u32 = crate::site::MAX_REGION_NODES as u32;
+
+/// Steps upstream of a window's nodes that it reaches past its core. The rules look at
+/// most about six ops below a matched op (the decomposed norm's `rsqrt(mean(pow(x)) +
+/// eps)`); the margin covers chains of views and waits below it.
+pub(crate) const BACKWARD_HALO: u32 = 16;
+
+/// One window: the nodes converted, and the all-reduces it decides.
+#[derive(Debug, Default)]
+pub(crate) struct Window {
+    /// Node indices, ascending (a topological order).
+    pub nodes: Vec<u32>,
+    /// The all-reduces of its core, ascending.
+    pub owned: Vec<u32>,
+}
+
+/// Cuts `g` into windows of `core` nodes and halos, one at a time ([`Windows::next`]),
+/// reusing its buffers.
+pub(crate) struct Windows<'a> {
+    g: &'a Graph,
+    uses: &'a Uses,
+    /// The graph's all-reduces, ascending.
+    instances: &'a [u32],
+    core: usize,
+    /// Start of the next core range.
+    next_start: usize,
+    /// Per node: the number of the window that holds it (0: none yet).
+    member: Vec<u32>,
+    /// The number of the window being built.
+    window: u32,
+    /// Per node: the number of the search that reached it last, and its distance then.
+    seen: Vec<u32>,
+    dist: Vec<u32>,
+    /// The number of the current search.
+    search: u32,
+    queue: VecDeque<(u32, u32)>,
+}
+
+/// Which way a halo search goes.
+#[derive(Clone, Copy, PartialEq)]
+enum Way {
+    /// To the users of a node.
+    Down,
+    /// To the producers of a node's inputs.
+    Up,
+}
+
+impl<'a> Windows<'a> {
+    /// Windows of `g` with cores of `core` nodes (at least 1).
+    pub fn new(g: &'a Graph, uses: &'a Uses, instances: &'a [u32], core: usize) -> Windows<'a> {
+        Windows {
+            g,
+            uses,
+            instances,
+            core: core.max(1),
+            next_start: 0,
+            member: Vec::new(),
+            window: 0,
+            seen: Vec::new(),
+            dist: Vec::new(),
+            search: 0,
+            queue: VecDeque::new(),
+        }
+    }
+
+    /// The next window, written into `w`; false when none is left. Of a graph cut into
+    /// several windows, a core range without an all-reduce decides nothing and is
+    /// skipped; a graph that is one window is always converted (its report gives the
+    /// e-graph of the whole graph).
+    pub fn next(&mut self, w: &mut Window) -> bool {
+        let n = self.g.len();
+        loop {
+            if self.next_start >= n {
+                return false;
+            }
+            let start = self.next_start;
+            let end = start.saturating_add(self.core).min(n);
+            self.next_start = end;
+            let lo = self.instances.partition_point(|&i| (i as usize) < start);
+            let hi = self.instances.partition_point(|&i| (i as usize) < end);
+            let whole = start == 0 && end == n;
+            if lo == hi && !whole {
+                continue;
+            }
+            w.owned.clear();
+            w.owned.extend_from_slice(&self.instances[lo..hi]);
+            w.nodes.clear();
+            if whole {
+                // The whole graph: no halo.
+                w.nodes.extend(0..n as u32);
+                return true;
+            }
+            self.build(start, end, w);
+            return true;
+        }
+    }
+
+    /// The core `start..end` with its halos.
+    fn build(&mut self, start: usize, end: usize, w: &mut Window) {
+        let n = self.g.len();
+        if self.member.len() != n {
+            self.member = vec![0; n];
+            self.seen = vec![0; n];
+            self.dist = vec![0; n];
+        }
+        self.window += 1;
+        for m in &mut self.member[start..end] {
+            *m = self.window;
+        }
+        w.nodes.extend(start as u32..end as u32);
+        // Forward halo: from every owned all-reduce at once.
+        let owned = std::mem::take(&mut w.owned);
+        self.search(&owned, Way::Down, FORWARD_HALO, w);
+        w.owned = owned;
+        // Backward halo: from every node of the window at once.
+        let nodes = w.nodes.clone();
+        self.search(&nodes, Way::Up, BACKWARD_HALO, w);
+        w.nodes.sort_unstable();
+    }
+
+    /// A 0-1 breadth-first search from `sources` going `way` through modeled nodes, up
+    /// to `limit` steps (views and waits cost none); every node it reaches joins `w`.
+    fn search(&mut self, sources: &[u32], way: Way, limit: u32, w: &mut Window) {
+        self.search += 1;
+        self.queue.clear();
+        for &s in sources {
+            self.seen[s as usize] = self.search;
+            self.dist[s as usize] = 0;
+            self.queue.push_back((s, 0));
+        }
+        while let Some((node, d)) = self.queue.pop_front() {
+            if d > self.dist[node as usize] {
+                continue; // reached again nearer since
+            }
+            let (g, uses) = (self.g, self.uses);
+            let (down, up): (&[u32], &[arfuse_ir::Value]) = match way {
+                Way::Down => (uses.users_of_node(node), &[]),
+                Way::Up => (&[], &g.node(NodeId::new(node as usize)).inputs),
+            };
+            let next = down
+                .iter()
+                .copied()
+                .chain(up.iter().map(|v| v.node.index() as u32));
+            for m in next {
+                let Some(step) = modeled_step(self.g, NodeId::new(m as usize)) else {
+                    continue;
+                };
+                let nd = d + step;
+                let i = m as usize;
+                if nd > limit || (self.seen[i] == self.search && self.dist[i] <= nd) {
+                    continue;
+                }
+                self.seen[i] = self.search;
+                self.dist[i] = nd;
+                if step == 0 {
+                    self.queue.push_front((m, nd));
+                } else {
+                    self.queue.push_back((m, nd));
+                }
+                if self.member[i] != self.window {
+                    self.member[i] = self.window;
+                    w.nodes.push(m);
+                }
+            }
+        }
+    }
+}
