@@ -261,8 +261,10 @@ impl Graph {
         self.ids = ids;
     }
 
-    /// Makes room for `nodes` more nodes and `edges` more edges (a loader knows both).
-    pub(crate) fn reserve(&mut self, nodes: usize, edges: usize) {
+    /// Makes room for `nodes` more nodes and `edges` more edges (node inputs), so that
+    /// adding them allocates nothing more for the graph's own tables (a loader, or a
+    /// pass that rebuilds a graph, knows both).
+    pub fn reserve(&mut self, nodes: usize, edges: usize) {
         self.g.reserve_nodes(nodes);
         self.g.reserve_edges(edges);
         let g = &self.g;

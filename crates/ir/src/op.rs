@@ -445,8 +445,10 @@ pub enum Op {
         #[serde(default)]
         attrs: serde_json::Value,
     },
-    /// The fused all-reduce + residual add + RMSNorm (+ quant) node.
-    FusedAllreduceNorm(FusedAllReduceNorm),
+    /// The fused all-reduce + residual add + RMSNorm (+ quant) node. Boxed: its plan
+    /// is several times the size of every other op, and every node of a graph holds
+    /// an `Op` (a pass over a graph's nodes reads half the bytes).
+    FusedAllreduceNorm(Box<FusedAllReduceNorm>),
 }
 
 fn default_nvfp4_layout() -> Nvfp4ScaleLayout {

@@ -3,7 +3,7 @@
 use crate::error::{Problem, ProblemKind, Problems};
 use crate::graph::{MAX_RANK, MAX_SYMBOL_VALUE};
 use crate::op::{FusedOutput, FusedQuant, GroupScaleLayout};
-use crate::{DType, Dim, Graph, Node, Op, Shape, TensorType};
+use crate::{DType, Dim, Graph, Node, NodeId, Op, Shape, TensorType};
 
 /// NVFP4 block size in elements (domain.md section 1).
 pub const NVFP4_BLOCK: u64 = 16;
@@ -23,10 +23,38 @@ impl Graph {
     pub fn validate(&self) -> Result<(), Problems> {
         validate(self)
     }
+
+    /// [`Graph::validate`] for the nodes `nodes` only (and every symbol): for a graph
+    /// made from a valid one by adding or rewiring those nodes, whose other nodes read
+    /// values of unchanged types, this finds every problem `validate` would.
+    pub fn validate_nodes(&self, nodes: impl IntoIterator<Item = NodeId>) -> Result<(), Problems> {
+        let mut p = Problems::new();
+        check_symbols(self, &mut p);
+        for id in nodes {
+            if let Some(n) = self.get(id) {
+                check_node(self, n, &mut p);
+            }
+        }
+        p.into_result()
+    }
 }
 
 pub(crate) fn validate(g: &Graph) -> Result<(), Problems> {
     let mut p = Problems::new();
+    check_symbols(g, &mut p);
+    for (_, n) in g.nodes() {
+        check_node(g, n, &mut p);
+    }
+    p.into_result()
+}
+
+fn check_node(g: &Graph, n: &Node, p: &mut Problems) {
+    let mut c = Checker { g, n, p };
+    c.outputs_well_formed();
+    c.op();
+}
+
+fn check_symbols(g: &Graph, p: &mut Problems) {
     for (name, r) in g.symbols() {
         if r.min > r.max {
             p.push(Problem::new(
@@ -46,12 +74,6 @@ pub(crate) fn validate(g: &Graph) -> Result<(), Problems> {
             ));
         }
     }
-    for (_, n) in g.nodes() {
-        let mut c = Checker { g, n, p: &mut p };
-        c.outputs_well_formed();
-        c.op();
-    }
-    p.into_result()
 }
 
 struct Checker<'a> {
@@ -142,22 +164,27 @@ impl<'a> Checker<'a> {
     }
 
     fn expect_output(&mut self, k: usize, want: &TensorType) {
+        self.expect_output_of(k, want.dtype, &want.shape);
+    }
+
+    /// Output `k` must be of `dtype` and `shape` (no type to build for the check).
+    fn expect_output_of(&mut self, k: usize, dtype: DType, shape: &Shape) {
         let got = &self.n.outputs[k];
-        if got.dtype != want.dtype {
+        if got.dtype != dtype {
             self.err(
                 ProblemKind::DType,
                 format!(
-                    "output {k} is declared {}, the op produces {}",
-                    got.dtype, want.dtype
+                    "output {k} is declared {}, the op produces {dtype}",
+                    got.dtype
                 ),
             );
         }
-        if got.shape != want.shape {
+        if got.shape != *shape {
             self.err(
                 ProblemKind::Shape,
                 format!(
-                    "output {k} is declared {}, the op produces {}",
-                    got.shape, want.shape
+                    "output {k} is declared {}, the op produces {shape}",
+                    got.shape
                 ),
             );
         }
@@ -375,6 +402,11 @@ impl<'a> Checker<'a> {
                         );
                         return;
                     }
+                    if a.shape == b.shape {
+                        // Equal shapes broadcast to themselves.
+                        self.expect_output_of(0, a.dtype, &a.shape);
+                        return;
+                    }
                     match broadcast(&a.shape, &b.shape) {
                         Some(s) => self.expect_output(
                             0,
@@ -397,11 +429,8 @@ impl<'a> Checker<'a> {
             }
             Op::ToDtype { dtype } => {
                 if self.arity(&[1], 1) {
-                    let want = TensorType {
-                        dtype: *dtype,
-                        shape: self.input(0).shape.clone(),
-                    };
-                    self.expect_output(0, &want);
+                    let x = self.input(0);
+                    self.expect_output_of(0, *dtype, &x.shape);
                 }
             }
             Op::Pow { exponent } => {
@@ -433,27 +462,26 @@ impl<'a> Checker<'a> {
                         }
                         reduced[k as usize] = true;
                     }
-                    let mut out = Vec::new();
-                    for (i, d) in x.shape.dims().iter().enumerate() {
+                    // The expected dims, compared in place (built only for a message).
+                    let one = dim(1);
+                    let want = x.shape.dims().iter().enumerate().filter_map(|(i, d)| {
                         if !reduced[i] {
-                            out.push(d.clone());
-                        } else if *keepdim {
-                            out.push(dim(1));
+                            Some(d)
+                        } else {
+                            keepdim.then_some(&one)
                         }
+                    });
+                    let got = &n.outputs[0];
+                    if got.dtype != x.dtype || !want.clone().eq(got.shape.dims().iter()) {
+                        let shape = Shape(want.cloned().collect());
+                        self.expect_output_of(0, x.dtype, &shape);
                     }
-                    self.expect_output(
-                        0,
-                        &TensorType {
-                            dtype: x.dtype,
-                            shape: Shape(out),
-                        },
-                    );
                 }
             }
             Op::Reshape => {
                 if self.arity(&[1], 1) {
                     let x = self.input(0);
-                    let y = n.outputs[0].clone();
+                    let y = &n.outputs[0];
                     if x.dtype != y.dtype {
                         self.err(
                             ProblemKind::DType,
@@ -693,12 +721,12 @@ impl<'a> Checker<'a> {
         let quant = self.quant_outputs(&x, h, f.quant);
         for (k, o) in f.outputs.iter().enumerate() {
             let want = match o {
-                FusedOutput::Norm | FusedOutput::Residual => Some(x.clone()),
-                FusedOutput::Quant => quant.as_ref().map(|q| q.0.clone()),
-                FusedOutput::Scale => quant.as_ref().and_then(|q| q.1.clone()),
+                FusedOutput::Norm | FusedOutput::Residual => Some(x),
+                FusedOutput::Quant => quant.as_ref().map(|q| &q.0),
+                FusedOutput::Scale => quant.as_ref().and_then(|q| q.1.as_ref()),
             };
             if let Some(want) = want {
-                self.expect_output(k, &want);
+                self.expect_output(k, want);
             }
         }
     }
@@ -720,14 +748,16 @@ impl<'a> Checker<'a> {
             self.err(ProblemKind::Attribute, "plan: the dispatch is empty");
         }
         for (k, r) in plan.dispatch.iter().enumerate() {
-            let at = format!(
-                "plan: dispatch[{k}] (T={}..={})",
-                r.min_tokens, r.max_tokens
-            );
+            let at = || {
+                format!(
+                    "plan: dispatch[{k}] (T={}..={})",
+                    r.min_tokens, r.max_tokens
+                )
+            };
             if r.min_tokens != next || r.max_tokens < r.min_tokens {
                 self.err(
                     ProblemKind::Attribute,
-                    format!("{at}: ranges must be ordered and cover every T from 1 without gaps; expected a range starting at T={next}"),
+                    format!("{}: ranges must be ordered and cover every T from 1 without gaps; expected a range starting at T={next}", at()),
                 );
                 return;
             }
@@ -783,7 +813,7 @@ impl<'a> Checker<'a> {
         &mut self,
         plan: &crate::op::FusedPlan,
         r: &crate::op::DispatchRange,
-        at: &str,
+        at: &dyn Fn() -> String,
         h: u64,
     ) {
         let ws = &plan.workspace;
@@ -791,7 +821,7 @@ impl<'a> Checker<'a> {
         if r.max_tokens > plan.max_token_num {
             self.err(
                 ProblemKind::Attribute,
-                format!("{at}: fused above max_token_num {}", plan.max_token_num),
+                format!("{}: fused above max_token_num {}", at(), plan.max_token_num),
             );
         }
         // The rule is monotone in T: T >= W is decided at the first T of the range,
@@ -801,7 +831,7 @@ impl<'a> Checker<'a> {
                 Ok(None) => {}
                 Ok(Some(arfuse_policy::Misfit::BelowWorldSize { world_size })) => self.err(
                     ProblemKind::Attribute,
-                    format!("{at}: {s} needs T >= W = {world_size}, T={t}"),
+                    format!("{}: {s} needs T >= W = {world_size}, T={t}", at()),
                 ),
                 Ok(Some(arfuse_policy::Misfit::TooLarge {
                     required_bytes,
@@ -809,10 +839,11 @@ impl<'a> Checker<'a> {
                 })) => self.err(
                     ProblemKind::Attribute,
                     format!(
-                        "{at}: {s} at T={t} needs {required_bytes} bytes, its buffer holds {available_bytes}"
+                        "{}: {s} at T={t} needs {required_bytes} bytes, its buffer holds {available_bytes}",
+                        at()
                     ),
                 ),
-                Err(e) => self.err(ProblemKind::Overflow, format!("{at}: {e}")),
+                Err(e) => self.err(ProblemKind::Overflow, format!("{}: {e}", at())),
             }
         }
         match ws.required_bytes(s, r.max_tokens, h) {
@@ -820,11 +851,13 @@ impl<'a> Checker<'a> {
             Ok(need) => self.err(
                 ProblemKind::Attribute,
                 format!(
-                    "{at}: states {} bytes, but {s} at T={} needs {need}",
-                    r.required_bytes, r.max_tokens
+                    "{}: states {} bytes, but {s} at T={} needs {need}",
+                    at(),
+                    r.required_bytes,
+                    r.max_tokens
                 ),
             ),
-            Err(e) => self.err(ProblemKind::Overflow, format!("{at}: {e}")),
+            Err(e) => self.err(ProblemKind::Overflow, format!("{}: {e}", at())),
         }
     }
 }

@@ -54,7 +54,7 @@ fn lowered_decomposed_3d(rounding: NormRounding) -> Graph {
     let rf = b.node("res_flat", Op::Reshape, vec![res], vec![d2.clone()]);
     let f = b.node(
         "fused",
-        Op::FusedAllreduceNorm(FusedAllReduceNorm {
+        Op::FusedAllreduceNorm(Box::new(FusedAllReduceNorm {
             group: "tp".into(),
             eps: 1e-6,
             weight_bias: 0.0,
@@ -63,7 +63,7 @@ fn lowered_decomposed_3d(rounding: NormRounding) -> Graph {
             quant: FusedQuant::None,
             outputs: vec![FusedOutput::Norm, FusedOutput::Residual],
             plan: None,
-        }),
+        })),
         vec![xf, rf, w],
         vec![d2.clone(), d2.clone()],
     );
@@ -265,7 +265,7 @@ fn stack_with(eps_lowered: f64, wb_lowered: f64, dtype: DType) -> (Graph, Graph)
         let outs = if fused {
             let f = b.node(
                 "fused",
-                Op::FusedAllreduceNorm(FusedAllReduceNorm {
+                Op::FusedAllreduceNorm(Box::new(FusedAllReduceNorm {
                     group: "tp".into(),
                     eps: eps_lowered,
                     weight_bias: wb_lowered,
@@ -274,7 +274,7 @@ fn stack_with(eps_lowered: f64, wb_lowered: f64, dtype: DType) -> (Graph, Graph)
                     quant: FusedQuant::None,
                     outputs: vec![FusedOutput::Norm, FusedOutput::Residual],
                     plan: None,
-                }),
+                })),
                 vec![x, res, w],
                 vec![act.clone(), act.clone()],
             );

@@ -6,8 +6,7 @@
 //! its core, and holds, besides its core:
 //! - the forward halo: every node the rules model that is at most [`FORWARD_HALO`]
 //!   steps downstream of one of those all-reduces through modeled nodes, so that every
-//!   chain an all-reduce of the core can start (a site replaces at most
-//!   [`crate::site::MAX_REGION_NODES`] nodes) is inside, with its residual add, norm,
+//!   chain an all-reduce of the core can start is inside, with its residual add, norm,
 //!   quant and views;
 //! - the backward halo: every modeled node at most [`BACKWARD_HALO`] steps upstream of
 //!   a node of the window, so that the classes the rules look into below a matched op
@@ -25,14 +24,17 @@ use crate::uses::Uses;
 use arfuse_ir::{Graph, NodeId};
 use std::collections::VecDeque;
 
-/// Steps downstream of an all-reduce that its window reaches past its core: the most
-/// nodes one site may replace, so no chain the site check could accept is cut.
-pub(crate) const FORWARD_HALO: u32 = crate::site::MAX_REGION_NODES as u32;
+/// Steps downstream of an all-reduce that its window reaches past its core. The
+/// longest chain a rule matches runs 10 modeled steps past its all-reduce (the residual
+/// add, the eight ops of a decomposed norm, the quant; views and waits cost none), so
+/// every op a rule can reach from an all-reduce of the core, and every op a site of it
+/// replaces, is inside with a margin.
+pub(crate) const FORWARD_HALO: u32 = 16;
 
 /// Steps upstream of a window's nodes that it reaches past its core. The rules look at
-/// most about six ops below a matched op (the decomposed norm's `rsqrt(mean(pow(x)) +
-/// eps)`); the margin covers chains of views and waits below it.
-pub(crate) const BACKWARD_HALO: u32 = 16;
+/// most six ops below a matched op (the decomposed norm's `rsqrt(mean(pow(xf)) + eps)`
+/// and the cast giving `xf`); views and waits below it cost none.
+pub(crate) const BACKWARD_HALO: u32 = 8;
 
 /// One window: the nodes converted, and the all-reduces it decides.
 #[derive(Debug, Default)]

@@ -11,7 +11,7 @@ use common::{b200, h200, lowered};
 fn fused_nodes(g: &arfuse_ir::Graph) -> Vec<&arfuse_ir::op::FusedAllReduceNorm> {
     g.nodes()
         .filter_map(|(_, n)| match &n.op {
-            Op::FusedAllreduceNorm(f) => Some(f),
+            Op::FusedAllreduceNorm(f) => Some(&**f),
             _ => None,
         })
         .collect()

@@ -282,7 +282,7 @@ pub fn build_stack(s: &Stack, t_max: u64, fused: bool) -> Graph {
             ins.extend(extra);
             let f = b.node(
                 &format!("fused{i}"),
-                Op::FusedAllreduceNorm(FusedAllReduceNorm {
+                Op::FusedAllreduceNorm(Box::new(FusedAllReduceNorm {
                     group: "tp".into(),
                     eps: site.eps,
                     weight_bias: wb,
@@ -291,7 +291,7 @@ pub fn build_stack(s: &Stack, t_max: u64, fused: bool) -> Graph {
                     quant: site.quant,
                     outputs: list.clone(),
                     plan: None,
-                }),
+                })),
                 ins,
                 types,
             );
@@ -503,7 +503,7 @@ pub fn build_model(cfg: &ModelCfg, t_max: u64, lowered: bool) -> Graph {
             ins.extend(scale);
             let f = b.node(
                 &format!("{name}_fused"),
-                Op::FusedAllreduceNorm(FusedAllReduceNorm {
+                Op::FusedAllreduceNorm(Box::new(FusedAllReduceNorm {
                     group: "tp".into(),
                     eps: cfg.eps,
                     weight_bias: 0.0,
@@ -512,7 +512,7 @@ pub fn build_model(cfg: &ModelCfg, t_max: u64, lowered: bool) -> Graph {
                     quant,
                     outputs: outs,
                     plan: None,
-                }),
+                })),
                 ins,
                 types,
             );
