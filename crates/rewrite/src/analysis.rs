@@ -34,8 +34,6 @@ pub(crate) struct Data {
     pub tuple: bool,
     /// The value of a scalar constant, as f64 bits.
     pub konst: Option<u64>,
-    /// The leaf, for attribute classes.
-    pub leaf: Option<Leaf>,
 }
 
 impl Data {
@@ -235,7 +233,7 @@ impl<'a> Analysis<Fx> for FxAnalysis<'a> {
 
     fn make(egraph: &mut EGraph<Fx, FxAnalysis<'a>>, enode: &Fx) -> Data {
         let ty = |id: &Id| egraph[*id].data.ty();
-        let leaf = |id: &Id| egraph[*id].data.leaf;
+        let leaf = |id: &Id| leaf_of(egraph, *id);
         match enode {
             Fx::Leaf(Leaf::Value(n, k)) => {
                 let facts = egraph.analysis.facts;
@@ -252,10 +250,7 @@ impl<'a> Analysis<Fx> for FxAnalysis<'a> {
                     ..Data::default()
                 }
             }
-            Fx::Leaf(l) => Data {
-                leaf: Some(*l),
-                ..Data::default()
-            },
+            Fx::Leaf(_) => Data::default(),
             Fx::AllReduce([_, x])
             | Fx::Wait(x)
             | Fx::Pow([_, x])
@@ -355,10 +350,6 @@ impl<'a> Analysis<Fx> for FxAnalysis<'a> {
             to.konst = from.konst;
             changed = true;
         }
-        if to.leaf.is_none() && from.leaf.is_some() {
-            to.leaf = from.leaf;
-            changed = true;
-        }
         to.tuple |= from.tuple;
         DidMerge(changed, true)
     }
@@ -367,10 +358,20 @@ impl<'a> Analysis<Fx> for FxAnalysis<'a> {
 /// The e-graph type of the pass.
 pub(crate) type FxGraph<'a> = EGraph<Fx, FxAnalysis<'a>>;
 
+/// The attribute leaf class `id` is (an attribute never merges with another class), or
+/// `None` for a value class.
+pub(crate) fn leaf_of(egraph: &FxGraph, id: Id) -> Option<Leaf> {
+    match egraph[id].nodes.as_slice() {
+        [Fx::Leaf(Leaf::Value(..))] => None,
+        [Fx::Leaf(l)] => Some(*l),
+        _ => None,
+    }
+}
+
 /// True when class `id` holds an all-reduce (seen through `wait`).
 pub(crate) fn all_reduce_in(egraph: &FxGraph, id: Id) -> Option<u32> {
     egraph[id].nodes.iter().find_map(|n| match n {
-        Fx::AllReduce([i, _]) => match egraph[*i].data.leaf {
+        Fx::AllReduce([i, _]) => match leaf_of(egraph, *i) {
             Some(Leaf::Inst(i)) => Some(i),
             _ => None,
         },

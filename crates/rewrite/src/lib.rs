@@ -269,15 +269,15 @@ fn find_sites(
         let (mut eg, ran) = match rules::saturate(eg, &rules, options.iter_limit, budget) {
             Ok(done) => done,
             Err((stop, ran)) => {
-                // egg names the e-node count it stopped at; name the configured limit
-                // and count the earlier windows' e-nodes too.
+                // Name the configured limit, and count the earlier windows' e-nodes
+                // too.
                 let reason = match stop {
                     rules::Stop::NodeLimit(n) => format!(
                         "e-node limit {} (the e-graph had {} e-nodes when it stopped)",
                         options.node_limit,
                         r.egraph_nodes + n
                     ),
-                    rules::Stop::Other(s) => s,
+                    rules::Stop::IterationLimit(n) => format!("iteration limit {n}"),
                 };
                 return Err(LowerError::NotSaturated {
                     reason,

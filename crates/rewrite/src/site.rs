@@ -3,7 +3,7 @@
 //! removes, whether anything outside the chain still reads an intermediate) and picks
 //! at most one per all-reduce.
 
-use crate::analysis::FxGraph;
+use crate::analysis::{leaf_of, FxGraph};
 use crate::convert::Classes;
 use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
 use crate::uses::Uses;
@@ -175,7 +175,7 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
             for node in &class.nodes {
                 let Fx::Fused(ch) = node else { continue };
                 let (Some(Leaf::Fused(k)), Some(Leaf::Inst(i))) =
-                    (self.eg[ch[0]].data.leaf, self.eg[ch[1]].data.leaf)
+                    (leaf_of(self.eg, ch[0]), leaf_of(self.eg, ch[1]))
                 else {
                     continue;
                 };
@@ -204,7 +204,7 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
     ) -> Result<Site, String> {
         let eg = self.eg;
         let [_, _, x, r, w, s] = ch;
-        let none = |c: Id| eg[c].data.leaf == Some(Leaf::None);
+        let none = |c: Id| leaf_of(eg, c) == Some(Leaf::None);
         let ar = self.node(inst);
         let Some(&x_val) = ar.inputs.first() else {
             return Err("internal: all-reduce without input".into());

@@ -5,12 +5,11 @@
 //! all-reduce's class, so every later rule sees `wait(all_reduce(x))` as
 //! `all_reduce(x)`. Waits on anything else are left alone.
 
-use super::{rule, union, var};
-use crate::analysis::{all_reduce_in, FxAnalysis, FxGraph};
-use crate::lang::Fx;
-use egg::{Id, Rewrite, Subst};
+use super::{rule, union, Rule, Vars};
+use crate::analysis::{all_reduce_in, FxGraph};
+use egg::Id;
 
-pub(crate) fn rules<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
+pub(crate) fn rules() -> Result<Vec<Rule>, String> {
     Ok(vec![rule(
         "wait-of-all-reduce",
         "(wait ?a)",
@@ -18,12 +17,7 @@ pub(crate) fn rules<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
     )?])
 }
 
-fn wait_of_all_reduce(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let mut changed = Vec::new();
-    if let Some(a) = var(subst, "?a") {
-        if all_reduce_in(eg, a).is_some() {
-            union(eg, eclass, a, &mut changed);
-        }
-    }
-    changed
+/// `(wait ?a)`.
+fn wait_of_all_reduce(eg: &mut FxGraph, eclass: Id, &[a, ..]: &Vars) -> bool {
+    all_reduce_in(eg, a).is_some() && union(eg, eclass, a)
 }

@@ -31,11 +31,12 @@
 //! other node reads the all-reduce or the chain's intermediates is checked per site
 //! from the IR's use counts when converting back.
 
-use super::{get, leaf, rule, union, var};
-use crate::analysis::{all_reduce_in, FxAnalysis, FxGraph};
+use super::{get, leaf, rule, union, Rule, Vars};
+use crate::analysis::{all_reduce_in, leaf_of, FxGraph};
 use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_RESIDUAL};
 use arfuse_ir::DType;
-use egg::{Id, Rewrite, Subst};
+use egg::Id;
+use smallvec::SmallVec;
 
 /// Bytes of one kernel vector: a row must be a multiple (domain.md §6).
 pub(crate) const VECTOR_BYTES: u64 = 16;
@@ -43,60 +44,52 @@ pub(crate) const VECTOR_BYTES: u64 = 16;
 /// rows gave sub-warp blocks whose warp-shuffle reduction hung (domain.md §6).
 pub(crate) const MIN_ROW_BYTES: u64 = 32 * VECTOR_BYTES;
 
-pub(crate) fn rules<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
+pub(crate) fn rules() -> Result<Vec<Rule>, String> {
     // One search of the `rms_norm` classes for every form (and for `norm-of-view`,
     // see [`super::view`]); the applier enumerates exactly the matches the patterns in
     // the module docs would, so the e-graph is scanned once instead of four times.
     Ok(vec![rule("fuse", "(rms_norm ?n ?y ?w)", fuse_any)?])
 }
 
-/// Every match of the three fusion patterns (and `norm-of-view`) at one `rms_norm`.
-fn fuse_any(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let mut changed = Vec::new();
-    let (Some(n), Some(y), Some(w)) = (var(subst, "?n"), var(subst, "?y"), var(subst, "?w")) else {
-        return changed;
+/// Every match of the three fusion patterns (and `norm-of-view`) at one `rms_norm`:
+/// `(rms_norm ?n ?y ?w)`.
+fn fuse_any(eg: &mut FxGraph, eclass: Id, &[n, y, w, ..]: &Vars) -> bool {
+    // The matches, gathered before anything is added (one rms_norm has a few).
+    type Matches = SmallVec<[(Form, Id, Id, Option<Id>); 4]>;
+    let mut matches: Matches = SmallVec::new();
+    let mut views: SmallVec<[(Id, Id); 2]> = SmallVec::new();
+    let ar_nodes = |eg: &FxGraph, c: Id, out: &mut Matches, form: Form, r: Option<Id>| {
+        for node in &eg[c].nodes {
+            if let Fx::AllReduce([i, x]) = node {
+                out.push((form, *i, *x, r));
+            }
+        }
     };
-    // (form, i, x, r) in the order the separate rules ran: left, right, first.
-    let mut left = Vec::new();
-    let mut right = Vec::new();
-    let mut first = Vec::new();
-    let mut views = Vec::new();
-    let ar_nodes = |eg: &FxGraph, c: Id| -> Vec<(Id, Id)> {
-        eg[c]
-            .nodes
-            .iter()
-            .filter_map(|n| match n {
-                Fx::AllReduce([i, x]) => Some((*i, *x)),
-                _ => None,
-            })
-            .collect()
-    };
+    // In the order the separate rules ran: every left form, every right form, every
+    // first form, every view.
+    for node in &eg[y].nodes {
+        if let Fx::Add([a, b]) = node {
+            ar_nodes(eg, *a, &mut matches, Form::ResidualLeft, Some(*b));
+        }
+    }
+    for node in &eg[y].nodes {
+        if let Fx::Add([a, b]) = node {
+            ar_nodes(eg, *b, &mut matches, Form::ResidualRight, Some(*a));
+        }
+    }
     for node in &eg[y].nodes {
         match node {
-            Fx::Add([a, b]) => {
-                for (i, x) in ar_nodes(eg, *a) {
-                    left.push((i, x, *b));
-                }
-                for (i, x) in ar_nodes(eg, *b) {
-                    right.push((i, x, *a));
-                }
-            }
-            Fx::AllReduce([i, x]) => first.push((*i, *x)),
+            Fx::AllReduce([i, x]) => matches.push((Form::First, *i, *x, None)),
             Fx::Reshape([sh, inner]) => views.push((*sh, *inner)),
             _ => {}
         }
     }
-    for (i, x, r) in left {
-        changed.extend(fuse(eg, eclass, n, i, x, Some(r), w, Form::ResidualLeft));
-    }
-    for (i, x, r) in right {
-        changed.extend(fuse(eg, eclass, n, i, x, Some(r), w, Form::ResidualRight));
-    }
-    for (i, x) in first {
-        changed.extend(fuse(eg, eclass, n, i, x, None, w, Form::First));
+    let mut changed = false;
+    for (form, i, x, r) in matches {
+        changed |= fuse(eg, eclass, n, i, x, r, w, form);
     }
     for (sh, inner) in views {
-        changed.extend(super::view::norm_of_view(eg, eclass, n, sh, inner, w));
+        changed |= super::view::norm_of_view(eg, eclass, n, sh, inner, w);
     }
     changed
 }
@@ -119,15 +112,14 @@ fn fuse(
     r: Option<Id>,
     w: Id,
     form: Form,
-) -> Vec<Id> {
-    let mut changed = Vec::new();
-    let Some(Leaf::Inst(inst)) = eg[i].data.leaf else {
-        return changed;
+) -> bool {
+    let Some(Leaf::Inst(inst)) = leaf_of(eg, i) else {
+        return false;
     };
     // The class the fused node's residual output replaces: the add (residual forms)
     // or the all-reduce itself (first form). Both exist: the pattern matched them.
     let Some(ar) = eg.lookup(Fx::AllReduce([i, x])) else {
-        return changed;
+        return false;
     };
     let replaced = match (form, r) {
         (Form::ResidualLeft, Some(r)) => eg.lookup(Fx::Add([ar, r])),
@@ -135,13 +127,13 @@ fn fuse(
         _ => Some(ar),
     };
     let Some(replaced) = replaced else {
-        return changed;
+        return false;
     };
     let kind = match check(eg, n, inst, x, r, w) {
         Ok(k) => k,
         Err(why) => {
             eg.analysis.refuse(inst, why);
-            return changed;
+            return false;
         }
     };
     let k = leaf(eg, Leaf::Fused(kind));
@@ -149,9 +141,9 @@ fn fuse(
     let f = eg.add(Fx::Fused([k, i, x, r.unwrap_or(none), w, none]));
     let norm = get(eg, PORT_NORM, f);
     let res = get(eg, PORT_RESIDUAL, f);
-    union(eg, eclass, norm, &mut changed);
-    union(eg, replaced, res, &mut changed);
-    changed
+    let a = union(eg, eclass, norm);
+    let b = union(eg, replaced, res);
+    a | b
 }
 
 /// The site conditions; the fused kind, or why not.
@@ -171,7 +163,7 @@ fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<
             an.facts.group
         ));
     }
-    let Some(Leaf::Norm { eps, bias, twice }) = eg[n].data.leaf else {
+    let Some(Leaf::Norm { eps, bias, twice }) = leaf_of(eg, n) else {
         return Err("internal: norm attributes missing".into());
     };
     let b = f64::from_bits(bias);

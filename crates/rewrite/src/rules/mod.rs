@@ -8,8 +8,15 @@
 //!   operand order varies in real graphs, each order is spelled out;
 //! - every condition a rule checks is written next to the rule, and a refused match of
 //!   an all-reduce is logged with a reason a person can act on;
-//! - an applier returns the classes it changed and nothing else, so the runner can
-//!   detect saturation.
+//! - an applier says whether it changed the e-graph (a union that merged two classes)
+//!   and nothing else, so the runner can detect saturation.
+//!
+//! The runner ([`saturate`]) is egg's `Runner` with its `SimpleScheduler`, iteration for
+//! iteration (the same searches on the rebuilt e-graph, the same application order,
+//! the same limits and stop reasons, the same iteration count), but it matches each
+//! rule's pattern directly against the classes holding its root op, with no pattern
+//! machine and no substitution per match: a pattern here is one op with variables for
+//! its children, or one op one of whose children is another such op.
 
 pub(crate) mod collective;
 pub(crate) mod fuse;
@@ -17,11 +24,9 @@ pub(crate) mod norm;
 pub(crate) mod quant;
 pub(crate) mod view;
 
-use crate::analysis::{FxAnalysis, FxGraph};
+use crate::analysis::FxGraph;
 use crate::lang::{Fx, Leaf};
-use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Runner, SimpleScheduler, StopReason, Subst};
-use egg::{Symbol, Var};
-use std::cell::RefCell;
+use egg::{ENodeOrVar, Id, Language, Pattern};
 
 /// What one saturated e-graph ran to.
 #[derive(Clone, Copy, Debug, Default)]
@@ -34,59 +39,195 @@ pub(crate) struct Ran {
     pub classes: usize,
 }
 
-/// Step 2 of the pass, running the rules: every rule of `rules` ([`all`]) on one
-/// window's `egraph` until saturation, within `iter_limit` iterations and `node_limit`
-/// e-nodes.
-///
-/// Errors: what stopped the runner first, when not saturation (the result would
-/// depend on the limits), with the iterations and e-nodes it ran to.
-pub(crate) fn saturate<'a>(
-    egraph: FxGraph<'a>,
-    rules: &[Rewrite<Fx, FxAnalysis<'a>>],
-    iter_limit: usize,
-    node_limit: usize,
-) -> Result<(FxGraph<'a>, Ran), (Stop, Ran)> {
-    // The runner's own analysis is replaced by `egraph`'s.
-    let placeholder = FxAnalysis::new(egraph.analysis.facts, Default::default());
-    let runner: Runner<Fx, FxAnalysis<'a>, ()> = Runner::new(placeholder)
-        .with_scheduler(SimpleScheduler)
-        .with_iter_limit(iter_limit)
-        .with_node_limit(node_limit)
-        // No wall-clock limit (egg's default is 5 s): the iteration and e-node budgets
-        // bound the work, so the result does not depend on the machine's speed.
-        .with_time_limit(std::time::Duration::MAX)
-        .with_egraph(egraph)
-        .run(rules);
-    let eg = runner.egraph;
-    let ran = Ran {
-        iterations: runner.iterations.len(),
-        nodes: eg.total_size(),
-        classes: eg.number_of_classes(),
-    };
-    let stop = match runner.stop_reason {
-        Some(StopReason::Saturated) => return Ok((eg, ran)),
-        Some(StopReason::IterationLimit(n)) => Stop::Other(format!("iteration limit {n}")),
-        Some(StopReason::NodeLimit(n)) => Stop::NodeLimit(n),
-        Some(StopReason::TimeLimit(s)) => Stop::Other(format!("time limit {s} s")),
-        Some(StopReason::Other(s)) => Stop::Other(s),
-        None => Stop::Other("no stop reason".into()),
-    };
-    Err((stop, ran))
-}
-
 /// Why a runner stopped before saturation.
 #[derive(Clone, Debug)]
 pub(crate) enum Stop {
     /// The e-node limit, with the e-nodes the runner counted when it stopped.
     NodeLimit(usize),
-    /// Any other reason, in words.
-    Other(String),
+    /// The iteration limit, after this many iterations.
+    IterationLimit(usize),
+}
+
+/// Most variables one pattern binds.
+pub(crate) const MAX_VARS: usize = 4;
+
+/// The classes a pattern's variables are bound to, in the order they appear in the
+/// pattern (`(to_dtype ?t (mul ?a ?b))` binds `[t, a, b]`).
+pub(crate) type Vars = [Id; MAX_VARS];
+
+/// The body of a rule: gets the e-graph, the matched class and the variables; says
+/// whether it changed the e-graph.
+pub(crate) type ApplyFn = fn(&mut FxGraph, Id, &Vars) -> bool;
+
+/// One rule: its pattern and what it does at each match.
+pub(crate) struct Rule {
+    /// The op at the pattern's root (its children are placeholders).
+    root: Fx,
+    /// For a pattern nesting an op in one child of the root: that child and the op.
+    nested: Option<(usize, Fx)>,
+    apply: ApplyFn,
+}
+
+/// A rule from a pattern in egg's syntax and an applier function. The pattern is an op
+/// whose children are variables, or whose children are variables but one, itself an op
+/// whose children are variables; the variables are distinct, at most [`MAX_VARS`].
+///
+/// Errors: a pattern that does not parse or is not of that form (a bug in this crate,
+/// reported as such).
+pub(crate) fn rule(name: &'static str, pattern: &str, apply: ApplyFn) -> Result<Rule, String> {
+    let bad = |why: &str| format!("rule {name}: pattern {pattern:?} {why}");
+    let p: Pattern<Fx> = pattern
+        .parse()
+        .map_err(|e| bad(&format!("does not parse: {e}")))?;
+    let ast = &p.ast;
+    let op_of = |i: Id| match &ast[i] {
+        ENodeOrVar::ENode(n) => Some(n.clone()),
+        ENodeOrVar::Var(_) => None,
+    };
+    let root = op_of(Id::from(ast.as_ref().len() - 1)).ok_or_else(|| bad("is a variable"))?;
+    let mut nested = None;
+    let mut vars = 0;
+    for (k, &c) in root.children().iter().enumerate() {
+        match op_of(c) {
+            None => vars += 1,
+            Some(inner) if nested.is_none() => {
+                if inner.children().iter().any(|&g| op_of(g).is_some()) {
+                    return Err(bad("nests deeper than one op"));
+                }
+                vars += inner.children().len();
+                nested = Some((k, inner));
+            }
+            Some(_) => return Err(bad("nests more than one op")),
+        }
+    }
+    if vars > MAX_VARS || p.vars().len() != vars {
+        return Err(bad("needs distinct variables, at most four"));
+    }
+    Ok(Rule {
+        root,
+        nested,
+        apply,
+    })
+}
+
+impl Rule {
+    /// Every match of the pattern in `eg` (rebuilt), in egg's order: the classes holding
+    /// the root op, each class's matching nodes in order, and for a nested op the
+    /// child class's matching nodes in order.
+    fn search(&self, eg: &FxGraph, out: &mut Vec<(Id, Vars)>) {
+        let Some(classes) = eg.classes_for_op(&self.root.discriminant()) else {
+            return;
+        };
+        for class in classes {
+            for node in eg[class].nodes.iter().filter(|n| self.root.matches(n)) {
+                let Some((at, inner)) = &self.nested else {
+                    out.push((class, vars_of(node.children(), None)));
+                    continue;
+                };
+                let child = node.children()[*at];
+                for inner_node in eg[child].nodes.iter().filter(|n| inner.matches(n)) {
+                    let nested = Some((*at, inner_node.children()));
+                    out.push((class, vars_of(node.children(), nested)));
+                }
+            }
+        }
+    }
+}
+
+/// The variables of one match: the root's children in order, the children of the
+/// nested op (`Some((position, children))`) standing in for it.
+fn vars_of(children: &[Id], nested: Option<(usize, &[Id])>) -> Vars {
+    let mut vars = [Id::from(0usize); MAX_VARS];
+    let mut k = 0;
+    for (i, &c) in children.iter().enumerate() {
+        match nested {
+            Some((at, inner)) if at == i => {
+                for &g in inner {
+                    vars[k] = g;
+                    k += 1;
+                }
+            }
+            _ => {
+                vars[k] = c;
+                k += 1;
+            }
+        }
+    }
+    vars
+}
+
+/// Step 2 of the pass, running the rules: every rule of `rules` ([`all`]) on one
+/// window's `egraph` until saturation, within `iter_limit` iterations and `node_limit`
+/// e-nodes, as egg's `Runner` with its `SimpleScheduler` runs them: each iteration
+/// searches every rule on the rebuilt e-graph, then applies every match in rule order
+/// (stopping at the e-node limit), then rebuilds; it saturates when no applier changed
+/// anything and the e-node and e-class counts did not move.
+///
+/// Errors: what stopped the runner first, when not saturation (the result would
+/// depend on the limits), with the iterations and e-nodes it ran to.
+pub(crate) fn saturate<'a>(
+    mut eg: FxGraph<'a>,
+    rules: &[Rule],
+    iter_limit: usize,
+    node_limit: usize,
+) -> Result<(FxGraph<'a>, Ran), (Stop, Ran)> {
+    let limit = |iterations: usize, eg: &FxGraph<'a>| {
+        let size = eg.total_size();
+        if size > node_limit {
+            Some(Stop::NodeLimit(size))
+        } else if iterations >= iter_limit {
+            Some(Stop::IterationLimit(iterations))
+        } else {
+            None
+        }
+    };
+    let ran = |iterations: usize, eg: &FxGraph<'a>| Ran {
+        iterations,
+        nodes: eg.total_size(),
+        classes: eg.number_of_classes(),
+    };
+    eg.rebuild();
+    let mut matches: Vec<Vec<(Id, Vars)>> = rules.iter().map(|_| Vec::new()).collect();
+    let mut iterations = 0;
+    loop {
+        let (nodes, classes) = (eg.total_size(), eg.number_of_classes());
+        let mut stop = limit(iterations, &eg);
+        let mut changed = false;
+        if stop.is_none() {
+            for (r, m) in rules.iter().zip(&mut matches) {
+                m.clear();
+                r.search(&eg, m);
+            }
+            for (r, m) in rules.iter().zip(&matches) {
+                for (class, vars) in m {
+                    changed |= (r.apply)(&mut eg, *class, vars);
+                }
+                stop = limit(iterations, &eg);
+                if stop.is_some() {
+                    break;
+                }
+            }
+        }
+        eg.rebuild();
+        iterations += 1;
+        if let Some(stop) = stop {
+            return Err((stop, ran(iterations, &eg)));
+        }
+        if !changed && nodes == eg.total_size() && classes == eg.number_of_classes() {
+            let done = ran(iterations, &eg);
+            return Ok((eg, done));
+        }
+        if let Some(stop) = limit(iterations, &eg) {
+            return Err((stop, ran(iterations, &eg)));
+        }
+    }
 }
 
 /// Every rule of the pass, in a fixed order.
 ///
-/// Errors: a rule that does not parse (a bug in this crate, reported as such).
-pub(crate) fn all<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
+/// Errors: a rule whose pattern is not of the form [`rule`] takes (a bug in this
+/// crate, reported as such).
+pub(crate) fn all() -> Result<Vec<Rule>, String> {
     let mut rules = Vec::new();
     rules.extend(collective::rules()?);
     rules.extend(norm::rules()?);
@@ -96,64 +237,9 @@ pub(crate) fn all<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
     Ok(rules)
 }
 
-/// The body of a custom applier: gets the e-graph, the matched class and the
-/// substitution; returns the classes it changed.
-pub(crate) type ApplyFn = fn(&mut FxGraph, Id, &Subst) -> Vec<Id>;
-
-/// An applier given by a function (each rule's conditions live in its function).
-pub(crate) struct FnApplier(pub ApplyFn);
-
-impl<'a> Applier<Fx, FxAnalysis<'a>> for FnApplier {
-    fn apply_one(
-        &self,
-        egraph: &mut FxGraph,
-        eclass: Id,
-        subst: &Subst,
-        _searcher_ast: Option<&PatternAst<Fx>>,
-        _rule_name: Symbol,
-    ) -> Vec<Id> {
-        (self.0)(egraph, eclass, subst)
-    }
-}
-
-/// A rule from a pattern and an applier function.
-pub(crate) fn rule<'a>(
-    name: &str,
-    pattern: &str,
-    apply: ApplyFn,
-) -> Result<Rewrite<Fx, FxAnalysis<'a>>, String> {
-    let p: Pattern<Fx> = pattern
-        .parse()
-        .map_err(|e| format!("rule {name}: pattern {pattern:?} does not parse: {e}"))?;
-    Rewrite::new(name.to_string(), p, FnApplier(apply))
-}
-
-/// The class bound to `?name`.
-///
-/// Parsing a [`Var`] interns its name in egg's global symbol table (a lock), so the
-/// parsed variables are kept per thread: appliers run once per match, many thousand
-/// times on a large graph.
-pub(crate) fn var(subst: &Subst, name: &'static str) -> Option<Id> {
-    thread_local! {
-        static VARS: RefCell<Vec<(&'static str, Var)>> = const { RefCell::new(Vec::new()) };
-    }
-    let v = VARS.with(|vars| {
-        let mut vars = vars.borrow_mut();
-        if let Some((_, v)) = vars.iter().find(|(n, _)| *n == name) {
-            return Some(*v);
-        }
-        let v: Var = name.parse().ok()?;
-        vars.push((name, v));
-        Some(v)
-    })?;
-    subst.get(v).copied()
-}
-
-/// Unions `a` and `b`, recording the class when it changed.
-pub(crate) fn union(eg: &mut FxGraph, a: Id, b: Id, changed: &mut Vec<Id>) {
-    if eg.union(a, b) {
-        changed.push(eg.find(a));
-    }
+/// Unions `a` and `b`; whether that merged two classes.
+pub(crate) fn union(eg: &mut FxGraph, a: Id, b: Id) -> bool {
+    eg.union(a, b)
 }
 
 /// The class of a leaf.

@@ -22,13 +22,13 @@
 //!   weight multiply) is not matched, and the all-reduce it follows is refused with the
 //!   op named ([`FxAnalysis::refuse_at`]).
 
-use super::{rule, union, var};
-use crate::analysis::{all_reduce_in, FxAnalysis, FxGraph};
+use super::{rule, union, Rule, Vars};
+use crate::analysis::{all_reduce_in, leaf_of, FxGraph};
 use crate::lang::{Fx, Leaf};
 use arfuse_ir::DType;
-use egg::{Id, Rewrite, Subst};
+use egg::Id;
 
-pub(crate) fn rules<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
+pub(crate) fn rules() -> Result<Vec<Rule>, String> {
     // Three searches instead of one pattern per spelling: the inner part of the
     // decomposition (`NF`, 8 spellings) is matched by [`normed`] in the applier, so the
     // e-graph is scanned once per outer form, not once per spelling (32 scans of every
@@ -78,7 +78,7 @@ fn normed(eg: &FxGraph, nf: Id) -> Vec<Normed> {
                     for (m, eps) in [(*a, *b), (*b, *a)] {
                         for mn in &eg[m].nodes {
                             let Fx::Mean([ml, sq]) = mn else { continue };
-                            if eg[*ml].data.leaf != Some(Leaf::MeanLast) {
+                            if leaf_of(eg, *ml) != Some(Leaf::MeanLast) {
                                 continue;
                             }
                             for sn in &eg[*sq].nodes {
@@ -110,30 +110,22 @@ fn normed(eg: &FxGraph, nf: Id) -> Vec<Normed> {
     uniq
 }
 
-fn split_fused_add(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let mut changed = Vec::new();
-    let (Some(n), Some(x), Some(r), Some(w)) = (
-        var(subst, "?n"),
-        var(subst, "?x"),
-        var(subst, "?r"),
-        var(subst, "?w"),
-    ) else {
-        return changed;
-    };
+/// `(fused_add_rms_norm ?n ?x ?r ?w)`.
+fn split_fused_add(eg: &mut FxGraph, eclass: Id, &[n, x, r, w]: &Vars) -> bool {
     let h = eg.add(Fx::Add([x, r]));
     let y = eg.add(Fx::RmsNorm([n, h, w]));
     let g0 = super::get(eg, 0, eclass);
     let g1 = super::get(eg, 1, eclass);
-    union(eg, g0, y, &mut changed);
-    union(eg, g1, h, &mut changed);
-    changed
+    let a = union(eg, g0, y);
+    let b = union(eg, g1, h);
+    a | b
 }
 
 /// The parts every decomposed form shares: (x, eps, output dtype), when the squared
 /// term, the eps and the casts check out.
 fn common(eg: &FxGraph, m: Normed, t: Id) -> Option<(Id, f64, DType)> {
     if let Some(e) = m.exp {
-        match eg[e].data.leaf {
+        match leaf_of(eg, e) {
             Some(Leaf::Exp(bits)) if f64::from_bits(bits) == 2.0 => {}
             _ => return None,
         }
@@ -143,7 +135,7 @@ fn common(eg: &FxGraph, m: Normed, t: Id) -> Option<(Id, f64, DType)> {
     if !arfuse_ir::valid_eps(eps) {
         return None;
     }
-    let t = match eg[t].data.leaf {
+    let t = match leaf_of(eg, t) {
         Some(Leaf::DType(t)) if t.is_float() => t,
         _ => return None,
     };
@@ -172,8 +164,7 @@ struct NormAttrs {
     twice: bool,
 }
 
-fn add_norm(eg: &mut FxGraph, eclass: Id, x: Id, w: Id, a: NormAttrs) -> Vec<Id> {
-    let mut changed = Vec::new();
+fn add_norm(eg: &mut FxGraph, eclass: Id, x: Id, w: Id, a: NormAttrs) -> bool {
     let n = super::leaf(
         eg,
         Leaf::Norm {
@@ -183,19 +174,15 @@ fn add_norm(eg: &mut FxGraph, eclass: Id, x: Id, w: Id, a: NormAttrs) -> Vec<Id>
         },
     );
     let y = eg.add(Fx::RmsNorm([n, x, w]));
-    if eg[y].data.ty() == eg[eclass].data.ty() {
-        union(eg, eclass, y, &mut changed);
-    }
-    changed
+    eg[y].data.ty() == eg[eclass].data.ty() && union(eg, eclass, y)
 }
 
 /// `w * to_dtype(T, nf)` (either order): the weight has the activation dtype; the norm
 /// rounds twice (once when T is f32, where the first rounding is exact).
-fn decomposed_llama(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let mut changed = Vec::new();
-    let (Some(a), Some(b)) = (var(subst, "?a"), var(subst, "?b")) else {
-        return changed;
-    };
+///
+/// `(mul ?a ?b)`.
+fn decomposed_llama(eg: &mut FxGraph, eclass: Id, &[a, b, ..]: &Vars) -> bool {
+    let mut changed = false;
     // w-cast: `w * to_dtype(T, nf)`; cast-w: `to_dtype(T, nf) * w`.
     for (w, cast) in [(a, b), (b, a)] {
         let casts: Vec<(Id, Id)> = eg[cast]
@@ -228,7 +215,7 @@ fn decomposed_llama(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
                     bias: 0.0,
                     twice: t != DType::F32,
                 };
-                changed.extend(add_norm(eg, eclass, x, w, a));
+                changed |= add_norm(eg, eclass, x, w, a);
             }
         }
     }
@@ -237,11 +224,10 @@ fn decomposed_llama(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
 
 /// `to_dtype(T, nf * wf)` (either order): wf is a cast of a T weight, an f32 weight
 /// (f32 activations), or `w32 + 1.0` (Gemma).
-fn decomposed_one_rounding(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let mut changed = Vec::new();
-    let (Some(t), Some(a), Some(b)) = (var(subst, "?t"), var(subst, "?a"), var(subst, "?b")) else {
-        return changed;
-    };
+///
+/// `(to_dtype ?t (mul ?a ?b))`.
+fn decomposed_one_rounding(eg: &mut FxGraph, eclass: Id, &[t, a, b, ..]: &Vars) -> bool {
+    let mut changed = false;
     // cast-of-nf-w: `nf * wf`; cast-of-w-nf: `wf * nf`.
     for (nf, wf) in [(a, b), (b, a)] {
         for m in normed(eg, nf) {
@@ -255,7 +241,7 @@ fn decomposed_one_rounding(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<I
                         bias,
                         twice: false,
                     };
-                    changed.extend(add_norm(eg, eclass, x, w, a));
+                    changed |= add_norm(eg, eclass, x, w, a);
                 }
                 None => {
                     let why = format!(
@@ -274,7 +260,7 @@ fn decomposed_one_rounding(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<I
                 let Some((x, _, _)) = common(eg, m, t2) else {
                     continue;
                 };
-                let tn = eg[t2].data.leaf.map(|l| l.to_string()).unwrap_or_default();
+                let tn = leaf_of(eg, t2).map(|l| l.to_string()).unwrap_or_default();
                 let why = format!(
                     "its RMSNorm rounds the normalised value to {tn}, widens it to f32 and \
                      multiplies it by an f32 weight before the final cast: that rounds twice \
@@ -292,7 +278,7 @@ fn widened_casts(eg: &FxGraph, c: Id) -> Vec<(Id, Id)> {
     let mut out = Vec::new();
     for n in &eg[c].nodes {
         let Fx::ToDtype([d, src]) = n else { continue };
-        if eg[*d].data.leaf != Some(Leaf::DType(DType::F32)) {
+        if leaf_of(eg, *d) != Some(Leaf::DType(DType::F32)) {
             continue;
         }
         for sn in &eg[*src].nodes {

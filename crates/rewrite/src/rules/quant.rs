@@ -22,23 +22,21 @@
 //! NVFP4 needs SM >= 100: that is the target's business, checked per site when the
 //! plan is made.
 
-use super::{get, leaf, rule, union, var};
-use crate::analysis::{FxAnalysis, FxGraph};
+use super::{get, leaf, rule, union, Rule, Vars};
+use crate::analysis::{leaf_of, FxGraph};
 use crate::lang::{Fx, Leaf, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
 use arfuse_ir::DType;
-use egg::{Id, Rewrite, Subst};
+use egg::Id;
 
-pub(crate) fn rules<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
+pub(crate) fn rules() -> Result<Vec<Rule>, String> {
     Ok(vec![rule("fuse-quant", "(quant ?q ?y ?s)", fuse_quant)?])
 }
 
-fn fuse_quant(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let mut changed = Vec::new();
-    let (Some(q), Some(y), Some(s)) = (var(subst, "?q"), var(subst, "?y"), var(subst, "?s")) else {
-        return changed;
-    };
-    let Some(Leaf::Quant(qk)) = eg[q].data.leaf else {
-        return changed;
+/// `(quant ?q ?y ?s)`.
+fn fuse_quant(eg: &mut FxGraph, eclass: Id, &[q, y, s, ..]: &Vars) -> bool {
+    let mut changed = false;
+    let Some(Leaf::Quant(qk)) = leaf_of(eg, q) else {
+        return false;
     };
     // Fused nodes whose norm output is `?y`, without an epilogue yet; or whose norm
     // output `?y` is a view of (`quant-through-view`: a reshape keeping the hidden
@@ -47,7 +45,7 @@ fn fuse_quant(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
     let no_epilogue = |eg: &FxGraph, t: Id, view: Option<Id>, out: &mut Vec<_>| {
         for tn in &eg[t].nodes {
             if let Fx::Fused(ch) = tn {
-                if matches!(eg[ch[0]].data.leaf, Some(Leaf::Fused(k)) if k.quant == crate::lang::QKind::None)
+                if matches!(leaf_of(eg, ch[0]), Some(Leaf::Fused(k)) if k.quant == crate::lang::QKind::None)
                 {
                     out.push((*ch, view));
                 }
@@ -59,7 +57,7 @@ fn fuse_quant(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
             .nodes
             .iter()
             .filter_map(|n| match n {
-                Fx::Get([p, t]) if eg[*p].data.leaf == Some(Leaf::Port(PORT_NORM)) => Some(*t),
+                Fx::Get([p, t]) if leaf_of(eg, *p) == Some(Leaf::Port(PORT_NORM)) => Some(*t),
                 _ => None,
             })
             .collect()
@@ -76,7 +74,7 @@ fn fuse_quant(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
         })
         .collect();
     for (sh, inner) in views {
-        let keeps = match (eg[sh].data.leaf, eg[inner].data.ty()) {
+        let keeps = match (leaf_of(eg, sh), eg[inner].data.ty()) {
             (Some(Leaf::Shape(to)), Some(from)) => {
                 match (eg.analysis.shape(from.shape), eg.analysis.shape(to)) {
                     (Some(a), Some(b)) => a.last().is_some() && a.last() == b.last(),
@@ -96,7 +94,7 @@ fn fuse_quant(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
     fused.dedup();
     for (ch, view) in fused {
         let [k, i, x, r, w, _] = ch;
-        let (Some(Leaf::Fused(kind)), Some(Leaf::Inst(inst))) = (eg[k].data.leaf, eg[i].data.leaf)
+        let (Some(Leaf::Fused(kind)), Some(Leaf::Inst(inst))) = (leaf_of(eg, k), leaf_of(eg, i))
         else {
             continue;
         };
@@ -150,7 +148,7 @@ fn fuse_quant(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
             (get(eg, PORT_RESIDUAL, fq), get(eg, PORT_RESIDUAL, f)),
         ];
         for (a, b) in pairs {
-            union(eg, a, b, &mut changed);
+            changed |= union(eg, a, b);
         }
         let mut outs = vec![(PORT_QUANT, 0u8)];
         if qk.writes_scales() {
@@ -174,7 +172,7 @@ fn fuse_quant(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
             if eg[a].data.ty() != eg[b].data.ty() {
                 continue;
             }
-            union(eg, a, b, &mut changed);
+            changed |= union(eg, a, b);
         }
     }
     changed

@@ -14,12 +14,12 @@
 //! Only reshapes next to an all-reduce are pushed, so the e-graph does not grow with the
 //! rest of the model's views.
 
-use super::{leaf, rule, union, var};
-use crate::analysis::{all_reduce_in, FxAnalysis, FxGraph};
+use super::{leaf, rule, union, Rule, Vars};
+use crate::analysis::{all_reduce_in, leaf_of, FxGraph};
 use crate::lang::{Fx, Leaf};
-use egg::{Id, Rewrite, Subst};
+use egg::Id;
 
-pub(crate) fn rules<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
+pub(crate) fn rules() -> Result<Vec<Rule>, String> {
     // `norm-of-view` is applied by the single `rms_norm` search of [`super::fuse`];
     // both operand orders of `add-of-view` share one search of the `add` classes.
     Ok(vec![
@@ -34,11 +34,9 @@ pub(crate) fn rules<'a>() -> Result<Vec<Rewrite<Fx, FxAnalysis<'a>>>, String> {
 }
 
 /// `add-of-view-l` then `add-of-view-r` at one `add` class.
-fn add_of_view(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let mut changed = Vec::new();
-    let (Some(p), Some(q)) = (var(subst, "?p"), var(subst, "?q")) else {
-        return changed;
-    };
+/// `(add ?p ?q)`.
+fn add_of_view(eg: &mut FxGraph, eclass: Id, &[p, q, ..]: &Vars) -> bool {
+    let mut changed = false;
     let reshapes = |eg: &FxGraph, c: Id| -> Vec<(Id, Id)> {
         eg[c]
             .nodes
@@ -54,7 +52,7 @@ fn add_of_view(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
         if let Some((s, a, rb)) = view_residual(eg, s, a, q) {
             let inner = eg.add(Fx::Add([a, rb]));
             let outer = eg.add(Fx::Reshape([s, inner]));
-            union(eg, eclass, outer, &mut changed);
+            changed |= union(eg, eclass, outer);
         }
     }
     // `(add ?b (reshape ?s ?a))`
@@ -62,14 +60,14 @@ fn add_of_view(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
         if let Some((s, a, rb)) = view_residual(eg, s, a, p) {
             let inner = eg.add(Fx::Add([rb, a]));
             let outer = eg.add(Fx::Reshape([s, inner]));
-            union(eg, eclass, outer, &mut changed);
+            changed |= union(eg, eclass, outer);
         }
     }
     changed
 }
 
 fn shape_leaf(eg: &FxGraph, id: Id) -> Option<u32> {
-    match eg[id].data.leaf {
+    match leaf_of(eg, id) {
         Some(Leaf::Shape(s)) => Some(s),
         _ => None,
     }
@@ -83,25 +81,18 @@ fn keeps_hidden(eg: &FxGraph, from: u32, to: u32) -> bool {
     }
 }
 
-fn reshape_identity(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let mut changed = Vec::new();
-    if let (Some(s), Some(x)) = (var(subst, "?s"), var(subst, "?x")) {
-        if let (Some(s), Some(t)) = (shape_leaf(eg, s), eg[x].data.ty()) {
-            if t.shape == s {
-                union(eg, eclass, x, &mut changed);
-            }
-        }
+/// `(reshape ?s ?x)`.
+fn reshape_identity(eg: &mut FxGraph, eclass: Id, &[s, x, ..]: &Vars) -> bool {
+    match (shape_leaf(eg, s), eg[x].data.ty()) {
+        (Some(s), Some(t)) if t.shape == s => union(eg, eclass, x),
+        _ => false,
     }
-    changed
 }
 
-fn reshape_of_reshape(eg: &mut FxGraph, eclass: Id, subst: &Subst) -> Vec<Id> {
-    let mut changed = Vec::new();
-    if let (Some(s), Some(x)) = (var(subst, "?s"), var(subst, "?x")) {
-        let y = eg.add(Fx::Reshape([s, x]));
-        union(eg, eclass, y, &mut changed);
-    }
-    changed
+/// `(reshape ?s (reshape ?u ?x))`.
+fn reshape_of_reshape(eg: &mut FxGraph, eclass: Id, &[s, _, x, ..]: &Vars) -> bool {
+    let y = eg.add(Fx::Reshape([s, x]));
+    union(eg, eclass, y)
 }
 
 /// The checks of `add-of-view-*`; returns the reshape of `b` to `a`'s shape.
@@ -127,16 +118,14 @@ fn near_all_reduce(eg: &FxGraph, y: Id) -> bool {
 }
 
 /// `norm-of-view` at `(rms_norm n (reshape s y) w)` (class `eclass`).
-pub(super) fn norm_of_view(eg: &mut FxGraph, eclass: Id, n: Id, s: Id, y: Id, w: Id) -> Vec<Id> {
-    let mut changed = Vec::new();
+pub(super) fn norm_of_view(eg: &mut FxGraph, eclass: Id, n: Id, s: Id, y: Id, w: Id) -> bool {
     let (Some(s_id), Some(ty)) = (shape_leaf(eg, s), eg[y].data.ty()) else {
-        return changed;
+        return false;
     };
     if !near_all_reduce(eg, y) || !keeps_hidden(eg, ty.shape, s_id) {
-        return changed;
+        return false;
     }
     let inner = eg.add(Fx::RmsNorm([n, y, w]));
     let outer = eg.add(Fx::Reshape([s, inner]));
-    union(eg, eclass, outer, &mut changed);
-    changed
+    union(eg, eclass, outer)
 }
