@@ -12,9 +12,7 @@ use crate::site::Port;
 use crate::site::{Input, Site};
 use crate::uses::Uses;
 use arfuse_ir::op::{FusedAllReduceNorm, FusedOutput, FusedPlan, NormRounding};
-use arfuse_ir::{
-    DType, Graph, Node, NodeId, NodeOutput, Op, SiteInput, SiteMap, SiteOutput, TensorType, Value,
-};
+use arfuse_ir::{DType, Graph, Node, NodeId, Op, SiteMap, TensorType, Value};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashSet};
 
@@ -42,7 +40,7 @@ pub(crate) fn emit_checked(
     g: &Graph,
     uses: &Uses,
     instances: &[u32],
-    chosen: &BTreeMap<u32, Site>,
+    chosen: &mut BTreeMap<u32, Site>,
     decisions: &BTreeMap<(DType, u64), SiteDecision>,
     group: &str,
 ) -> Result<Emitted, LowerError> {
@@ -60,17 +58,22 @@ pub(crate) fn emit_checked(
             site: s,
             plan,
             group: group.to_string(),
-            module: s.module(g),
+            module: s.module.clone(),
         });
     }
     let (out, changed, fused_ids) = emit(g, uses, &emits)?;
-    let sites = emits
-        .iter()
-        .zip(&fused_ids)
-        .map(|(e, fid)| site_map(g, e.site, fid))
-        .collect();
-    let fused_id_of: BTreeMap<u32, String> =
-        emits.iter().map(|e| e.site.inst).zip(fused_ids).collect();
+    let emitted: Vec<u32> = emits.iter().map(|e| e.site.inst).collect();
+    drop(emits);
+    let mut sites = Vec::with_capacity(emitted.len());
+    for (inst, fid) in emitted.iter().zip(&fused_ids) {
+        let mut map = chosen
+            .get_mut(inst)
+            .and_then(|s| s.map.take())
+            .ok_or_else(|| LowerError::Internal("a fused site has no site map".into()))?;
+        map.fused_node = fid.clone();
+        sites.push(map);
+    }
+    let fused_id_of: BTreeMap<u32, String> = emitted.into_iter().zip(fused_ids).collect();
     let fused_before = check_collectives(g, &out, instances, &fused_id_of)?;
     // The input validated; a node that is not new and reads no new node's value has
     // the checks it had there.
@@ -82,48 +85,6 @@ pub(crate) fn emit_checked(
         fused_before,
         sites,
     })
-}
-
-/// The site's chain as the original graph's ids: what `arfuse-reference`'s per-site
-/// check cuts out.
-fn site_map(g: &Graph, s: &Site, fused_node: &str) -> SiteMap {
-    let input = |i: &Input| match i {
-        Input::Value(v) => SiteInput {
-            value: NodeOutput::of(g, *v),
-            view: None,
-        },
-        Input::View(v, t) => SiteInput {
-            value: NodeOutput::of(g, *v),
-            view: Some(t.clone()),
-        },
-    };
-    let mut inputs = vec![input(&s.x_input())];
-    inputs.extend(s.residual.iter().map(input));
-    inputs.push(input(&s.weight));
-    inputs.extend(s.scale.iter().map(input));
-    SiteMap {
-        fused_node: fused_node.to_string(),
-        all_reduce: g.node(NodeId::new(s.inst as usize)).id.clone(),
-        replaced_nodes: s
-            .region
-            .iter()
-            .map(|&n| g.node(NodeId::new(n as usize)).id.clone())
-            .collect(),
-        inputs,
-        outputs: s
-            .ports
-            .iter()
-            .map(|p| SiteOutput {
-                output: p.output,
-                replaces: p
-                    .direct
-                    .iter()
-                    .chain(p.views.iter().map(|(v, _)| v))
-                    .map(|v| NodeOutput::of(g, *v))
-                    .collect(),
-            })
-            .collect(),
-    }
 }
 
 /// Every original all-reduce appears exactly once in `out`: kept as is, or in one

@@ -187,13 +187,13 @@ pub fn lower_with(
     let instances = convert::all_reduces(graph);
 
     let mut found = find_sites(graph, target, options, &group, &instances)?;
-    let choice = std::mem::take(&mut found.choice);
+    let mut choice = std::mem::take(&mut found.choice);
     let planned = plan::plan_graph(graph, target, &choice.chosen, &options.shared_hidden_sizes)?;
     let emitted = emit::emit_checked(
         graph,
         &found.uses,
         &instances,
-        &choice.chosen,
+        &mut choice.chosen,
         &planned.decisions,
         &group,
     )?;

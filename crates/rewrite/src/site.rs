@@ -8,10 +8,11 @@ use crate::convert::Classes;
 use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
 use crate::uses::Uses;
 use arfuse_ir::op::{FusedOutput, FusedQuant};
-use arfuse_ir::{Graph, NodeId, Op, TensorType, Value};
+use arfuse_ir::{Graph, NodeId, NodeOutput, Op, SiteInput, SiteMap, SiteOutput, TensorType, Value};
 use arfuse_policy::Target;
 use egg::Id;
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use smallvec::SmallVec;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Most IR nodes one site may replace (a decomposed norm with views and a quant has
 /// about 15); a larger region means the match is not the chain it should be.
@@ -62,6 +63,12 @@ pub(crate) struct Site {
     pub norm_node: Option<u32>,
     /// x's type.
     pub x_ty: TensorType,
+    /// The chain as the input graph's ids (its `fused_node` is set when the site is
+    /// emitted), made when the site is chosen, while the window's nodes are at hand:
+    /// what `arfuse_reference::check_sites` cuts out.
+    pub map: Option<SiteMap>,
+    /// The site's module ([`Site::module`]).
+    pub module: Option<String>,
 }
 
 /// Indexes over one window's saturated e-graph and the IR.
@@ -193,7 +200,10 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
         out
     }
 
-    /// Checks one candidate against the IR; the site, or why not.
+    /// Checks one candidate against the IR; the site, or why not. The steps: the
+    /// frontier (the fused node's inputs), the values each port replaces, the region
+    /// of IR nodes between them, that nothing outside the region reads an intermediate,
+    /// the live ports, and the fused node's IR inputs.
     pub fn check(
         &self,
         inst: u32,
@@ -209,26 +219,81 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
         let Some(&x_val) = ar.inputs.first() else {
             return Err("internal: all-reduce without input".into());
         };
+        let frontier = self.frontier([x, r, w, s]);
+        let mut ports = self.replaced_values(fclass);
+        let region = self.region(inst, &ports, &frontier, claimed)?;
+        self.check_readers(inst, &ports, &region)?;
+        // Live outputs: read by something outside the region.
+        let live = |v: &Value| {
+            self.uses.is_output(*v) || self.users_of(*v).iter().any(|u| !region.contains(u))
+        };
+        ports.retain(|p| p.direct.iter().any(live) || p.views.iter().any(|(v, _)| live(v)));
+        // Every replaced value of a written port stays mapped (a later fused node may
+        // read one of them as its residual), even one only the chain itself read.
+        if ports.is_empty() {
+            return Err("no output of the chain is read".into());
+        }
         let x_ty = self
             .g
             .value_type(x_val)
             .cloned()
             .ok_or("internal: untyped all-reduce input")?;
-        // Frontier: the fused node's inputs, and the values their views read.
-        let mut frontier: BTreeSet<Id> = BTreeSet::new();
-        for c in [x, r, w, s] {
-            if none(c) {
+        let mat = |c: Id, what: &str| {
+            self.materialize(c)
+                .ok_or_else(|| format!("internal: no IR value for the {what}"))
+        };
+        let residual = if none(r) {
+            None
+        } else {
+            Some(mat(r, "residual")?)
+        };
+        let weight = mat(w, "weight")?;
+        let scale = if none(s) {
+            None
+        } else {
+            Some(mat(s, "scale")?)
+        };
+        let norm_node = self.norm_node(&region, &ports);
+        Ok(Site {
+            inst,
+            kind,
+            x: x_val,
+            residual,
+            weight,
+            scale,
+            region: region.into_iter().collect(),
+            ports,
+            norm_node,
+            x_ty,
+            map: None,
+            module: None,
+        })
+    }
+
+    /// The classes of the fused node's inputs (`none` leaves skipped) and of the values
+    /// their views read.
+    fn frontier(&self, inputs: [Id; 4]) -> SmallVec<[Id; 8]> {
+        let eg = self.eg;
+        let mut frontier = SmallVec::new();
+        for c in inputs {
+            if leaf_of(eg, c) == Some(Leaf::None) {
                 continue;
             }
             let c = eg.find(c);
-            frontier.insert(c);
+            frontier.push(c);
             for n in &eg[c].nodes {
                 if let Fx::Reshape([_, src]) = n {
-                    frontier.insert(eg.find(*src));
+                    frontier.push(eg.find(*src));
                 }
             }
         }
-        // Replaced values, per port.
+        frontier
+    }
+
+    /// Per output port of the fused node `fclass`, the IR values it replaces: those in
+    /// the port's class, and those that are a view of it.
+    fn replaced_values(&self, fclass: Id) -> Vec<Port> {
+        let eg = self.eg;
         let port_outputs = [
             (PORT_NORM, FusedOutput::Norm),
             (PORT_RESIDUAL, FusedOutput::Residual),
@@ -244,7 +309,7 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
                 continue;
             };
             let gc = eg.find(gc);
-            let Some(ty) = eg[gc].data.ty().and_then(|t| eg.analysis.tensor_type(t)) else {
+            let Some(t) = eg[gc].data.ty() else {
                 continue;
             };
             let direct: Vec<Value> = self.values_of(gc).collect();
@@ -259,6 +324,9 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
             if direct.is_empty() && views.is_empty() {
                 continue;
             }
+            let Some(ty) = eg.analysis.tensor_type(t) else {
+                continue;
+            };
             ports.push(Port {
                 output,
                 ty,
@@ -266,9 +334,21 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
                 views,
             });
         }
-        // The region: every IR node between the replaced values and the frontier.
-        let mut region: BTreeSet<u32> = BTreeSet::new();
-        let mut stack: Vec<u32> = ports
+        ports
+    }
+
+    /// The region: every IR node between the replaced values and the frontier; each a
+    /// node the rules model, one all-reduce (`inst`), at most [`MAX_REGION_NODES`], none
+    /// claimed by an earlier site. Ascending.
+    fn region(
+        &self,
+        inst: u32,
+        ports: &[Port],
+        frontier: &[Id],
+        claimed: &Claimed,
+    ) -> Result<SmallVec<[u32; 16]>, String> {
+        let mut region: SmallVec<[u32; 16]> = SmallVec::new();
+        let mut stack: SmallVec<[u32; 16]> = ports
             .iter()
             .flat_map(|p| {
                 p.direct
@@ -278,9 +358,10 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
             })
             .collect();
         while let Some(n) = stack.pop() {
-            if !region.insert(n) {
+            if region.contains(&n) {
                 continue;
             }
+            region.push(n);
             if region.len() > MAX_REGION_NODES {
                 return Err(format!(
                     "the chain spans more than {MAX_REGION_NODES} nodes; not the pattern"
@@ -330,7 +411,8 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
                 stack.push(v.node.index() as u32);
             }
         }
-        if !region.contains(&inst) {
+        region.sort_unstable();
+        if region.binary_search(&inst).is_err() {
             return Err("internal: the fused node does not replace its all-reduce".into());
         }
         if let Some(n) = region.iter().find(|n| claimed.contains(**n)) {
@@ -339,8 +421,12 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
                 self.node(*n).id
             ));
         }
-        // Nothing outside the chain may read an intermediate.
-        let replaced: HashSet<Value> = ports
+        Ok(region)
+    }
+
+    /// Nothing outside the region may read a value of it that no port replaces.
+    fn check_readers(&self, inst: u32, ports: &[Port], region: &[u32]) -> Result<(), String> {
+        let replaced: SmallVec<[Value; 8]> = ports
             .iter()
             .flat_map(|p| {
                 p.direct
@@ -349,7 +435,7 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
                     .copied()
             })
             .collect();
-        for &n in &region {
+        for &n in region {
             let node = self.node(n);
             for k in 0..node.outputs.len() {
                 let v = Value::new(arfuse_ir::NodeId::new(n as usize), k as u32);
@@ -359,7 +445,7 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
                 let outside = self
                     .users_of(v)
                     .iter()
-                    .find(|u| !region.contains(u))
+                    .find(|u| region.binary_search(u).is_err())
                     .map(|u| format!("node `{}`", self.node(*u).id))
                     .or_else(|| self.uses.is_output(v).then(|| "a graph output".to_string()));
                 if let Some(user) = outside {
@@ -375,56 +461,28 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
                 }
             }
         }
-        // Live outputs: read by something outside the region.
-        let live = |v: &Value| {
-            self.uses.is_output(*v) || self.users_of(*v).iter().any(|u| !region.contains(u))
-        };
-        ports.retain(|p| p.direct.iter().any(live) || p.views.iter().any(|(v, _)| live(v)));
-        // Every replaced value of a written port stays mapped (a later fused node may
-        // read one of them as its residual), even one only the chain itself read.
-        if ports.is_empty() {
-            return Err("no output of the chain is read".into());
-        }
-        let mat = |c: Id, what: &str| {
-            self.materialize(c)
-                .ok_or_else(|| format!("internal: no IR value for the {what}"))
-        };
-        let residual = if none(r) {
-            None
-        } else {
-            Some(mat(r, "residual")?)
-        };
-        let weight = mat(w, "weight")?;
-        let scale = if none(s) {
-            None
-        } else {
-            Some(mat(s, "scale")?)
-        };
-        let norm_node = region.iter().copied().find(|n| {
-            matches!(
-                self.node(*n).op,
-                Op::RmsNorm { .. } | Op::FusedAddRmsNorm { .. }
-            )
-        });
-        let norm_node = norm_node.or_else(|| {
-            ports
-                .iter()
-                .find(|p| p.output == FusedOutput::Norm)
-                .and_then(|p| p.direct.first().or(p.views.first().map(|(v, _)| v)))
-                .map(|v| v.node.index() as u32)
-        });
-        Ok(Site {
-            inst,
-            kind,
-            x: x_val,
-            residual,
-            weight,
-            scale,
-            region,
-            ports,
-            norm_node,
-            x_ty,
-        })
+        Ok(())
+    }
+
+    /// The IR node of the norm: one in the region, else the producer of the first value
+    /// the norm port replaces.
+    fn norm_node(&self, region: &[u32], ports: &[Port]) -> Option<u32> {
+        region
+            .iter()
+            .copied()
+            .find(|n| {
+                matches!(
+                    self.node(*n).op,
+                    Op::RmsNorm { .. } | Op::FusedAddRmsNorm { .. }
+                )
+            })
+            .or_else(|| {
+                ports
+                    .iter()
+                    .find(|p| p.output == FusedOutput::Norm)
+                    .and_then(|p| p.direct.first().or(p.views.first().map(|(v, _)| v)))
+                    .map(|v| v.node.index() as u32)
+            })
     }
 
     /// Every refusal the rules logged against the all-reduces `owned` (ascending), added
@@ -556,7 +614,9 @@ pub(crate) fn choose(
                 continue;
             }
             match index.check(inst, *class, *ch, *kind, claimed) {
-                Ok(s) => {
+                Ok(mut s) => {
+                    s.map = Some(site_map(index.g, &s));
+                    s.module = s.module(index.g);
                     claimed.claim(&s.region);
                     out.chosen.insert(inst, s);
                     break;
@@ -564,6 +624,47 @@ pub(crate) fn choose(
                 Err(e) => out.why_not.entry(inst).or_default().push(e),
             }
         }
+    }
+}
+
+/// The site's chain as the input graph's ids, its fused node not named yet.
+fn site_map(g: &Graph, s: &Site) -> SiteMap {
+    let input = |i: &Input| match i {
+        Input::Value(v) => SiteInput {
+            value: NodeOutput::of(g, *v),
+            view: None,
+        },
+        Input::View(v, t) => SiteInput {
+            value: NodeOutput::of(g, *v),
+            view: Some(t.clone()),
+        },
+    };
+    let mut inputs = vec![input(&Input::Value(s.x))];
+    inputs.extend(s.residual.iter().map(input));
+    inputs.push(input(&s.weight));
+    inputs.extend(s.scale.iter().map(input));
+    SiteMap {
+        fused_node: String::new(),
+        all_reduce: g.node(NodeId::new(s.inst as usize)).id.clone(),
+        replaced_nodes: s
+            .region
+            .iter()
+            .map(|&n| g.node(NodeId::new(n as usize)).id.clone())
+            .collect(),
+        inputs,
+        outputs: s
+            .ports
+            .iter()
+            .map(|p| SiteOutput {
+                output: p.output,
+                replaces: p
+                    .direct
+                    .iter()
+                    .chain(p.views.iter().map(|(v, _)| v))
+                    .map(|v| NodeOutput::of(g, *v))
+                    .collect(),
+            })
+            .collect(),
     }
 }
 
