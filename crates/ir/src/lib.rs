@@ -52,4 +52,4 @@ pub use op::{
 pub use shape::{is_symbol_name, Dim, DimParseError, Shape, SymbolRange, Symbols, TensorType};
 pub use site_map::{NodeOutput, SiteInput, SiteMap, SiteOutput};
 pub use text::{canonical_text, to_dot};
-pub use validate::{broadcast, valid_eps, NVFP4_BLOCK};
+pub use validate::{broadcast, broadcasts_to, valid_eps, NVFP4_BLOCK};

@@ -222,14 +222,18 @@ pub fn is_wait_target(target: &str) -> bool {
 /// then not seen.
 pub fn looks_like_collective(target: &str) -> bool {
     let t = target.strip_prefix("torch.ops.").unwrap_or(target);
-    let lower = t.to_ascii_lowercase();
-    let namespace = lower.split('.').next().unwrap_or("");
-    if matches!(namespace, "aten" | "prims") || !lower.contains('.') {
+    // Without a copy for the common answers: no namespace, or aten / prims.
+    let Some((namespace, _)) = t.split_once('.') else {
+        return false;
+    };
+    let is = |name: &str| namespace.eq_ignore_ascii_case(name);
+    if is("aten") || is("prims") {
         return false;
     }
-    if matches!(namespace, "c10d" | "_c10d_functional" | "c10d_functional") {
+    if is("c10d") || is("_c10d_functional") || is("c10d_functional") {
         return true;
     }
+    let lower = t.to_ascii_lowercase();
     const FRAGMENTS: &[&str] = &[
         "all_reduce",
         "allreduce",

@@ -9,6 +9,7 @@ use crate::DType;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
 /// The inclusive range of values a symbol (a dynamic dimension) can take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -24,10 +25,28 @@ pub struct SymbolRange {
 pub type Symbols = BTreeMap<String, SymbolRange>;
 
 /// One dimension: `coeff * sym_1 * ... * sym_k` (symbols sorted, repeats allowed).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// The symbols are shared, not copied, when a dimension is cloned (a clone of a type
+/// allocates nothing for its dimensions): `None` for a constant, else a shared
+/// non-empty list.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Dim {
     coeff: u64,
-    syms: Vec<String>,
+    syms: Option<Arc<[String]>>,
+}
+
+impl fmt::Debug for Dim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Dim")
+            .field("coeff", &self.coeff)
+            .field("syms", &self.symbols())
+            .finish()
+    }
+}
+
+/// The shared form of a sorted symbol list: `None` when empty.
+fn shared(syms: Vec<String>) -> Option<Arc<[String]>> {
+    (!syms.is_empty()).then(|| Arc::from(syms))
 }
 
 /// Why a dimension string does not parse.
@@ -45,7 +64,7 @@ impl Dim {
     pub fn constant(n: u64) -> Dim {
         Dim {
             coeff: n,
-            syms: Vec::new(),
+            syms: None,
         }
     }
 
@@ -53,13 +72,13 @@ impl Dim {
     pub fn symbol(name: impl Into<String>) -> Dim {
         Dim {
             coeff: 1,
-            syms: vec![name.into()],
+            syms: shared(vec![name.into()]),
         }
     }
 
     /// The value when the dimension has no symbols.
     pub fn as_const(&self) -> Option<u64> {
-        self.syms.is_empty().then_some(self.coeff)
+        self.syms.is_none().then_some(self.coeff)
     }
 
     /// The constant factor.
@@ -69,7 +88,7 @@ impl Dim {
 
     /// The symbols of the product, sorted.
     pub fn symbols(&self) -> &[String] {
-        &self.syms
+        self.syms.as_deref().unwrap_or(&[])
     }
 
     /// `self * other`, or `None` when the constant factor overflows u64.
@@ -78,9 +97,14 @@ impl Dim {
         if coeff == 0 {
             return Some(Dim::constant(0));
         }
-        let mut syms = self.syms.clone();
-        syms.extend(other.syms.iter().cloned());
-        syms.sort();
+        let syms = match (&self.syms, &other.syms) {
+            (None, s) | (s, None) => s.clone(),
+            (Some(a), Some(b)) => {
+                let mut syms: Vec<String> = a.iter().chain(b.iter()).cloned().collect();
+                syms.sort();
+                shared(syms)
+            }
+        };
         Some(Dim { coeff, syms })
     }
 
@@ -88,7 +112,7 @@ impl Dim {
     /// overflow or when a symbol has no value.
     pub fn eval(&self, value_of: impl Fn(&str) -> Option<u64>) -> Option<u64> {
         let mut v = self.coeff;
-        for s in &self.syms {
+        for s in self.symbols() {
             v = v.checked_mul(value_of(s)?)?;
         }
         Some(v)
@@ -136,7 +160,10 @@ impl Dim {
             return Ok(Dim::constant(0));
         }
         syms.sort();
-        Ok(Dim { coeff, syms })
+        Ok(Dim {
+            coeff,
+            syms: shared(syms),
+        })
     }
 }
 
@@ -150,13 +177,14 @@ pub fn is_symbol_name(s: &str) -> bool {
 
 impl fmt::Display for Dim {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.syms.is_empty() {
+        let syms = self.symbols();
+        if syms.is_empty() {
             return write!(f, "{}", self.coeff);
         }
         if self.coeff != 1 {
             write!(f, "{}*", self.coeff)?;
         }
-        f.write_str(&self.syms.join("*"))
+        f.write_str(&syms.join("*"))
     }
 }
 
@@ -303,7 +331,7 @@ impl TensorType {
             return Some(Some(0));
         }
         let mut value = Some(coeff);
-        for s in self.shape.dims().iter().flat_map(|d| d.syms.iter()) {
+        for s in self.shape.dims().iter().flat_map(|d| d.symbols().iter()) {
             let max = symbols.get(s)?.max;
             if max == 0 {
                 return None;

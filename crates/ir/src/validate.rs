@@ -402,9 +402,8 @@ impl<'a> Checker<'a> {
                         );
                         return;
                     }
-                    if a.shape == b.shape {
-                        // Equal shapes broadcast to themselves.
-                        self.expect_output_of(0, a.dtype, &a.shape);
+                    let got = &n.outputs[0];
+                    if got.dtype == a.dtype && broadcasts_to(&a.shape, &b.shape, &got.shape) {
                         return;
                     }
                     match broadcast(&a.shape, &b.shape) {
@@ -875,16 +874,27 @@ pub fn broadcast(a: &Shape, b: &Shape) -> Option<Shape> {
     let n = a.rank().max(b.rank());
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
-        let da = (i + a.rank()).checked_sub(n).map(|k| &a.0[k]);
-        let db = (i + b.rank()).checked_sub(n).map(|k| &b.0[k]);
-        let d = match (da, db) {
-            (Some(x), None) | (None, Some(x)) => x.clone(),
-            (Some(x), Some(y)) if x == y => x.clone(),
-            (Some(x), Some(y)) if x.as_const() == Some(1) => y.clone(),
-            (Some(x), Some(y)) if y.as_const() == Some(1) => x.clone(),
-            _ => return None,
-        };
-        out.push(d);
+        out.push(broadcast_dim(a, b, n, i)?.clone());
     }
     Some(Shape(out))
+}
+
+/// Whether [`broadcast`] of `a` and `b` is `out`, without building it.
+pub fn broadcasts_to(a: &Shape, b: &Shape, out: &Shape) -> bool {
+    let n = a.rank().max(b.rank());
+    out.rank() == n && (0..n).all(|i| broadcast_dim(a, b, n, i) == Some(&out.0[i]))
+}
+
+/// Dim `i` of the broadcast of `a` and `b` (rank `n`), or `None` when they do not
+/// broadcast there.
+fn broadcast_dim<'s>(a: &'s Shape, b: &'s Shape, n: usize, i: usize) -> Option<&'s Dim> {
+    let da = (i + a.rank()).checked_sub(n).map(|k| &a.0[k]);
+    let db = (i + b.rank()).checked_sub(n).map(|k| &b.0[k]);
+    match (da, db) {
+        (Some(x), None) | (None, Some(x)) => Some(x),
+        (Some(x), Some(y)) if x == y => Some(x),
+        (Some(x), Some(y)) if x.as_const() == Some(1) => Some(y),
+        (Some(x), Some(y)) if y.as_const() == Some(1) => Some(x),
+        _ => None,
+    }
 }

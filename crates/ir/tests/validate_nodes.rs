@@ -46,3 +46,38 @@ fn validate_nodes_finds_what_validate_finds_on_the_nodes_given() {
     assert!(g.validate_nodes([a.node, b.node, good.node]).is_ok());
     assert!(g.validate_nodes([]).is_ok());
 }
+
+#[test]
+fn broadcasts_to_agrees_with_broadcast() {
+    use arfuse_ir::{broadcast, broadcasts_to, Shape};
+    let dims = [
+        Dim::constant(1),
+        Dim::constant(4),
+        Dim::constant(64),
+        Dim::symbol("T"),
+        Dim::parse("B*S").unwrap(),
+    ];
+    // Every shape of rank 0 to 2 over those dims.
+    let mut shapes = vec![Shape(vec![])];
+    for a in &dims {
+        shapes.push(Shape(vec![a.clone()]));
+        for b in &dims {
+            shapes.push(Shape(vec![a.clone(), b.clone()]));
+        }
+    }
+    let mut agreed = 0;
+    for a in &shapes {
+        for b in &shapes {
+            let want = broadcast(a, b);
+            for out in &shapes {
+                assert_eq!(
+                    broadcasts_to(a, b, out),
+                    want.as_ref() == Some(out),
+                    "{a} {b} {out}"
+                );
+                agreed += 1;
+            }
+        }
+    }
+    assert_eq!(agreed, 31 * 31 * 31);
+}

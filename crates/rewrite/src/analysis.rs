@@ -8,7 +8,7 @@
 
 use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
 use crate::uses::Uses;
-use arfuse_ir::{broadcast, DType, Dim, Shape, TensorType, NVFP4_BLOCK};
+use arfuse_ir::{broadcast, broadcasts_to, DType, Dim, Shape, TensorType, NVFP4_BLOCK};
 use egg::{Analysis, DidMerge, EGraph, Id};
 use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, BTreeSet};
@@ -77,6 +77,8 @@ pub(crate) struct Facts {
 pub(crate) struct Shapes {
     shapes: Vec<Shape>,
     ids: FxHashMap<Shape, u32>,
+    /// (shape, new last dim or `None` to drop it) -> the shape so changed.
+    with_last: FxHashMap<(u32, Option<u64>), Option<u32>>,
 }
 
 impl Shapes {
@@ -157,17 +159,26 @@ impl<'a> FxAnalysis<'a> {
     }
 
     fn with_last(&mut self, ty: Ty, last: Option<u64>, dtype: DType) -> Option<Ty> {
-        let mut dims = self.shape(ty.shape)?.0.clone();
-        match last {
-            Some(l) => *dims.last_mut()? = Dim::constant(l),
+        let shapes = &mut self.shapes;
+        let shape = match shapes.with_last.get(&(ty.shape, last)) {
+            Some(&known) => known,
             None => {
-                dims.pop()?;
+                let changed = shapes.get(ty.shape).and_then(|s| {
+                    let mut dims = s.0.clone();
+                    match last {
+                        Some(l) => *dims.last_mut()? = Dim::constant(l),
+                        None => {
+                            dims.pop()?;
+                        }
+                    }
+                    Some(Shape(dims))
+                });
+                let id = changed.map(|s| shapes.intern(&s));
+                shapes.with_last.insert((ty.shape, last), id);
+                id
             }
-        }
-        Some(Ty {
-            dtype,
-            shape: self.intern(&Shape(dims)),
-        })
+        }?;
+        Some(Ty { dtype, shape })
     }
 
     /// Output types of a quant epilogue of kind `q` on `x`: (quantised, scales).
@@ -260,18 +271,26 @@ impl<'a> Analysis<Fx> for FxAnalysis<'a> {
                 let (Some(ta), Some(tb)) = (ty(a), ty(b)) else {
                     return value(None);
                 };
-                // Equal shapes broadcast to themselves (no shape to build and intern).
-                if ta.shape == tb.shape {
+                // Equal shapes broadcast to themselves; a broadcast that is one of its
+                // operands (`[T, 1] + []`) needs no shape built either.
+                let an = &mut egraph.analysis;
+                let (Some(sa), Some(sb)) = (an.shape(ta.shape), an.shape(tb.shape)) else {
+                    return value(None);
+                };
+                let same = if ta.shape == tb.shape || broadcasts_to(sa, sb, sa) {
+                    Some(ta.shape)
+                } else if broadcasts_to(sa, sb, sb) {
+                    Some(tb.shape)
+                } else {
+                    None
+                };
+                if let Some(shape) = same {
                     return value(Some(Ty {
                         dtype: ta.dtype,
-                        shape: ta.shape,
+                        shape,
                     }));
                 }
-                let an = &mut egraph.analysis;
-                let s = match (an.shape(ta.shape), an.shape(tb.shape)) {
-                    (Some(sa), Some(sb)) => broadcast(sa, sb),
-                    _ => None,
-                };
+                let s = broadcast(sa, sb);
                 value(s.map(|s| Ty {
                     dtype: ta.dtype,
                     shape: an.intern(&s),

@@ -155,8 +155,10 @@ struct Pending {
     key: (u32, u32),
 }
 
-/// An output of a pending node: (pending index, output).
-type Ref = (usize, u32);
+/// An output of a pending node: (pending index, output). Pending indices fit a u32:
+/// a graph has at most `MAX_NODES` nodes and a site adds a handful. The layout of a
+/// [`Value`], so a node's inputs become its values in place.
+type Ref = (u32, u32);
 
 /// The output graph being assembled: the kept nodes and the sites' new nodes, before
 /// ids are resolved. Every table is flat, by node index or flat value index.
@@ -286,7 +288,7 @@ impl<'g> Builder<'g> {
             .get(v.node.index())
             .copied()
             .flatten()
-            .map(|s| (s, v.output))
+            .map(|s| (s as u32, v.output))
             .ok_or_else(|| {
                 LowerError::Internal(format!(
                     "value {} is read but its node was removed",
@@ -320,7 +322,7 @@ impl<'g> Builder<'g> {
             });
             for (k, p) in s.ports.iter().enumerate() {
                 for v in &p.direct {
-                    self.remap(*v, (fslot, k as u32));
+                    self.remap(*v, (fslot as u32, k as u32));
                 }
                 self.add_port_views(e, &base, fslot, k, p);
             }
@@ -353,7 +355,7 @@ impl<'g> Builder<'g> {
                     self.pending.push(Pending {
                         id,
                         op: Op::Reshape,
-                        inputs: vec![(fslot, k as u32)],
+                        inputs: vec![(fslot as u32, k as u32)],
                         outputs: vec![t.clone()],
                         module: e.module.clone(),
                         key: (e.site.inst, 3 + k as u32),
@@ -362,7 +364,7 @@ impl<'g> Builder<'g> {
                     slot
                 }
             };
-            self.remap(*v, (slot, 0));
+            self.remap(*v, (slot as u32, 0));
         }
     }
 
@@ -381,7 +383,7 @@ impl<'g> Builder<'g> {
                 .inputs
                 .iter()
                 .zip(&ins)
-                .any(|(v, r)| self.slot_of[v.node.index()] != Some(r.0));
+                .any(|(v, r)| self.slot_of[v.node.index()] != Some(r.0 as usize));
             if moved {
                 self.rewired.push(slot);
             }
@@ -400,10 +402,13 @@ impl<'g> Builder<'g> {
                     Input::Value(v) => refs.push(self.resolve(v)?),
                     Input::View(v, t) => {
                         let src = self.resolve(v)?;
-                        if let [(inner, k)] = self.pending[src.0].inputs[..] {
-                            if matches!(self.pending[src.0].op, Op::Reshape)
-                                && matches!(self.pending[inner].op, Op::FusedAllreduceNorm(_))
-                                && self.pending[inner].outputs.get(k as usize) == Some(&t)
+                        if let [(inner, k)] = self.pending[src.0 as usize].inputs[..] {
+                            if matches!(self.pending[src.0 as usize].op, Op::Reshape)
+                                && matches!(
+                                    self.pending[inner as usize].op,
+                                    Op::FusedAllreduceNorm(_)
+                                )
+                                && self.pending[inner as usize].outputs.get(k as usize) == Some(&t)
                             {
                                 refs.push((inner, k));
                                 continue;
@@ -424,7 +429,7 @@ impl<'g> Builder<'g> {
                             module: self.pending[fslot].module.clone(),
                             key: (self.pending[fslot].key.0, 1),
                         });
-                        refs.push((slot, 0));
+                        refs.push((slot as u32, 0));
                     }
                 }
             }
@@ -445,7 +450,7 @@ impl<'g> Builder<'g> {
         for (i, p) in self.pending.iter().enumerate() {
             indeg[i] = p.inputs.len() as u32;
             for &(src, _) in &p.inputs {
-                succ_start[src + 1] += 1;
+                succ_start[src as usize + 1] += 1;
             }
         }
         for i in 1..=n {
@@ -455,6 +460,7 @@ impl<'g> Builder<'g> {
         let mut succ = vec![0u32; succ_start[n] as usize];
         for (i, p) in self.pending.iter().enumerate() {
             for &(src, _) in &p.inputs {
+                let src = src as usize;
                 succ[fill[src] as usize] = i as u32;
                 fill[src] += 1;
             }
@@ -526,17 +532,19 @@ impl<'g> Builder<'g> {
         out.reserve(self.pending.len(), edges);
         let mut node_of: Vec<Option<NodeId>> = vec![None; self.pending.len()];
         for &i in order {
-            let inputs = self.pending[i]
-                .inputs
-                .iter()
-                .map(|&(src, k)| {
-                    node_of[src]
-                        .map(|id| Value::new(id, k))
-                        .ok_or_else(|| LowerError::Internal("input emitted late".into()))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            // Each pending node is emitted once: move its parts instead of cloning them.
+            // Each pending node is emitted once: move its parts instead of cloning them
+            // (its inputs become values in the same allocation).
             let p = &mut self.pending[i];
+            if p.inputs
+                .iter()
+                .any(|&(src, _)| node_of[src as usize].is_none())
+            {
+                return Err(LowerError::Internal("input emitted late".into()));
+            }
+            let inputs: Vec<Value> = std::mem::take(&mut p.inputs)
+                .into_iter()
+                .map(|(src, k)| Value::new(node_of[src as usize].unwrap_or_default(), k))
+                .collect();
             let id = out
                 .add_node(Node {
                     id: std::mem::take(&mut p.id),
@@ -551,7 +559,7 @@ impl<'g> Builder<'g> {
         let outs = outputs
             .iter()
             .map(|&(src, k)| {
-                node_of[src]
+                node_of[src as usize]
                     .map(|id| Value::new(id, k))
                     .ok_or_else(|| LowerError::Internal("graph output missing".into()))
             })

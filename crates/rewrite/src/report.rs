@@ -63,10 +63,14 @@ pub(crate) fn build(o: Outcome<'_>) -> Report {
                     .hidden()
                     .and_then(|h| planned.decisions.get(&(s.x_ty.dtype, h)));
                 let fused_id = emitted.fused_id_of.get(&inst);
-                let count = by_pattern.entry(s.pattern_name()).or_default();
+                let pattern = s.pattern_name();
+                let count = match by_pattern.get_mut(&pattern) {
+                    Some(c) => c,
+                    None => by_pattern.entry(pattern.clone()).or_default(),
+                };
                 count.total += 1;
                 count.fused += usize::from(fused_id.is_some() && d.is_some());
-                matched_site(graph, s, notes, fused_id, d)
+                matched_site(graph, s, pattern, notes, fused_id, d)
             }
             None => {
                 let mut reasons = rule_refusals.remove(&inst).unwrap_or_default();
@@ -122,11 +126,24 @@ pub(crate) fn build(o: Outcome<'_>) -> Report {
 /// The entry of an all-reduce no site was chosen for (its reason is set by the caller).
 fn unmatched_site(graph: &Graph, inst: u32, notes: Vec<String>) -> SiteReport {
     let ar = graph.node(NodeId::new(inst as usize));
+    let name = ar.module.clone().unwrap_or_else(|| ar.id.clone());
+    site_entry(graph, inst, ar.module.clone(), name, notes)
+}
+
+/// An entry with its all-reduce's fields, `layer` and `name`, and nothing matched.
+fn site_entry(
+    graph: &Graph,
+    inst: u32,
+    layer: Option<String>,
+    name: String,
+    notes: Vec<String>,
+) -> SiteReport {
+    let ar = graph.node(NodeId::new(inst as usize));
     SiteReport {
         all_reduce: ar.id.clone(),
         fused_node: None,
-        layer: ar.module.clone(),
-        name: ar.module.clone().unwrap_or_else(|| ar.id.clone()),
+        layer,
+        name,
         all_reduce_module: ar.module.clone(),
         norm_module: None,
         pattern: None,
@@ -148,20 +165,22 @@ fn unmatched_site(graph: &Graph, inst: u32, notes: Vec<String>) -> SiteReport {
 fn matched_site(
     graph: &Graph,
     s: &Site,
+    pattern: String,
     notes: Vec<String>,
     fused_id: Option<&String>,
     d: Option<&SiteDecision>,
 ) -> SiteReport {
-    let mut entry = unmatched_site(graph, s.inst, notes);
-    entry.pattern = Some(s.pattern_name());
+    let ar = graph.node(NodeId::new(s.inst as usize));
+    let start = ar.module.as_deref().unwrap_or(&ar.id);
+    let norm = s.norm_node.map(|n| graph.node(NodeId::new(n as usize)));
+    let name = match norm {
+        Some(norm) => format!("{start} -> {}", norm.module.as_deref().unwrap_or(&norm.id)),
+        None => start.to_string(),
+    };
+    let mut entry = site_entry(graph, s.inst, s.module.clone(), name, notes);
+    entry.pattern = Some(pattern);
     entry.hidden = s.hidden();
-    entry.layer = s.module(graph);
-    if let Some(n) = s.norm_node {
-        let norm = graph.node(NodeId::new(n as usize));
-        let end = norm.module.clone().unwrap_or_else(|| norm.id.clone());
-        entry.name = format!("{} -> {end}", entry.name);
-        entry.norm_module = norm.module.clone();
-    }
+    entry.norm_module = norm.and_then(|n| n.module.clone());
     entry.outputs = s
         .ports
         .iter()

@@ -27,6 +27,7 @@ use crate::analysis::{all_reduce_in, leaf_of, FxGraph};
 use crate::lang::{Fx, Leaf};
 use arfuse_ir::DType;
 use egg::Id;
+use smallvec::SmallVec;
 
 pub(crate) fn rules() -> Result<Vec<Rule>, String> {
     // Three searches instead of one pattern per spelling: the inner part of the
@@ -63,8 +64,8 @@ struct Normed {
 }
 
 /// Every way class `nf` matches `NF` (the 8 spellings of the module docs).
-fn normed(eg: &FxGraph, nf: Id) -> Vec<Normed> {
-    let mut out = Vec::new();
+fn normed(eg: &FxGraph, nf: Id) -> SmallVec<[Normed; 2]> {
+    let mut out: SmallVec<[Normed; 2]> = SmallVec::new();
     let same = |a: Id, b: Id| eg.find(a) == eg.find(b);
     for n in &eg[nf].nodes {
         let Fx::Mul([p, q]) = n else { continue };
@@ -101,7 +102,7 @@ fn normed(eg: &FxGraph, nf: Id) -> Vec<Normed> {
         }
     }
     // A class matched twice the same way (e.g. `xf * xf` read both ways) is one match.
-    let mut uniq: Vec<Normed> = Vec::with_capacity(out.len());
+    let mut uniq: SmallVec<[Normed; 2]> = SmallVec::new();
     for m in out {
         if !uniq.contains(&m) {
             uniq.push(m);
@@ -185,7 +186,7 @@ fn decomposed_llama(eg: &mut FxGraph, eclass: Id, &[a, b, ..]: &Vars) -> bool {
     let mut changed = false;
     // w-cast: `w * to_dtype(T, nf)`; cast-w: `to_dtype(T, nf) * w`.
     for (w, cast) in [(a, b), (b, a)] {
-        let casts: Vec<(Id, Id)> = eg[cast]
+        let casts: SmallVec<[(Id, Id); 2]> = eg[cast]
             .nodes
             .iter()
             .filter_map(|n| match n {
@@ -274,8 +275,8 @@ fn decomposed_one_rounding(eg: &mut FxGraph, eclass: Id, &[t, a, b, ..]: &Vars) 
 }
 
 /// `(T', inner)` for every `to_dtype(f32, to_dtype(T', inner))` spelling of class `c`.
-fn widened_casts(eg: &FxGraph, c: Id) -> Vec<(Id, Id)> {
-    let mut out = Vec::new();
+fn widened_casts(eg: &FxGraph, c: Id) -> SmallVec<[(Id, Id); 2]> {
+    let mut out = SmallVec::new();
     for n in &eg[c].nodes {
         let Fx::ToDtype([d, src]) = n else { continue };
         if leaf_of(eg, *d) != Some(Leaf::DType(DType::F32)) {
