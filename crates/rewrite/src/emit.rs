@@ -56,14 +56,12 @@ pub(crate) fn emit_checked(
         plan.pattern_code = s.pattern_code();
         emits.push(Emit {
             site: s,
-            plan,
-            group: group.to_string(),
-            module: s.module.clone(),
+            plan: Some(plan),
+            group,
         });
     }
-    let (out, changed, fused_ids) = emit(g, uses, &emits)?;
     let emitted: Vec<u32> = emits.iter().map(|e| e.site.inst).collect();
-    drop(emits);
+    let (out, changed, fused_ids) = emit(g, uses, emits)?;
     let mut sites = Vec::with_capacity(emitted.len());
     for (inst, fid) in emitted.iter().zip(&fused_ids) {
         let mut map = chosen
@@ -134,12 +132,10 @@ fn check_collectives(
 struct Emit<'a> {
     /// The site.
     pub site: &'a Site,
-    /// The plan the fused node carries.
-    pub plan: FusedPlan,
+    /// The plan the fused node carries (moved into it).
+    pub plan: Option<FusedPlan>,
     /// The layer group.
-    pub group: String,
-    /// Its module.
-    pub module: Option<String>,
+    pub group: &'a str,
 }
 
 /// A node of the output, before ids are resolved.
@@ -187,10 +183,10 @@ type FusedInputs = (usize, Vec<Input>, Option<Value>);
 fn emit(
     g: &Graph,
     uses: &Uses,
-    sites: &[Emit<'_>],
+    mut sites: Vec<Emit<'_>>,
 ) -> Result<(Graph, Vec<NodeId>, Vec<String>), LowerError> {
-    let mut b = Builder::new(g, uses, sites);
-    let (fused_ids, fused_inputs) = b.add_sites(sites);
+    let mut b = Builder::new(g, uses, &sites);
+    let (fused_ids, fused_inputs) = b.add_sites(&mut sites);
     b.wire_kept()?;
     b.wire_fused(fused_inputs)?;
     let outputs = g
@@ -299,7 +295,7 @@ impl<'g> Builder<'g> {
 
     /// Adds every site's fused node and the views of its outputs, and remaps the values
     /// they replace. Returns the fused ids (in site order) and each fused node's inputs.
-    fn add_sites(&mut self, sites: &[Emit<'_>]) -> (Vec<String>, Vec<FusedInputs>) {
+    fn add_sites(&mut self, sites: &mut [Emit<'_>]) -> (Vec<String>, Vec<FusedInputs>) {
         let mut fused_ids = Vec::with_capacity(sites.len());
         let mut fused_inputs = Vec::with_capacity(sites.len());
         for e in sites {
@@ -317,7 +313,7 @@ impl<'g> Builder<'g> {
                 op: Op::FusedAllreduceNorm(Box::new(fused_op(e))),
                 inputs: Vec::new(),
                 outputs: s.ports.iter().map(|p| p.ty.clone()).collect(),
-                module: e.module.clone(),
+                module: s.module.clone(),
                 key: (s.inst, 2),
             });
             for (k, p) in s.ports.iter().enumerate() {
@@ -357,7 +353,7 @@ impl<'g> Builder<'g> {
                         op: Op::Reshape,
                         inputs: vec![(fslot as u32, k as u32)],
                         outputs: vec![t.clone()],
-                        module: e.module.clone(),
+                        module: e.site.module.clone(),
                         key: (e.site.inst, 3 + k as u32),
                     });
                     by_type.insert(key, slot);
@@ -579,10 +575,10 @@ impl<'g> Builder<'g> {
 }
 
 /// The fused op of a site to emit.
-fn fused_op(e: &Emit<'_>) -> FusedAllReduceNorm {
+fn fused_op(e: &mut Emit<'_>) -> FusedAllReduceNorm {
     let s = e.site;
     FusedAllReduceNorm {
-        group: e.group.clone(),
+        group: e.group.to_string(),
         eps: f64::from_bits(s.kind.eps),
         weight_bias: f64::from_bits(s.kind.bias),
         norm_rounding: if s.kind.twice {
@@ -593,7 +589,7 @@ fn fused_op(e: &Emit<'_>) -> FusedAllReduceNorm {
         residual: s.kind.residual,
         quant: s.kind.quant.to_ir(),
         outputs: s.ports.iter().map(|p| p.output).collect(),
-        plan: Some(e.plan.clone()),
+        plan: e.plan.take(),
     }
 }
 
