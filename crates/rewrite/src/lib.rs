@@ -12,8 +12,9 @@
 //! [`LowerOptions::window_nodes`] is cut into consecutive ranges of nodes, and each
 //! range's all-reduces are decided in an e-graph of the range and a halo around it
 //! (every modeled node up to 16 steps downstream of those all-reduces and 8 steps
-//! upstream, views free), so the work and memory per site stay flat however many
-//! layers the model has; the result is the whole graph's (`tests/windows.rs`).
+//! upstream, views free), so the e-graph's work and memory per site do not grow
+//! with the model (the other steps still read and write the whole graph); the result
+//! is the whole graph's (`tests/windows.rs`).
 //!
 //! 1. Convert (`convert::convert`): IR -> e-graph. The ops the rules look into become
 //!    e-nodes, every other value an opaque leaf keyed by the IR value; all-reduces
@@ -103,11 +104,11 @@ pub struct LowerOptions {
     /// Nodes of the input graph whose sites one e-graph decides: the graph's nodes, in
     /// order, are cut into ranges of this many, and each range's all-reduces are
     /// matched in an e-graph of the range plus every modeled node up to 16 steps
-    /// downstream of them and 8 steps upstream (its halo), so the work and memory per
-    /// site do not grow with the model. A graph of at most this many nodes is one
-    /// e-graph. Default [`DEFAULT_WINDOW_NODES`]; 0 counts as 1. The sites, plans and
-    /// output do not depend on it (tested down to windows of 16 nodes); the report's
-    /// e-graph totals do.
+    /// downstream of them and 8 steps upstream (its halo), so the e-graph's work and
+    /// memory per site do not grow with the model. A graph of at most this many nodes
+    /// is one e-graph. Default [`DEFAULT_WINDOW_NODES`]; 0 counts as 1. The sites,
+    /// plans and output do not depend on it (tested down to windows of one node); the
+    /// report's e-graph totals do.
     pub window_nodes: usize,
     /// Hidden sizes (elements) of other graphs that share this graph's workspace, e.g.
     /// a speculative-decoding draft model: the workspace is sized for the widest of
