@@ -384,7 +384,7 @@ impl<'a> Checker<'a> {
                 if self.arity(&[1], 1) {
                     self.float_input(0);
                     let want = self.input(0);
-                    self.expect_output(0, &want);
+                    self.expect_output(0, want);
                 }
             }
             Op::Add | Op::Mul => {
@@ -436,13 +436,13 @@ impl<'a> Checker<'a> {
                 self.finite_attr("exponent", *exponent);
                 if self.arity(&[1], 1) && self.float_input(0) {
                     let want = self.input(0);
-                    self.expect_output(0, &want);
+                    self.expect_output(0, want);
                 }
             }
             Op::Rsqrt => {
                 if self.arity(&[1], 1) && self.float_input(0) {
                     let want = self.input(0);
-                    self.expect_output(0, &want);
+                    self.expect_output(0, want);
                 }
             }
             Op::Mean { dims, keepdim } => {
@@ -508,7 +508,7 @@ impl<'a> Checker<'a> {
                     if let Some(h) = self.hidden(0) {
                         self.weight(1, h, x.dtype, *weight_bias);
                     }
-                    self.expect_output(0, &x);
+                    self.expect_output(0, x);
                 }
             }
             Op::FusedAddRmsNorm { eps, weight_bias } => {
@@ -525,8 +525,8 @@ impl<'a> Checker<'a> {
                     if let Some(h) = self.hidden(0) {
                         self.weight(2, h, x.dtype, *weight_bias);
                     }
-                    self.expect_output(0, &x);
-                    self.expect_output(1, &x);
+                    self.expect_output(0, x);
+                    self.expect_output(1, x);
                 }
             }
             Op::QuantFp8Static => self.quant_op(&[2], FusedQuant::Fp8Static),
@@ -644,7 +644,7 @@ impl<'a> Checker<'a> {
             self.scalar_f32(1, "scale");
         }
         let Some(h) = self.hidden(0) else { return };
-        if let Some((q, s)) = self.quant_outputs(&x, h, q) {
+        if let Some((q, s)) = self.quant_outputs(x, h, q) {
             self.expect_output(0, &q);
             if let Some(s) = s {
                 self.expect_output(1, &s);
@@ -717,7 +717,7 @@ impl<'a> Checker<'a> {
         if let Some(plan) = &f.plan {
             self.plan(plan, h, x.dtype);
         }
-        let quant = self.quant_outputs(&x, h, f.quant);
+        let quant = self.quant_outputs(x, h, f.quant);
         for (k, o) in f.outputs.iter().enumerate() {
             let want = match o {
                 FusedOutput::Norm | FusedOutput::Residual => Some(x),
