@@ -57,7 +57,7 @@ enum Command {
         /// The tensor-parallel size W the graph was exported for: plans for the H200 SXM
         /// preset with W ranks (`h200-sxm-xW`, else the one preset with W ranks). A
         /// graph that records no TP size needs this or `--target`.
-        #[arg(long = "world-size", value_name = "N")]
+        #[arg(long = "world-size", value_name = "N", allow_negative_numbers = true)]
         world_size: Option<u32>,
         /// Where to write the lowered graph (one graph and target only). Default:
         /// <checkout>/target/arfuse/<name>.<target>.lowered.json
@@ -306,6 +306,9 @@ fn target_name(spec: &str) -> String {
 }
 
 fn load_target(spec: &str) -> Result<(Target, String)> {
+    if Path::new(spec).is_dir() {
+        bail!("--target {spec} is a directory; give a preset name (--list-targets) or a TOML target file");
+    }
     if is_target_file(spec) {
         let p = Path::new(spec);
         let text = std::fs::read_to_string(p)
@@ -651,6 +654,16 @@ fn lower_cmd(
     let inputs = if path.is_dir() {
         graphs_in(&path)?
     } else {
+        let name = path.file_name().map(|n| n.to_string_lossy().to_string());
+        if let Some(graph) = name
+            .as_deref()
+            .and_then(|n| n.strip_suffix(".options.json"))
+        {
+            bail!(
+                "{} is an options file (the targets of `{graph}.json`), not a graph; lower `{graph}.json`",
+                path.display()
+            );
+        }
         vec![path.clone()]
     };
     if inputs.is_empty() {

@@ -566,3 +566,29 @@ fn a_directory_as_out_a_zero_world_size_and_ignored_all_reduce_ops_are_said() {
         "{e}"
     );
 }
+
+#[test]
+fn a_directory_as_target_an_options_file_as_graph_and_a_negative_world_size_are_said() {
+    let dir = root().join("ir-fixtures/targets");
+    let o = lower(&[LLAMA, "--target", &dir.to_string_lossy()]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("is a directory; give a preset name"), "{e}");
+
+    let options = root().join("ir-fixtures/models/llama31_8b_tp8.options.json");
+    let o = lower(&[&options.to_string_lossy()]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("is an options file (the targets of `llama31_8b_tp8.json`), not a graph"),
+        "{e}"
+    );
+
+    let o = lower(&[LLAMA, "--world-size", "-1"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("invalid value '-1' for '--world-size <N>'"),
+        "{e}"
+    );
+}

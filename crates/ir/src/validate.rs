@@ -26,7 +26,8 @@ impl Graph {
 
     /// [`Graph::validate`] for the nodes `nodes` only (and every symbol): for a graph
     /// made from a valid one by adding or rewiring those nodes, whose other nodes read
-    /// values of unchanged types, this finds every problem `validate` would.
+    /// values of unchanged types, this finds every problem `validate` would. An index
+    /// that names no node of the graph is skipped.
     pub fn validate_nodes(&self, nodes: impl IntoIterator<Item = NodeId>) -> Result<(), Problems> {
         let mut p = Problems::new();
         check_symbols(self, &mut p);

@@ -108,7 +108,10 @@ pub struct LowerOptions {
     /// memory per site do not grow with the model. A graph of at most this many nodes
     /// is one e-graph. Default [`DEFAULT_WINDOW_NODES`]; 0 counts as 1. The sites,
     /// plans and output do not depend on it (tested down to windows of one node); the
-    /// report's e-graph totals do.
+    /// report's e-graph totals do, and so does the e-nodes counted against
+    /// `node_limit`: a halo's nodes count in every window holding them, so smaller
+    /// windows count more (at the default, a dense decomposed stack's halos add about
+    /// 6%; at windows of a few nodes, the count can be many times the whole graph's).
     pub window_nodes: usize,
     /// Hidden sizes (elements) of other graphs that share this graph's workspace, e.g.
     /// a speculative-decoding draft model: the workspace is sized for the widest of
@@ -254,6 +257,7 @@ fn find_sites(
             egraph_nodes: 0,
             egraph_classes: 0,
             windows: 0,
+            whole_graph: graph.len() <= options.window_nodes.max(1),
             limits: RunnerLimits {
                 iterations: options.iter_limit,
                 egraph_nodes: options.node_limit,

@@ -382,19 +382,23 @@ pub struct PatternCount {
 /// The e-graph runner's outcome.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct RunnerReport {
-    /// Why the runner stopped (always `saturated` in a returned report).
+    /// Why the runner stopped (always `saturated` in a returned report: every e-graph
+    /// built saturated).
     pub stop_reason: String,
-    /// Iterations run.
+    /// Iterations run: the most any e-graph took (0 when none was built).
     pub iterations: usize,
-    /// E-nodes at the end.
+    /// E-nodes at the end, summed over the e-graphs built (a node of a window's halo
+    /// counts in every window holding it).
     pub egraph_nodes: usize,
-    /// E-classes at the end.
+    /// E-classes at the end, summed over the e-graphs built.
     pub egraph_classes: usize,
-    /// E-graphs built, one per window of the graph that holds an all-reduce
-    /// (`LowerOptions::window_nodes`); 1 for a graph that fits one window, the e-graph
-    /// of the whole graph. `iterations` is the most any window took, `egraph_nodes`
-    /// and `egraph_classes` the sums over the windows.
+    /// E-graphs built: 1 for a graph of at most `LowerOptions::window_nodes` nodes
+    /// (`whole_graph`), else one per window that holds an all-reduce (0 when none
+    /// does).
     pub windows: usize,
+    /// Whether the graph was one window, its e-graph the whole graph's; false when it
+    /// was cut into windows.
+    pub whole_graph: bool,
     /// The limits it ran under.
     pub limits: RunnerLimits,
 }
@@ -997,10 +1001,16 @@ impl Report {
             )?;
         }
         let r = &self.runner;
-        if r.windows > 1 {
+        if !r.whole_graph && r.windows == 0 {
             writeln!(
                 f,
-                "e-graph: {} in each of {} windows, after at most {} iteration(s); {} e-nodes, {} e-classes in all (limits: {} iterations per window, {} e-nodes in all)",
+                "e-graph: none built: no window of the graph holds an all-reduce (limits: {} iterations per window, {} e-nodes in all)",
+                r.limits.iterations, r.limits.egraph_nodes
+            )
+        } else if !r.whole_graph {
+            writeln!(
+                f,
+                "e-graph: {} in each of {} window(s), after at most {} iteration(s); {} e-nodes, {} e-classes in all (limits: {} iterations per window, {} e-nodes in all)",
                 r.stop_reason,
                 r.windows,
                 r.iterations,

@@ -55,6 +55,8 @@ pub(crate) struct Windows<'a> {
     core: usize,
     /// Start of the next core range.
     next_start: usize,
+    /// Whether the first window was made.
+    started: bool,
     /// Per node: the number of the window that holds it (0: none yet).
     member: Vec<u32>,
     /// The number of the window being built.
@@ -85,6 +87,7 @@ impl<'a> Windows<'a> {
             instances,
             core: core.max(1),
             next_start: 0,
+            started: false,
             member: Vec::new(),
             window: 0,
             seen: Vec::new(),
@@ -101,9 +104,11 @@ impl<'a> Windows<'a> {
     pub fn next(&mut self, w: &mut Window) -> bool {
         let n = self.g.len();
         loop {
-            if self.next_start >= n {
+            // The first window is always made (an empty graph is one empty window).
+            if self.started && self.next_start >= n {
                 return false;
             }
+            self.started = true;
             let start = self.next_start;
             let end = start.saturating_add(self.core).min(n);
             self.next_start = end;

@@ -333,3 +333,95 @@ fn windows_change_nothing_but_the_egraph_totals() {
     }
     assert_eq!(compared, 3 * 2 * 6 * 3 * 2 * 3);
 }
+
+#[test]
+fn the_report_says_how_the_egraph_was_cut() {
+    use arfuse_ir::{DType, Dim, Graph, InputKind, Node, TensorType, Value};
+    let lower = |g: &Graph, window_nodes: usize| {
+        let options = arfuse_rewrite::LowerOptions {
+            window_nodes,
+            ..Default::default()
+        };
+        arfuse_rewrite::lower_with(g, &h200(), &options).unwrap()
+    };
+    // A stack that fits one window: the e-graph of the whole graph.
+    let g = Stack {
+        layers: 4,
+        ..Stack::default()
+    }
+    .build();
+    let whole = lower(&g, usize::MAX).report;
+    assert!(whole.runner.whole_graph);
+    assert_eq!(whole.runner.windows, 1);
+    let line = format!(
+        "e-graph: saturated after {} iteration(s), {} e-nodes",
+        whole.runner.iterations, whole.runner.egraph_nodes
+    );
+    assert!(whole.to_string().contains(&line), "{whole}");
+    // Cut into windows of 8 nodes: every window with an all-reduce has its e-graph.
+    let cut = lower(&g, 8).report;
+    assert!(!cut.runner.whole_graph);
+    assert!(
+        (2..=9).contains(&cut.runner.windows),
+        "{}",
+        cut.runner.windows
+    );
+    assert_eq!(cut.runner.iterations, whole.runner.iterations);
+    let line = format!(
+        "e-graph: saturated in each of {} window(s), after at most {} iteration(s)",
+        cut.runner.windows, cut.runner.iterations
+    );
+    assert!(cut.to_string().contains(&line), "{cut}");
+
+    // No all-reduce: cut into windows, no e-graph is built, and the report says so.
+    let mut g = Graph::new();
+    let t = TensorType::new(DType::Bf16, vec![Dim::constant(4), Dim::constant(256)]);
+    let mut add = |id: String, op: Op, inputs: Vec<Value>| {
+        Value::new(
+            g.add_node(Node {
+                id,
+                op,
+                inputs,
+                outputs: vec![t.clone()],
+                module: None,
+            })
+            .unwrap(),
+            0,
+        )
+    };
+    let x = add(
+        "x".into(),
+        Op::Input {
+            kind: InputKind::Activation,
+        },
+        vec![],
+    );
+    let mut v = x;
+    for k in 0..20 {
+        v = add(format!("a{k}"), Op::Add, vec![v, x]);
+    }
+    g.set_outputs(vec![v]).unwrap();
+    let none = lower(&g, 8).report;
+    assert!(!none.runner.whole_graph);
+    assert_eq!(
+        (
+            none.runner.windows,
+            none.runner.iterations,
+            none.runner.egraph_nodes
+        ),
+        (0, 0, 0)
+    );
+    assert!(none
+        .to_string()
+        .contains("e-graph: none built: no window of the graph holds an all-reduce"));
+    // The same graph in one window: its whole e-graph, as for any graph that fits.
+    let one = lower(&g, usize::MAX).report;
+    assert!(one.runner.whole_graph);
+    assert_eq!(one.runner.windows, 1);
+    assert_eq!(one.runner.egraph_nodes, 21);
+
+    // An empty graph is one (empty) window.
+    let empty = lower(&Graph::new(), 8).report;
+    assert!(empty.runner.whole_graph);
+    assert_eq!((empty.runner.windows, empty.runner.iterations), (1, 1));
+}
