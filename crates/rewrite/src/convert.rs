@@ -148,7 +148,7 @@ pub(crate) fn facts(g: &Graph, group: &str, uses: Uses) -> (Facts, Shapes) {
 #[derive(Debug, Default)]
 pub(crate) struct Classes {
     class: Vec<Option<Id>>,
-    /// Flat indices set by the current window, in the order they were set.
+    /// Flat indices the current window converted (ascending once it is converted).
     set: Vec<u32>,
 }
 

@@ -1,5 +1,5 @@
 //! Windows: the pieces of a large graph the e-graph works on one at a time, so that the
-//! work per site stays the same however many layers the model has.
+//! e-graph's work and memory per site stay the same however many layers the model has.
 //!
 //! The graph's nodes (in their topological order) are cut into consecutive core ranges
 //! of [`crate::LowerOptions::window_nodes`] nodes. A window decides the all-reduces of
