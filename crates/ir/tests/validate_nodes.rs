@@ -65,19 +65,20 @@ fn broadcasts_to_agrees_with_broadcast() {
             shapes.push(Shape(vec![a.clone(), b.clone()]));
         }
     }
-    let mut agreed = 0;
+    // Every pair that broadcasts has its result among the shapes (rank at most 2, the
+    // same dims): broadcasts_to holds for exactly that one shape of the list.
+    let (mut broadcasting, mut held) = (0, 0);
     for a in &shapes {
         for b in &shapes {
             let want = broadcast(a, b);
+            broadcasting += usize::from(want.is_some());
             for out in &shapes {
-                assert_eq!(
-                    broadcasts_to(a, b, out),
-                    want.as_ref() == Some(out),
-                    "{a} {b} {out}"
-                );
-                agreed += 1;
+                let holds = broadcasts_to(a, b, out);
+                assert_eq!(holds, want.as_ref() == Some(out), "{a} {b} {out}");
+                held += usize::from(holds);
             }
         }
     }
-    assert_eq!(agreed, 31 * 31 * 31);
+    assert_eq!(held, broadcasting);
+    assert!(broadcasting > shapes.len(), "{broadcasting}");
 }

@@ -148,8 +148,9 @@ pub(crate) fn facts(g: &Graph, group: &str, uses: Uses) -> (Facts, Shapes) {
 #[derive(Debug, Default)]
 pub(crate) struct Classes {
     class: Vec<Option<Id>>,
-    /// Flat indices the current window converted (ascending once it is converted).
-    set: Vec<u32>,
+    /// The values the current window converted (flat index, value), in the order they
+    /// were converted.
+    set: Vec<(u32, Value)>,
 }
 
 impl Classes {
@@ -166,15 +167,15 @@ impl Classes {
         self.class.get(i).copied().flatten()
     }
 
-    /// Flat indices of every value the window converted, ascending (graph order).
-    pub fn converted(&self) -> &[u32] {
+    /// Every value the window converted, with its flat index.
+    pub fn converted(&self) -> &[(u32, Value)] {
         &self.set
     }
 
-    fn put(&mut self, i: usize, c: Id) {
+    fn put(&mut self, i: usize, v: Value, c: Id) {
         if let Some(slot) = self.class.get_mut(i) {
             if slot.is_none() {
-                self.set.push(i as u32);
+                self.set.push((i as u32, v));
             }
             *slot = Some(c);
         }
@@ -182,7 +183,7 @@ impl Classes {
 
     /// Forgets the current window.
     pub fn clear(&mut self) {
-        for &i in &self.set {
+        for &(i, _) in &self.set {
             self.class[i as usize] = None;
         }
         self.set.clear();
@@ -210,7 +211,7 @@ pub(crate) fn convert<'a>(
         if f == Form::Opaque {
             for k in 0..n.outputs.len() {
                 let c = eg.add(Fx::Leaf(Leaf::Value(idx, k as u32)));
-                classes.put(first + k, c);
+                classes.put(first + k, Value::new(id, k as u32), c);
             }
             continue;
         }
@@ -221,26 +222,24 @@ pub(crate) fn convert<'a>(
         }
         let (outs, count) = enodes(&mut eg, idx, n, f, ins);
         for (k, c) in outs.iter().take(count).enumerate() {
-            classes.put(first + k, *c);
+            classes.put(first + k, Value::new(id, k as u32), *c);
         }
     }
-    // Leaves of outside values were recorded when first read: restore graph order.
-    classes.set.sort_unstable();
     eg
 }
 
 /// The class of input value `v`: the class its node got in this window, else (a value
 /// from outside the window) its opaque leaf.
 fn input_class(eg: &mut FxGraph, uses: &Uses, classes: &mut Classes, v: Value) -> Id {
-    let Some(i) = uses.flat(v) else {
-        // Validation guarantees every input exists; stay total anyway.
-        return eg.add(Fx::Leaf(Leaf::Value(v.node.index() as u32, v.output)));
-    };
-    if let Some(c) = classes.get(i) {
+    // Validation guarantees every input exists (a flat index); stay total anyway.
+    let i = uses.flat(v);
+    if let Some(c) = i.and_then(|i| classes.get(i)) {
         return c;
     }
     let c = eg.add(Fx::Leaf(Leaf::Value(v.node.index() as u32, v.output)));
-    classes.put(i, c);
+    if let Some(i) = i {
+        classes.put(i, v, c);
+    }
     c
 }
 

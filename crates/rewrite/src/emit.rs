@@ -8,8 +8,7 @@
 
 use crate::error::LowerError;
 use crate::plan::SiteDecision;
-use crate::site::Port;
-use crate::site::{Input, Site};
+use crate::site::{Input, Port, Site};
 use crate::uses::Uses;
 use arfuse_ir::op::{FusedAllReduceNorm, FusedOutput, FusedPlan, NormRounding};
 use arfuse_ir::{DType, Graph, Node, NodeId, Op, SiteMap, TensorType, Value};

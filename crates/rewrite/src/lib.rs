@@ -190,12 +190,16 @@ pub fn lower_with(
     let (group, group_source) = choose_group(graph, options)?;
     let instances = convert::all_reduces(graph);
 
-    let mut found = find_sites(graph, target, options, &group, &instances)?;
-    let mut choice = std::mem::take(&mut found.choice);
+    let Found {
+        uses,
+        mut choice,
+        rule_refusals,
+        runner,
+    } = find_sites(graph, target, options, &group, &instances)?;
     let planned = plan::plan_graph(graph, target, &choice.chosen, &options.shared_hidden_sizes)?;
     let emitted = emit::emit_checked(
         graph,
-        &found.uses,
+        &uses,
         &instances,
         &mut choice.chosen,
         &planned.decisions,
@@ -207,8 +211,8 @@ pub fn lower_with(
         group,
         group_source,
         instances: &instances,
-        runner: found.runner,
-        rule_refusals: found.rule_refusals,
+        runner,
+        rule_refusals,
         choice,
         planned,
         emitted: &emitted,
@@ -247,62 +251,67 @@ fn find_sites(
     let rules = rules::all().map_err(LowerError::Internal)?;
     let mut classes = convert::Classes::new(facts.uses.values());
     let mut claimed = site::Claimed::new(graph.len());
-    let mut found = Found {
-        uses: uses::Uses::default(),
-        choice: site::Choice::default(),
-        rule_refusals: BTreeMap::new(),
-        runner: RunnerReport {
-            stop_reason: "saturated".into(),
-            iterations: 0,
-            egraph_nodes: 0,
-            egraph_classes: 0,
-            windows: 0,
-            whole_graph: graph.len() <= options.window_nodes.max(1),
-            limits: RunnerLimits {
-                iterations: options.iter_limit,
-                egraph_nodes: options.node_limit,
-            },
+    let mut choice = site::Choice::default();
+    let mut rule_refusals = BTreeMap::new();
+    let mut windows = window::Windows::new(graph, &facts.uses, instances, options.window_nodes);
+    let mut runner = RunnerReport {
+        stop_reason: "saturated".into(),
+        iterations: 0,
+        egraph_nodes: 0,
+        egraph_classes: 0,
+        windows: 0,
+        whole_graph: windows.whole(),
+        limits: RunnerLimits {
+            iterations: options.iter_limit,
+            egraph_nodes: options.node_limit,
         },
     };
-    let mut windows = window::Windows::new(graph, &facts.uses, instances, options.window_nodes);
     let mut w = window::Window::default();
     while windows.next(&mut w) {
         let analysis = analysis::FxAnalysis::new(&facts, std::mem::take(&mut shapes));
         let eg = convert::convert(graph, &w.nodes, analysis, &mut classes);
-        let budget = options.node_limit.saturating_sub(found.runner.egraph_nodes);
-        let r = &mut found.runner;
-        let (mut eg, ran) = match rules::saturate(eg, &rules, options.iter_limit, budget) {
-            Ok(done) => done,
-            Err((stop, ran)) => {
-                // Name the configured limit, and count the earlier windows' e-nodes
-                // too.
-                let reason = match stop {
-                    rules::Stop::NodeLimit(n) => format!(
-                        "e-node limit {} (the e-graph had {} e-nodes when it stopped)",
-                        options.node_limit,
-                        r.egraph_nodes + n
-                    ),
-                    rules::Stop::IterationLimit(n) => format!("iteration limit {n}"),
-                };
-                return Err(LowerError::NotSaturated {
-                    reason,
-                    iterations: ran.iterations,
-                    nodes: r.egraph_nodes + ran.nodes,
-                });
-            }
-        };
-        r.iterations = r.iterations.max(ran.iterations);
-        r.egraph_nodes += ran.nodes;
-        r.egraph_classes += ran.classes;
-        r.windows += 1;
+        let budget = options.node_limit.saturating_sub(runner.egraph_nodes);
+        let (mut eg, ran) = rules::saturate(eg, &rules, options.iter_limit, budget)
+            .map_err(|(stop, ran)| not_saturated(stop, ran, &runner, options))?;
+        runner.iterations = runner.iterations.max(ran.iterations);
+        runner.egraph_nodes += ran.nodes;
+        runner.egraph_classes += ran.classes;
+        runner.windows += 1;
         let index = site::Index::new(graph, &eg, &classes);
-        site::choose(&index, &w.owned, target, &mut claimed, &mut found.choice);
-        index.rule_refusals(&w.owned, &mut found.rule_refusals);
+        site::choose(&index, &w.owned, target, &mut claimed, &mut choice);
+        index.rule_refusals(&w.owned, &mut rule_refusals);
         shapes = std::mem::take(&mut eg.analysis.shapes);
     }
     drop((windows, rules));
-    found.uses = facts.uses;
-    Ok(found)
+    Ok(Found {
+        uses: facts.uses,
+        choice,
+        rule_refusals,
+        runner,
+    })
+}
+
+/// The error of a window's runner that stopped at a limit (`stop`, after `ran`), the
+/// earlier windows' e-nodes (`so_far`) counted too.
+fn not_saturated(
+    stop: rules::Stop,
+    ran: rules::Ran,
+    so_far: &RunnerReport,
+    options: &LowerOptions,
+) -> LowerError {
+    let reason = match stop {
+        rules::Stop::NodeLimit(n) => format!(
+            "e-node limit {} (the e-graph had {} e-nodes when it stopped)",
+            options.node_limit,
+            so_far.egraph_nodes + n
+        ),
+        rules::Stop::IterationLimit(n) => format!("iteration limit {n}"),
+    };
+    LowerError::NotSaturated {
+        reason,
+        iterations: ran.iterations,
+        nodes: so_far.egraph_nodes + ran.nodes,
+    }
 }
 
 /// The graph's own tensor-parallel size, when its metadata records one (`tp` or

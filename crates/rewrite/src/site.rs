@@ -10,7 +10,7 @@ use crate::uses::Uses;
 use arfuse_ir::op::{FusedOutput, FusedQuant};
 use arfuse_ir::{Graph, NodeId, NodeOutput, Op, SiteInput, SiteMap, SiteOutput, TensorType, Value};
 use arfuse_policy::Target;
-use egg::Id;
+use egg::{Id, Language};
 use smallvec::SmallVec;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -67,7 +67,7 @@ pub(crate) struct Site {
     /// emitted), made when the site is chosen, while the window's nodes are at hand:
     /// what `arfuse_reference::check_sites` cuts out.
     pub map: Option<SiteMap>,
-    /// The site's module ([`Site::module`]).
+    /// The site's module ([`Site::module_in`]).
     pub module: Option<String>,
 }
 
@@ -76,9 +76,9 @@ pub(crate) struct Index<'g, 'e, 'a> {
     g: &'g Graph,
     eg: &'e FxGraph<'a>,
     uses: &'a Uses,
-    /// (canonical class, flat value) of every IR value the window converted, sorted:
-    /// the values of a class in graph order.
-    values_in: Vec<(Id, u32)>,
+    /// (canonical class, IR value) of every IR value the window converted, sorted: the
+    /// values of a class in graph order.
+    values_in: Vec<(Id, Value)>,
     /// (class c, class holding an IR value that contains `reshape(_, c)`), sorted,
     /// without repeats.
     view_parents: Vec<(Id, Id)>,
@@ -89,10 +89,11 @@ pub(crate) struct Index<'g, 'e, 'a> {
 impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
     pub fn new(g: &'g Graph, eg: &'e FxGraph<'a>, classes: &'e Classes) -> Index<'g, 'e, 'a> {
         let uses = &eg.analysis.facts.uses;
-        let mut values_in: Vec<(Id, u32)> = classes
+        // A class's values sort in graph order (values order by node, then output).
+        let mut values_in: Vec<(Id, Value)> = classes
             .converted()
             .iter()
-            .filter_map(|&i| Some((eg.find(classes.get(i as usize)?), i)))
+            .filter_map(|&(i, v)| Some((eg.find(classes.get(i as usize)?), v)))
             .collect();
         values_in.sort_unstable();
         let mut view_parents: Vec<(Id, Id)> = Vec::new();
@@ -126,7 +127,7 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
         self.values_in[lo..]
             .iter()
             .take_while(move |(k, _)| *k == c)
-            .map(|(_, i)| self.uses.value(*i as usize))
+            .map(|(_, v)| *v)
     }
 
     /// The first IR value in class `c` (canonical).
@@ -178,7 +179,9 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
     /// instance, most complete first.
     pub fn candidates(&self, owned: &[u32]) -> BTreeMap<u32, Vec<(Id, [Id; 6], FKind)>> {
         let mut out: BTreeMap<u32, Vec<(Id, [Id; 6], FKind)>> = BTreeMap::new();
-        for class in self.eg.classes() {
+        let fused = Fx::Fused([Id::from(0usize); 6]).discriminant();
+        let classes = self.eg.classes_for_op(&fused).into_iter().flatten();
+        for class in classes.map(|c| &self.eg[c]) {
             for node in &class.nodes {
                 let Fx::Fused(ch) = node else { continue };
                 let (Some(Leaf::Fused(k)), Some(Leaf::Inst(i))) =
@@ -567,7 +570,7 @@ impl Site {
     }
 
     /// The module of the site: the norm's, else the all-reduce's.
-    pub(crate) fn module(&self, graph: &Graph) -> Option<String> {
+    pub(crate) fn module_in(&self, graph: &Graph) -> Option<String> {
         self.norm_node
             .and_then(|n| graph.node(NodeId::new(n as usize)).module.clone())
             .or_else(|| graph.node(NodeId::new(self.inst as usize)).module.clone())
@@ -616,7 +619,7 @@ pub(crate) fn choose(
             match index.check(inst, *class, *ch, *kind, claimed) {
                 Ok(mut s) => {
                     s.map = Some(site_map(index.g, &s));
-                    s.module = s.module(index.g);
+                    s.module = s.module_in(index.g);
                     claimed.claim(&s.region);
                     out.chosen.insert(inst, s);
                     break;

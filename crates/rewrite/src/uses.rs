@@ -4,7 +4,7 @@
 //! windows' halos, the site checks) reads these tables instead of walking petgraph's
 //! edge lists, so each question costs a slice lookup.
 
-use arfuse_ir::{Graph, NodeId, Value};
+use arfuse_ir::{Graph, Value};
 
 /// The flat value numbering of a graph and the consumers of every value.
 #[derive(Debug, Default)]
@@ -94,7 +94,7 @@ impl Uses {
     }
 
     /// Consumers of flat value `i`.
-    pub fn users_of_flat(&self, i: usize) -> &[u32] {
+    fn users_of_flat(&self, i: usize) -> &[u32] {
         match (self.user_start.get(i), self.user_start.get(i + 1)) {
             (Some(&a), Some(&b)) => self.user_list.get(a as usize..b as usize).unwrap_or(&[]),
             _ => &[],
@@ -120,15 +120,5 @@ impl Uses {
     /// Whether `v` is a graph output.
     pub fn is_output(&self, v: Value) -> bool {
         self.output_uses(v) > 0
-    }
-
-    /// The value with flat index `i`.
-    pub fn value(&self, i: usize) -> Value {
-        // The node whose range holds i: the last base <= i.
-        let node = self.value_base.partition_point(|&b| b as usize <= i) - 1;
-        Value::new(
-            NodeId::new(node),
-            (i - self.value_base[node] as usize) as u32,
-        )
     }
 }

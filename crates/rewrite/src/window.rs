@@ -97,6 +97,11 @@ impl<'a> Windows<'a> {
         }
     }
 
+    /// Whether the graph is one window (its e-graph the whole graph's).
+    pub fn whole(&self) -> bool {
+        self.g.len() <= self.core
+    }
+
     /// The next window, written into `w`; false when none is left. Of a graph cut into
     /// several windows, a core range without an all-reduce decides nothing and is
     /// skipped; a graph that is one window is always converted (its report gives the
@@ -114,7 +119,7 @@ impl<'a> Windows<'a> {
             self.next_start = end;
             let lo = self.instances.partition_point(|&i| (i as usize) < start);
             let hi = self.instances.partition_point(|&i| (i as usize) < end);
-            let whole = start == 0 && end == n;
+            let whole = self.whole();
             if lo == hi && !whole {
                 continue;
             }
