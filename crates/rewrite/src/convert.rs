@@ -12,13 +12,37 @@ use arfuse_ir::op::FusedQuant;
 use arfuse_ir::{DType, Graph, Node, NodeId, Op, Value};
 use egg::{EGraph, Id};
 
-/// The all-reduces of `g` (node indices, in graph order): the instances the pass
-/// accounts for, each exactly once in its output.
-pub(crate) fn all_reduces(g: &Graph) -> Vec<u32> {
-    g.nodes()
-        .filter(|(_, n)| matches!(n.op, Op::AllReduce { .. }))
-        .map(|(id, _)| id.index() as u32)
-        .collect()
+/// The collectives of a graph, by node index, in graph order.
+pub(crate) struct Collectives {
+    /// The all-reduces: the instances the pass accounts for, each exactly once in its
+    /// output.
+    pub all_reduces: Vec<u32>,
+    /// The fused nodes already in the graph.
+    pub fused: Vec<u32>,
+    /// The opaque nodes whose target looks like a collective
+    /// ([`arfuse_ir::looks_like_collective`]), which the report warns about.
+    pub opaque_collectives: Vec<u32>,
+}
+
+/// The collectives of `g`, in one walk over its nodes.
+pub(crate) fn collectives(g: &Graph) -> Collectives {
+    let mut c = Collectives {
+        all_reduces: Vec::new(),
+        fused: Vec::new(),
+        opaque_collectives: Vec::new(),
+    };
+    for (id, n) in g.nodes() {
+        let i = id.index() as u32;
+        match &n.op {
+            Op::AllReduce { .. } => c.all_reduces.push(i),
+            Op::FusedAllreduceNorm(_) => c.fused.push(i),
+            Op::Opaque { target, .. } if arfuse_ir::looks_like_collective(target) => {
+                c.opaque_collectives.push(i)
+            }
+            _ => {}
+        }
+    }
+    c
 }
 
 /// What one IR node becomes in the e-graph: the e-node of an op the rules model, or

@@ -6,6 +6,7 @@
 //! unique with `.2`, `.3`, ... if taken), views are `fused.a.<output>.view` and the
 //! residual view is `fused.a.residual_in`.
 
+use crate::convert::Collectives;
 use crate::error::LowerError;
 use crate::plan::SiteDecision;
 use crate::site::{Input, Port, Site};
@@ -38,7 +39,7 @@ pub(crate) struct Emitted {
 pub(crate) fn emit_checked(
     g: &Graph,
     uses: &Uses,
-    instances: &[u32],
+    collectives: &Collectives,
     chosen: &mut BTreeMap<u32, Site>,
     decisions: &BTreeMap<(DType, u64), SiteDecision>,
     group: &str,
@@ -71,7 +72,7 @@ pub(crate) fn emit_checked(
         sites.push(map);
     }
     let fused_id_of: BTreeMap<u32, String> = emitted.into_iter().zip(fused_ids).collect();
-    let fused_before = check_collectives(g, &out, instances, &fused_id_of)?;
+    check_collectives(g, &out, collectives, &fused_id_of)?;
     // The input validated; a node that is not new and reads no new node's value has
     // the checks it had there.
     out.validate_nodes(changed)
@@ -79,23 +80,30 @@ pub(crate) fn emit_checked(
     Ok(Emitted {
         graph: out,
         fused_id_of,
-        fused_before,
+        fused_before: collectives.fused.len(),
         sites,
     })
 }
 
 /// Every original all-reduce appears exactly once in `out`: kept as is, or in one
-/// fused node; and the collectives of `out` are those of `g`, counted. Returns the
-/// number of fused nodes already in `g`.
+/// fused node (`fused`); and the collectives of `out` are those of `g`
+/// (`collectives`), counted.
 fn check_collectives(
     g: &Graph,
     out: &Graph,
-    instances: &[u32],
+    collectives: &Collectives,
     fused: &BTreeMap<u32, String>,
-) -> Result<usize, LowerError> {
-    // The all-reduces of the output, by the input node of the same id.
+) -> Result<(), LowerError> {
+    let instances = &collectives.all_reduces;
+    // The all-reduces of the output, by the input node of the same id; and its
+    // collectives, counted in the same walk.
     let mut kept = vec![false; g.len()];
+    let mut collectives_after = 0usize;
     for (_, n) in out.nodes() {
+        if !n.op.is_collective() {
+            continue;
+        }
+        collectives_after += 1;
         if matches!(n.op, Op::AllReduce { .. }) {
             if let Some(i) = g.find(&n.id) {
                 kept[i.index()] = true;
@@ -113,18 +121,14 @@ fn check_collectives(
             )));
         }
     }
-    let fused_before = g
-        .nodes()
-        .filter(|(_, n)| matches!(n.op, Op::FusedAllreduceNorm(_)))
-        .count();
-    let collectives_after = out.nodes().filter(|(_, n)| n.op.is_collective()).count();
+    let fused_before = collectives.fused.len();
     if collectives_after != instances.len() + fused_before {
         return Err(LowerError::Internal(format!(
             "{} collectives in, {collectives_after} out",
             instances.len() + fused_before
         )));
     }
-    Ok(fused_before)
+    Ok(())
 }
 
 /// A fused site ready to emit.
@@ -139,15 +143,30 @@ struct Emit<'a> {
 
 /// A node of the output, before ids are resolved.
 struct Pending {
-    id: String,
-    op: Op,
-    inputs: Vec<Ref>,
-    outputs: Vec<TensorType>,
-    module: Option<String>,
+    /// A kept node of the input (its node index, cloned when the output is written), or
+    /// a new node (its index in [`Builder::new_nodes`]).
+    what: What,
+    /// Its inputs: `Builder::ins[start..start + len]`.
+    ins: (u32, u32),
     /// Its place in the output order: (node index, 0) for a kept node; for the nodes
     /// of the site of all-reduce `a`: (a, 1) an input view, (a, 2) the fused node,
     /// (a, 3 + k) a view of its output k.
     key: (u32, u32),
+}
+
+/// What a pending node is.
+#[derive(Clone, Copy)]
+enum What {
+    Kept(u32),
+    New(u32),
+}
+
+/// A node a site adds.
+struct NewNode {
+    id: String,
+    op: Op,
+    outputs: Vec<TensorType>,
+    module: Option<String>,
 }
 
 /// An output of a pending node: (pending index, output). Pending indices fit a u32:
@@ -155,8 +174,12 @@ struct Pending {
 /// [`Value`], so a node's inputs become its values in place.
 type Ref = (u32, u32);
 
+/// No pending slot (a node some site removed).
+const NO_SLOT: u32 = u32::MAX;
+
 /// The output graph being assembled: the kept nodes and the sites' new nodes, before
-/// ids are resolved. Every table is flat, by node index or flat value index.
+/// ids are resolved. Every table is flat, by node index or flat value index; a kept
+/// node is read from the input when the output is written, so it is copied once.
 struct Builder<'g> {
     g: &'g Graph,
     uses: &'g Uses,
@@ -164,9 +187,16 @@ struct Builder<'g> {
     removed: Vec<bool>,
     /// Ids given to new nodes so far.
     new_ids: HashSet<String>,
+    /// The output's nodes: the kept ones first, in graph order, then the new ones.
     pending: Vec<Pending>,
-    /// The pending index of every kept node, by node index.
-    slot_of: Vec<Option<usize>>,
+    /// The nodes the sites add.
+    new_nodes: Vec<NewNode>,
+    /// Every pending node's inputs, one after the other ([`Pending::ins`]).
+    ins: Vec<Ref>,
+    /// The pending index of every kept node, by node index ([`NO_SLOT`]: removed).
+    slot_of: Vec<u32>,
+    /// The number of kept nodes.
+    kept: usize,
     /// Where each replaced value now comes from, by flat value index.
     remap: Vec<Option<Ref>>,
     /// Kept nodes (pending indices) that read a remapped value.
@@ -217,7 +247,10 @@ impl<'g> Builder<'g> {
             removed,
             new_ids: HashSet::with_capacity(3 * new_sites),
             pending: Vec::with_capacity(g.len() + 3 * new_sites),
-            slot_of: vec![None; g.len()],
+            new_nodes: Vec::with_capacity(3 * new_sites),
+            ins: Vec::new(),
+            slot_of: vec![NO_SLOT; g.len()],
+            kept: 0,
             remap: vec![None; uses.values()],
             rewired: Vec::new(),
         };
@@ -226,16 +259,14 @@ impl<'g> Builder<'g> {
             if b.removed[i.index()] || b.is_dead_constant(idx, n) {
                 continue;
             }
-            b.slot_of[i.index()] = Some(b.pending.len());
+            b.slot_of[i.index()] = b.pending.len() as u32;
             b.pending.push(Pending {
-                id: n.id.clone(),
-                op: n.op.clone(),
-                inputs: Vec::new(),
-                outputs: n.outputs.clone(),
-                module: n.module.clone(),
+                what: What::Kept(idx),
+                ins: (0, 0),
                 key: (idx, 0),
             });
         }
+        b.kept = b.pending.len();
         b
     }
 
@@ -274,22 +305,75 @@ impl<'g> Builder<'g> {
         }
     }
 
+    /// The pending slot of input node `n`, if it is kept.
+    fn slot(&self, n: NodeId) -> Option<u32> {
+        self.slot_of
+            .get(n.index())
+            .copied()
+            .filter(|&s| s != NO_SLOT)
+    }
+
     /// Where value `v` of the input comes from in the output.
     fn resolve(&self, v: Value) -> Result<Ref, LowerError> {
         if let Some(r) = self.uses.flat(v).and_then(|i| self.remap[i]) {
             return Ok(r);
         }
-        self.slot_of
-            .get(v.node.index())
-            .copied()
-            .flatten()
-            .map(|s| (s as u32, v.output))
-            .ok_or_else(|| {
-                LowerError::Internal(format!(
-                    "value {} is read but its node was removed",
-                    self.g.value_ref(v)
-                ))
-            })
+        self.slot(v.node).map(|s| (s, v.output)).ok_or_else(|| {
+            LowerError::Internal(format!(
+                "value {} is read but its node was removed",
+                self.g.value_ref(v)
+            ))
+        })
+    }
+
+    /// Adds a new node with inputs `inputs`; returns its pending index.
+    fn push_new(&mut self, node: NewNode, inputs: &[Ref], key: (u32, u32)) -> usize {
+        let slot = self.pending.len();
+        self.pending.push(Pending {
+            what: What::New(self.new_nodes.len() as u32),
+            ins: (0, 0),
+            key,
+        });
+        self.new_nodes.push(node);
+        self.set_inputs(slot, inputs.iter().copied());
+        slot
+    }
+
+    /// Sets the inputs of pending node `slot`.
+    fn set_inputs(&mut self, slot: usize, inputs: impl IntoIterator<Item = Ref>) {
+        let start = self.ins.len();
+        self.ins.extend(inputs);
+        self.pending[slot].ins = (start as u32, (self.ins.len() - start) as u32);
+    }
+
+    /// The inputs of pending node `slot`.
+    fn inputs(&self, slot: usize) -> &[Ref] {
+        let (start, len) = self.pending[slot].ins;
+        &self.ins[start as usize..(start + len) as usize]
+    }
+
+    /// The op of pending node `slot`.
+    fn op(&self, slot: usize) -> &Op {
+        match self.pending[slot].what {
+            What::Kept(n) => &self.g.node(NodeId::new(n as usize)).op,
+            What::New(k) => &self.new_nodes[k as usize].op,
+        }
+    }
+
+    /// The output types of pending node `slot`.
+    fn outputs(&self, slot: usize) -> &[TensorType] {
+        match self.pending[slot].what {
+            What::Kept(n) => &self.g.node(NodeId::new(n as usize)).outputs,
+            What::New(k) => &self.new_nodes[k as usize].outputs,
+        }
+    }
+
+    /// The new node of pending node `slot` (a fused node).
+    fn new_node(&self, slot: usize) -> Option<&NewNode> {
+        match self.pending[slot].what {
+            What::Kept(_) => None,
+            What::New(k) => self.new_nodes.get(k as usize),
+        }
     }
 
     /// Adds every site's fused node and the views of its outputs, and remaps the values
@@ -302,19 +386,17 @@ impl<'g> Builder<'g> {
             let ar = self.g.node(NodeId::new(s.inst as usize));
             let base = format!("fused.{}", ar.id);
             let fid = self.fresh(base.clone());
-            let fslot = self.pending.len();
             let mut ins = vec![s.x_input()];
             ins.extend(s.residual.iter().cloned());
             ins.push(s.weight.clone());
             ins.extend(s.scale.iter().cloned());
-            self.pending.push(Pending {
+            let fused = NewNode {
                 id: fid.clone(),
                 op: Op::FusedAllreduceNorm(Box::new(fused_op(e))),
-                inputs: Vec::new(),
                 outputs: s.ports.iter().map(|p| p.ty.clone()).collect(),
                 module: s.module.clone(),
-                key: (s.inst, 2),
-            });
+            };
+            let fslot = self.push_new(fused, &[], (s.inst, 2));
             for (k, p) in s.ports.iter().enumerate() {
                 for v in &p.direct {
                     self.remap(*v, (fslot as u32, k as u32));
@@ -345,16 +427,17 @@ impl<'g> Builder<'g> {
                         FusedOutput::Quant => "quant",
                         FusedOutput::Scale => "scale",
                     };
-                    let id = self.fresh(format!("{base}.{name}.view"));
-                    let slot = self.pending.len();
-                    self.pending.push(Pending {
-                        id,
+                    let view = NewNode {
+                        id: self.fresh(format!("{base}.{name}.view")),
                         op: Op::Reshape,
-                        inputs: vec![(fslot as u32, k as u32)],
                         outputs: vec![t.clone()],
                         module: e.site.module.clone(),
-                        key: (e.site.inst, 3 + k as u32),
-                    });
+                    };
+                    let slot = self.push_new(
+                        view,
+                        &[(fslot as u32, k as u32)],
+                        (e.site.inst, 3 + k as u32),
+                    );
                     by_type.insert(key, slot);
                     slot
                 }
@@ -365,25 +448,26 @@ impl<'g> Builder<'g> {
 
     /// The inputs of every kept node.
     fn wire_kept(&mut self) -> Result<(), LowerError> {
-        for (i, n) in self.g.nodes() {
-            let Some(slot) = self.slot_of[i.index()] else {
+        let mut ins = std::mem::take(&mut self.ins);
+        // Most nodes read one or two values.
+        ins.reserve(2 * self.kept);
+        for slot in 0..self.kept {
+            let What::Kept(n) = self.pending[slot].what else {
                 continue;
             };
-            let ins = n
-                .inputs
-                .iter()
-                .map(|v| self.resolve(*v))
-                .collect::<Result<Vec<_>, _>>()?;
-            let moved = n
-                .inputs
-                .iter()
-                .zip(&ins)
-                .any(|(v, r)| self.slot_of[v.node.index()] != Some(r.0 as usize));
+            let start = ins.len();
+            let mut moved = false;
+            for v in &self.g.node(NodeId::new(n as usize)).inputs {
+                let r = self.resolve(*v)?;
+                moved |= self.slot(v.node) != Some(r.0);
+                ins.push(r);
+            }
             if moved {
                 self.rewired.push(slot);
             }
-            self.pending[slot].inputs = ins;
+            self.pending[slot].ins = (start as u32, (ins.len() - start) as u32);
         }
+        self.ins = ins;
         Ok(())
     }
 
@@ -397,40 +481,50 @@ impl<'g> Builder<'g> {
                     Input::Value(v) => refs.push(self.resolve(v)?),
                     Input::View(v, t) => {
                         let src = self.resolve(v)?;
-                        if let [(inner, k)] = self.pending[src.0 as usize].inputs[..] {
-                            if matches!(self.pending[src.0 as usize].op, Op::Reshape)
-                                && matches!(
-                                    self.pending[inner as usize].op,
-                                    Op::FusedAllreduceNorm(_)
-                                )
-                                && self.pending[inner as usize].outputs.get(k as usize) == Some(&t)
-                            {
-                                refs.push((inner, k));
-                                continue;
-                            }
+                        if let Some(of_fused) = self.view_of_fused(src.0 as usize, &t) {
+                            refs.push(of_fused);
+                            continue;
                         }
                         let what = if residual_view == Some(v) {
                             "residual_in"
                         } else {
                             "input_view"
                         };
-                        let id = self.fresh(format!("{}.{what}", self.pending[fslot].id));
-                        let slot = self.pending.len();
-                        self.pending.push(Pending {
-                            id,
+                        let (fid, module) = match self.new_node(fslot) {
+                            Some(f) => (f.id.clone(), f.module.clone()),
+                            None => {
+                                return Err(LowerError::Internal(
+                                    "a fused node is not a new node".into(),
+                                ))
+                            }
+                        };
+                        let view = NewNode {
+                            id: self.fresh(format!("{fid}.{what}")),
                             op: Op::Reshape,
-                            inputs: vec![src],
                             outputs: vec![t],
-                            module: self.pending[fslot].module.clone(),
-                            key: (self.pending[fslot].key.0, 1),
-                        });
+                            module,
+                        };
+                        let key = (self.pending[fslot].key.0, 1);
+                        let slot = self.push_new(view, &[src], key);
                         refs.push((slot as u32, 0));
                     }
                 }
             }
-            self.pending[fslot].inputs = refs;
+            self.set_inputs(fslot, refs);
         }
         Ok(())
+    }
+
+    /// When pending node `src` is a view of output `k` of a fused node, typed `t`
+    /// (the type that output has): that output.
+    fn view_of_fused(&self, src: usize, t: &TensorType) -> Option<Ref> {
+        let [(inner, k)] = *self.inputs(src) else {
+            return None;
+        };
+        let fused_output = matches!(self.op(src), Op::Reshape)
+            && matches!(self.op(inner as usize), Op::FusedAllreduceNorm(_))
+            && self.outputs(inner as usize).get(k as usize) == Some(t);
+        fused_output.then_some((inner, k))
     }
 
     /// The output order: repeatedly the ready node (every input placed) with the least
@@ -443,8 +537,8 @@ impl<'g> Builder<'g> {
         let mut indeg = vec![0u32; n];
         let mut succ_start = vec![0u32; n + 1];
         for (i, p) in self.pending.iter().enumerate() {
-            indeg[i] = p.inputs.len() as u32;
-            for &(src, _) in &p.inputs {
+            indeg[i] = p.ins.1;
+            for &(src, _) in self.inputs(i) {
                 succ_start[src as usize + 1] += 1;
             }
         }
@@ -453,15 +547,15 @@ impl<'g> Builder<'g> {
         }
         let mut fill = succ_start.clone();
         let mut succ = vec![0u32; succ_start[n] as usize];
-        for (i, p) in self.pending.iter().enumerate() {
-            for &(src, _) in &p.inputs {
+        for i in 0..n {
+            for &(src, _) in self.inputs(i) {
                 let src = src as usize;
                 succ[fill[src] as usize] = i as u32;
                 fill[src] += 1;
             }
         }
         // The kept nodes are in key order already; the new ones are sorted and merged.
-        let kept = self.slot_of.iter().flatten().count();
+        let kept = self.kept;
         let mut new: Vec<usize> = (kept..n).collect();
         new.sort_by_key(|&i| (self.pending[i].key, i));
         let mut by_key = Vec::with_capacity(n);
@@ -509,9 +603,10 @@ impl<'g> Builder<'g> {
         Ok(order)
     }
 
-    /// The output graph: the pending nodes in `order`, the outputs `outputs`; and its
-    /// nodes that are new or read a value of a new node (the only ones whose checks can
-    /// differ from the input's).
+    /// The output graph: the pending nodes in `order` (a kept node copied from the
+    /// input, a new node moved), the outputs `outputs`; and its nodes that are new or
+    /// read a value of a new node (the only ones whose checks can differ from the
+    /// input's).
     fn into_graph(
         mut self,
         order: &[usize],
@@ -523,31 +618,40 @@ impl<'g> Builder<'g> {
             out.set_symbol(name.clone(), *r);
         }
         out.set_metadata(g.metadata().cloned());
-        let edges = self.pending.iter().map(|p| p.inputs.len()).sum();
-        out.reserve(self.pending.len(), edges);
+        out.reserve(self.pending.len(), self.ins.len());
         let mut node_of: Vec<Option<NodeId>> = vec![None; self.pending.len()];
         for &i in order {
-            // Each pending node is emitted once: move its parts instead of cloning them
-            // (its inputs become values in the same allocation).
-            let p = &mut self.pending[i];
-            if p.inputs
+            let inputs = self
+                .inputs(i)
                 .iter()
-                .any(|&(src, _)| node_of[src as usize].is_none())
-            {
-                return Err(LowerError::Internal("input emitted late".into()));
-            }
-            let inputs: Vec<Value> = std::mem::take(&mut p.inputs)
-                .into_iter()
-                .map(|(src, k)| Value::new(node_of[src as usize].unwrap_or_default(), k))
-                .collect();
+                .map(|&(src, k)| node_of[src as usize].map(|n| Value::new(n, k)))
+                .collect::<Option<Vec<Value>>>()
+                .ok_or_else(|| LowerError::Internal("input emitted late".into()))?;
+            let node = match self.pending[i].what {
+                What::Kept(n) => {
+                    let n = g.node(NodeId::new(n as usize));
+                    Node {
+                        id: n.id.clone(),
+                        op: n.op.clone(),
+                        inputs,
+                        outputs: n.outputs.clone(),
+                        module: n.module.clone(),
+                    }
+                }
+                What::New(k) => {
+                    // Each new node is emitted once: move its parts.
+                    let p = &mut self.new_nodes[k as usize];
+                    Node {
+                        id: std::mem::take(&mut p.id),
+                        op: std::mem::replace(&mut p.op, Op::Rsqrt),
+                        inputs,
+                        outputs: std::mem::take(&mut p.outputs),
+                        module: p.module.take(),
+                    }
+                }
+            };
             let id = out
-                .add_node(Node {
-                    id: std::mem::take(&mut p.id),
-                    op: std::mem::replace(&mut p.op, Op::Rsqrt),
-                    inputs,
-                    outputs: std::mem::take(&mut p.outputs),
-                    module: p.module.take(),
-                })
+                .add_node(node)
                 .map_err(|e| LowerError::Internal(e.to_string()))?;
             node_of[i] = Some(id);
         }
@@ -561,12 +665,11 @@ impl<'g> Builder<'g> {
             .collect::<Result<Vec<_>, _>>()?;
         out.set_outputs(outs)
             .map_err(|e| LowerError::Internal(e.to_string()))?;
-        let kept = self.slot_of.iter().flatten().count();
         let changed = self
             .rewired
             .iter()
             .copied()
-            .chain(kept..self.pending.len())
+            .chain(self.kept..self.pending.len())
             .filter_map(|i| node_of[i])
             .collect();
         Ok((out, changed))

@@ -187,20 +187,21 @@ pub fn lower_with(
         arfuse_policy::check_hidden(h, target.dtype)?;
     }
     check_world_size(graph, target)?;
-    let (group, group_source) = choose_group(graph, options)?;
-    let instances = convert::all_reduces(graph);
+    let collectives = convert::collectives(graph);
+    let (group, group_source) = choose_group(graph, &collectives, options)?;
+    let instances = &collectives.all_reduces[..];
 
     let Found {
         uses,
         mut choice,
         rule_refusals,
         runner,
-    } = find_sites(graph, target, options, &group, &instances)?;
+    } = find_sites(graph, target, options, &group, instances)?;
     let planned = plan::plan_graph(graph, target, &choice.chosen, &options.shared_hidden_sizes)?;
     let emitted = emit::emit_checked(
         graph,
         &uses,
-        &instances,
+        &collectives,
         &mut choice.chosen,
         &planned.decisions,
         &group,
@@ -210,7 +211,8 @@ pub fn lower_with(
         target,
         group,
         group_source,
-        instances: &instances,
+        instances,
+        opaque_collectives: &collectives.opaque_collectives,
         runner,
         rule_refusals,
         choice,
@@ -326,16 +328,29 @@ fn check_world_size(graph: &Graph, target: &Target) -> Result<(), LowerError> {
     }
 }
 
-fn choose_group(graph: &Graph, options: &LowerOptions) -> Result<(String, String), LowerError> {
+/// The layer group: the one given, else the group of the graph's all-reduces (and of
+/// its fused nodes, `collectives`) if they share one, else the most frequent one.
+fn choose_group(
+    graph: &Graph,
+    collectives: &convert::Collectives,
+    options: &LowerOptions,
+) -> Result<(String, String), LowerError> {
+    let group_of = |i: &u32| match &graph.node(arfuse_ir::NodeId::new(*i as usize)).op {
+        Op::AllReduce { group, .. } => Some(group.as_str()),
+        Op::FusedAllreduceNorm(f) => Some(f.group.as_str()),
+        _ => None,
+    };
+    // A fused node holds one all-reduce of its group: counting it keeps the inferred
+    // group of a lowered graph the same as before lowering (idempotence).
+    let groups = || {
+        collectives
+            .all_reduces
+            .iter()
+            .chain(&collectives.fused)
+            .filter_map(group_of)
+    };
     if let Some(g) = &options.group {
-        let found: BTreeSet<&str> = graph
-            .nodes()
-            .filter_map(|(_, n)| match &n.op {
-                Op::AllReduce { group, .. } => Some(group.as_str()),
-                Op::FusedAllreduceNorm(f) => Some(f.group.as_str()),
-                _ => None,
-            })
-            .collect();
+        let found: BTreeSet<&str> = groups().collect();
         // Not an error: an all-reduce over another group is a refusal, not bad input.
         // But a group nothing uses (often a typo) is said in the report's header.
         if !found.is_empty() && !found.contains(g.as_str()) {
@@ -351,14 +366,8 @@ fn choose_group(graph: &Graph, options: &LowerOptions) -> Result<(String, String
         return Ok((g.clone(), "given".into()));
     }
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-    // A fused node holds one all-reduce of its group: counting it keeps the inferred
-    // group of a lowered graph the same as before lowering (idempotence).
-    for (_, n) in graph.nodes() {
-        match &n.op {
-            Op::AllReduce { group, .. } => *counts.entry(group.as_str()).or_default() += 1,
-            Op::FusedAllreduceNorm(f) => *counts.entry(f.group.as_str()).or_default() += 1,
-            _ => {}
-        }
+    for group in groups() {
+        *counts.entry(group).or_default() += 1;
     }
     let Some(&max) = counts.values().max() else {
         return Ok((String::new(), "no all-reduce in the graph".into()));

@@ -24,6 +24,8 @@ pub(crate) struct Outcome<'a> {
     pub group_source: String,
     /// The all-reduces of the input, by node index, in graph order.
     pub instances: &'a [u32],
+    /// The opaque nodes of the input that look like collectives, in graph order.
+    pub opaque_collectives: &'a [u32],
     /// The runner's outcome.
     pub runner: RunnerReport,
     /// The rules' refusals per all-reduce, as [`crate::site::Index::rule_refusals`]
@@ -47,6 +49,7 @@ pub(crate) fn build(o: Outcome<'_>) -> Report {
         group,
         group_source,
         instances,
+        opaque_collectives,
         runner,
         mut rule_refusals,
         mut choice,
@@ -86,7 +89,8 @@ pub(crate) fn build(o: Outcome<'_>) -> Report {
         sites.push(entry);
     }
     let all_reduces_fused = emitted.fused_id_of.len();
-    let (unknown_collectives, mut warnings) = unknown_collective_warnings(graph);
+    let (unknown_collectives, mut warnings) =
+        unknown_collective_warnings(graph, opaque_collectives);
     let enabled = target.requested_backend != arfuse_policy::RequestedBackend::Off;
     if enabled && all_reduces_fused == 0 && emitted.fused_before == 0 {
         warnings.push(nothing_fused_warning(instances.len(), &unknown_collectives));
@@ -260,17 +264,16 @@ fn strategy_name(s: arfuse_ir::Strategy) -> &'static str {
     }
 }
 
-/// The opaque ops of `graph` that look like collectives (by target, in graph order)
-/// and one warning for each target, naming it, its node count and its first node.
-fn unknown_collective_warnings(graph: &Graph) -> (Vec<String>, Vec<String>) {
+/// The targets of the opaque ops `nodes` of `graph` that look like collectives (in
+/// graph order) and one warning for each target, naming it, its node count and its
+/// first node.
+fn unknown_collective_warnings(graph: &Graph, nodes: &[u32]) -> (Vec<String>, Vec<String>) {
     let mut seen: Vec<(String, usize, String)> = Vec::new();
-    for (_, n) in graph.nodes() {
+    for &i in nodes {
+        let n = graph.node(NodeId::new(i as usize));
         let Op::Opaque { target, .. } = &n.op else {
             continue;
         };
-        if !arfuse_ir::looks_like_collective(target) {
-            continue;
-        }
         match seen.iter_mut().find(|(t, _, _)| t == target) {
             Some(e) => e.1 += 1,
             None => seen.push((target.clone(), 1, n.id.clone())),

@@ -67,7 +67,17 @@ pub(crate) struct Windows<'a> {
     /// The number of the current search.
     search: u32,
     queue: VecDeque<(u32, u32)>,
+    /// Per node: [`modeled_step`] once computed ([`UNKNOWN`] before, [`NOT_MODELED`]
+    /// for `None`): a halo search reaches most nodes many times.
+    step: Vec<u8>,
+    /// The sources of the backward search (the window's nodes when it starts).
+    sources: Vec<u32>,
 }
+
+/// [`Windows::step`] of a node not looked at yet.
+const UNKNOWN: u8 = u8::MAX;
+/// [`Windows::step`] of a node the rules do not model.
+const NOT_MODELED: u8 = u8::MAX - 1;
 
 /// Which way a halo search goes.
 #[derive(Clone, Copy, PartialEq)]
@@ -94,6 +104,8 @@ impl<'a> Windows<'a> {
             dist: Vec::new(),
             search: 0,
             queue: VecDeque::new(),
+            step: Vec::new(),
+            sources: Vec::new(),
         }
     }
 
@@ -143,6 +155,7 @@ impl<'a> Windows<'a> {
             self.member = vec![0; n];
             self.seen = vec![0; n];
             self.dist = vec![0; n];
+            self.step = vec![UNKNOWN; n];
         }
         self.window += 1;
         for m in &mut self.member[start..end] {
@@ -154,9 +167,17 @@ impl<'a> Windows<'a> {
         self.search(&owned, Way::Down, FORWARD_HALO, w);
         w.owned = owned;
         // Backward halo: from every node of the window at once.
-        let nodes = w.nodes.clone();
-        self.search(&nodes, Way::Up, BACKWARD_HALO, w);
-        w.nodes.sort_unstable();
+        let mut sources = std::mem::take(&mut self.sources);
+        sources.clear();
+        sources.extend_from_slice(&w.nodes);
+        self.search(&sources, Way::Up, BACKWARD_HALO, w);
+        self.sources = sources;
+        // The core is in order and every halo node lies before or after it: sort the
+        // halo alone and put the part before the core in front.
+        let core = end - start;
+        w.nodes[core..].sort_unstable();
+        let before = w.nodes[core..].partition_point(|&m| (m as usize) < start);
+        w.nodes[..core + before].rotate_right(before);
     }
 
     /// A 0-1 breadth-first search from `sources` going `way` through modeled nodes, up
@@ -183,11 +204,19 @@ impl<'a> Windows<'a> {
                 .copied()
                 .chain(up.iter().map(|v| v.node.index() as u32));
             for m in next {
-                let Some(step) = modeled_step(self.g, NodeId::new(m as usize)) else {
-                    continue;
-                };
-                let nd = d + step;
                 let i = m as usize;
+                let step = match self.step[i] {
+                    UNKNOWN => {
+                        let s = modeled_step(g, NodeId::new(i)).map_or(NOT_MODELED, |s| s as u8);
+                        self.step[i] = s;
+                        s
+                    }
+                    s => s,
+                };
+                if step == NOT_MODELED {
+                    continue;
+                }
+                let nd = d + u32::from(step);
                 if nd > limit || (self.seen[i] == self.search && self.dist[i] <= nd) {
                     continue;
                 }
