@@ -18,9 +18,10 @@
 //!
 //! 1. Convert (`convert::convert`): IR -> e-graph. The ops the rules look into become
 //!    e-nodes, every other value an opaque leaf keyed by the IR value; all-reduces
-//!    carry their instance. What the whole graph says once (every value's type, every
-//!    all-reduce and its uses: `convert::facts`, `uses::Uses`) is read before the
-//!    first window and lent to each.
+//!    carry their instance. What the whole graph says once (its collectives:
+//!    `convert::collectives`; every value's type, every all-reduce and its uses:
+//!    `convert::facts`, `uses::Uses`) is read before the first window and lent to
+//!    each.
 //! 2. Run the rules (`rules::saturate`), one file per family (`rules/`):
 //!    normalisation of every norm spelling to `rms_norm`, views and waits seen
 //!    through, the fusion of the residual and the first-layer forms (Gemma included),
