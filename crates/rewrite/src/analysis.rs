@@ -51,10 +51,66 @@ impl Data {
 pub(crate) struct Instance {
     /// Its node id in the input graph.
     pub id: String,
-    /// Its process group.
-    pub group: String,
+    /// Its process group, as its place in [`Instances::groups`].
+    group: u32,
     /// Uses of its output in the input graph (node inputs and graph outputs).
     pub uses: usize,
+}
+
+/// The all-reduces of the input graph, by node index: flat tables, so that a lookup
+/// reads two entries whatever the graph's size.
+#[derive(Debug, Default)]
+pub(crate) struct Instances {
+    /// Per node index: its all-reduce's place in `list`, or [`Instances::NONE`].
+    slot: Vec<u32>,
+    list: Vec<Instance>,
+    /// The distinct groups, in the order first met.
+    groups: Vec<String>,
+}
+
+impl Instances {
+    const NONE: u32 = u32::MAX;
+
+    /// No all-reduce yet, in a graph of `nodes` nodes.
+    pub fn new(nodes: usize) -> Instances {
+        Instances {
+            slot: vec![Self::NONE; nodes],
+            list: Vec::new(),
+            groups: Vec::new(),
+        }
+    }
+
+    /// Adds all-reduce `node` (id `id`, over `group`, its output used `uses` times).
+    pub fn insert(&mut self, node: u32, id: String, group: &str, uses: usize) {
+        let Some(slot) = self.slot.get_mut(node as usize) else {
+            return;
+        };
+        let g = match self.groups.iter().position(|x| x == group) {
+            Some(g) => g,
+            None => {
+                self.groups.push(group.to_string());
+                self.groups.len() - 1
+            }
+        };
+        *slot = self.list.len() as u32;
+        self.list.push(Instance {
+            id,
+            group: g as u32,
+            uses,
+        });
+    }
+
+    /// All-reduce `node`, if it is one.
+    pub fn get(&self, node: &u32) -> Option<&Instance> {
+        let slot = *self.slot.get(*node as usize)?;
+        self.list.get(slot as usize)
+    }
+
+    /// The process group of all-reduce `node`, if it is one.
+    pub fn group(&self, node: &u32) -> Option<&str> {
+        let i = self.get(node)?;
+        self.groups.get(i.group as usize).map(String::as_str)
+    }
 }
 
 /// What the rules know of the input graph, built once per lowering
@@ -67,7 +123,7 @@ pub(crate) struct Facts {
     /// ([`Uses::flat`]).
     pub values: Vec<(Option<Ty>, Option<u64>)>,
     /// The all-reduces, by IR node index.
-    pub instances: BTreeMap<u32, Instance>,
+    pub instances: Instances,
     /// The layer's process group the rules fuse.
     pub group: String,
 }

@@ -4,7 +4,7 @@
 //! uses); [`convert`] builds the e-graph of one window's nodes
 //! ([`crate::window::Window`]), a value read from outside the window an opaque leaf.
 
-use crate::analysis::{Facts, FxAnalysis, FxGraph, Instance, Shapes, Ty};
+use crate::analysis::{Facts, FxAnalysis, FxGraph, Instances, Shapes, Ty};
 use crate::lang::{Fx, Leaf, QKind};
 use crate::uses::Uses;
 use arfuse_ir::op::is_wait_target as is_wait;
@@ -134,7 +134,7 @@ pub(crate) fn modeled_step(g: &Graph, id: NodeId) -> Option<u32> {
 pub(crate) fn facts(g: &Graph, group: &str, uses: Uses) -> (Facts, Shapes) {
     let mut shapes = Shapes::default();
     let mut values = Vec::with_capacity(uses.values());
-    let mut instances = std::collections::BTreeMap::new();
+    let mut instances = Instances::new(g.len());
     for (id, n) in g.nodes() {
         let konst = match n.op {
             Op::Constant { value } => Some(value.to_bits()),
@@ -148,14 +148,8 @@ pub(crate) fn facts(g: &Graph, group: &str, uses: Uses) -> (Facts, Shapes) {
             values.push((Some(ty), konst));
         }
         if let Op::AllReduce { group, .. } = &n.op {
-            instances.insert(
-                id.index() as u32,
-                Instance {
-                    id: n.id.clone(),
-                    group: group.clone(),
-                    uses: uses_through_views(g, &uses, Value::new(id, 0)),
-                },
-            );
+            let used = uses_through_views(g, &uses, Value::new(id, 0));
+            instances.insert(id.index() as u32, n.id.clone(), group, used);
         }
     }
     let facts = Facts {

@@ -149,12 +149,7 @@ fn fuse(
 /// The site conditions; the fused kind, or why not.
 fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<FKind, String> {
     let an = &eg.analysis;
-    let group = an
-        .facts
-        .instances
-        .get(&inst)
-        .map(|i| i.group.as_str())
-        .unwrap_or("");
+    let group = an.facts.instances.group(&inst).unwrap_or("");
     if group != an.facts.group {
         return Err(format!(
             "the all-reduce is over group `{group}`, but the layer's tensor-parallel group is \
