@@ -9,7 +9,8 @@
 //!
 //! [`lower_with`] is these steps, each one function of the module that owns it. Steps
 //! 1 to 3 run window by window (`find_sites`, `window`): a graph larger than
-//! [`LowerOptions::window_nodes`] is cut into consecutive ranges of nodes, and each
+//! [`LowerOptions::window_nodes`] is cut into consecutive ranges of a quarter of that
+//! many nodes, and each
 //! range's all-reduces are decided in an e-graph of the range and a halo around it
 //! (every modeled node up to 16 steps downstream of those all-reduces and 8 steps
 //! upstream, views free), so the e-graph's work and memory per site do not grow
@@ -83,9 +84,10 @@ pub const DEFAULT_ITER_LIMIT: usize = 64;
 /// accepts ([`arfuse_ir::MAX_NODES`]).
 pub const DEFAULT_NODE_LIMIT: usize = 20 * arfuse_ir::MAX_NODES;
 /// Default window size, in IR nodes: the e-graph of a larger graph is built one window
-/// at a time (see [`LowerOptions::window_nodes`]). Every graph of the bundled corpus
-/// (at most 2,754 nodes) is one window; at 4,096 nodes a window's halo adds about 6%
-/// to a dense decomposed stack's nodes.
+/// at a time, each deciding 1,024 nodes (see [`LowerOptions::window_nodes`]). Every
+/// graph of the bundled corpus (at most 2,754 nodes) is one window; with cores of 1,024
+/// nodes the halos add about 20% to a dense decomposed stack's e-nodes (10% with
+/// `rms_norm`).
 pub const DEFAULT_WINDOW_NODES: usize = 4096;
 
 /// Options of [`lower_with`].
@@ -102,17 +104,17 @@ pub struct LowerOptions {
     /// limit: the result must not depend on the machine's speed (the two budgets bound
     /// the work).
     pub node_limit: usize,
-    /// Nodes of the input graph whose sites one e-graph decides: the graph's nodes, in
-    /// order, are cut into ranges of this many, and each range's all-reduces are
-    /// matched in an e-graph of the range plus every modeled node up to 16 steps
-    /// downstream of them and 8 steps upstream (its halo), so the e-graph's work and
-    /// memory per site do not grow with the model. A graph of at most this many nodes
-    /// is one e-graph. Default [`DEFAULT_WINDOW_NODES`]; 0 counts as 1. The sites,
+    /// The most nodes of a graph one e-graph holds whole. A larger graph's nodes, in
+    /// order, are cut into ranges of a quarter of this many (at least 1; a smaller
+    /// e-graph stays in cache), and each range's all-reduces are matched in an e-graph
+    /// of the range plus every modeled node up to 16 steps downstream of them and 8
+    /// steps upstream (its halo), so the e-graph's work and memory per site do not grow
+    /// with the model. Default [`DEFAULT_WINDOW_NODES`]; 0 counts as 1. The sites,
     /// plans and output do not depend on it (tested down to windows of one node); the
     /// report's e-graph totals do, and so does the e-nodes counted against
     /// `node_limit`: a halo's nodes count in every window holding them, so smaller
     /// windows count more (at the default, a dense decomposed stack's halos add about
-    /// 6%; at windows of a few nodes, the count can be many times the whole graph's).
+    /// 20%; at windows of a few nodes, the count can be many times the whole graph's).
     pub window_nodes: usize,
     /// Hidden sizes (elements) of other graphs that share this graph's workspace, e.g.
     /// a speculative-decoding draft model: the workspace is sized for the widest of
