@@ -10,12 +10,11 @@
 //! [`lower_with`] is these steps, each one function of the module that owns it. Steps
 //! 1 to 3 run window by window (`find_sites`, `window`): a graph larger than
 //! [`LowerOptions::window_nodes`] is cut into consecutive ranges of a quarter of that
-//! many nodes, and each
-//! range's all-reduces are decided in an e-graph of the range and a halo around it
-//! (every modeled node up to 16 steps downstream of those all-reduces and 8 steps
-//! upstream, views free), so the e-graph's work and memory per site do not grow
-//! with the model (the other steps still read and write the whole graph); the result
-//! is the whole graph's (`tests/windows.rs`).
+//! many nodes, and each range's all-reduces are decided in an e-graph of the range
+//! and a halo around it (every modeled node up to 16 steps downstream of those
+//! all-reduces and 8 steps upstream, views free), so the e-graph's work and memory
+//! per site do not grow with the model (the other steps still read and write the
+//! whole graph); the result is the whole graph's (`tests/windows.rs`).
 //!
 //! 1. Convert (`convert::convert`): IR -> e-graph. The ops the rules look into become
 //!    e-nodes, every other value an opaque leaf keyed by the IR value; all-reduces

@@ -103,7 +103,8 @@ enum Way {
 
 impl<'a> Windows<'a> {
     /// Windows of `g`: one holding every node when `g` has at most `window_nodes`
-    /// nodes, else cores of `window_nodes / CORE_DIVISOR` nodes (at least 1).
+    /// nodes (0 counts as 1, as `LowerOptions` says), else cores of
+    /// `window_nodes / CORE_DIVISOR` nodes (at least 1).
     pub fn new(
         g: &'a Graph,
         uses: &'a Uses,
@@ -114,7 +115,7 @@ impl<'a> Windows<'a> {
             g,
             uses,
             instances,
-            whole_limit: window_nodes,
+            whole_limit: window_nodes.max(1),
             core: (window_nodes / CORE_DIVISOR).max(1),
             next_start: 0,
             started: false,
