@@ -161,7 +161,8 @@ fn vars_of(children: &[Id], nested: Option<(usize, &[Id])>) -> Vars {
 /// e-nodes, as egg's `Runner` with its `SimpleScheduler` runs them: each iteration
 /// searches every rule on the rebuilt e-graph, then applies every match in rule order
 /// (stopping at the e-node limit), then rebuilds; it saturates when no applier changed
-/// anything and the e-node and e-class counts did not move.
+/// anything and the e-node and e-class counts did not move. (The last iteration's
+/// rebuild, which has nothing to do, is skipped.)
 ///
 /// Errors: what stopped the runner first, when not saturation (the result would
 /// depend on the limits), with the iterations and e-nodes it ran to.
@@ -208,8 +209,16 @@ pub(crate) fn saturate<'a>(
                 }
             }
         }
-        eg.rebuild();
         iterations += 1;
+        // Saturated: no applier merged two classes and no e-node or e-class was added,
+        // so nothing is pending and the e-graph is exactly as the last rebuild left it;
+        // egg's runner would rebuild it once more to the same state.
+        let same = nodes == eg.total_size() && classes == eg.number_of_classes();
+        if stop.is_none() && !changed && same {
+            let done = ran(iterations, &eg);
+            return Ok((eg, done));
+        }
+        eg.rebuild();
         if let Some(stop) = stop {
             return Err((stop, ran(iterations, &eg)));
         }
