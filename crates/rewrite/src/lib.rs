@@ -275,7 +275,7 @@ fn find_sites(
         let analysis = analysis::FxAnalysis::new(&facts, std::mem::take(&mut shapes));
         let eg = convert::convert(graph, &w.nodes, analysis, &mut classes);
         let budget = options.node_limit.saturating_sub(runner.egraph_nodes);
-        let (mut eg, ran) = rules::saturate(eg, &rules, options.iter_limit, budget)
+        let (mut eg, ran) = rules::saturate(eg, rules, options.iter_limit, budget)
             .map_err(|(stop, ran)| not_saturated(stop, ran, &runner, options))?;
         runner.iterations = runner.iterations.max(ran.iterations);
         runner.egraph_nodes += ran.nodes;
@@ -286,7 +286,7 @@ fn find_sites(
         index.rule_refusals(&w.owned, &mut rule_refusals);
         shapes = std::mem::take(&mut eg.analysis.shapes);
     }
-    drop((windows, rules));
+    drop(windows);
     Ok(Found {
         uses: facts.uses,
         choice,

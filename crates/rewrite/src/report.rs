@@ -909,8 +909,8 @@ impl Report {
             )?;
             writeln!(
                 f,
-                "  {:<16} {:<9} {:>17}  {}",
-                "T (tokens)", "strategy", "buffer use, bytes", "why"
+                "  {:<16} {:<9} {:>17}  why",
+                "T (tokens)", "strategy", "buffer use, bytes"
             )?;
             for ((lo, hi, strategy, bytes), why) in ranges.iter().zip(why) {
                 let need = if strategy == "unfused" {

@@ -232,11 +232,20 @@ pub(crate) fn saturate<'a>(
     }
 }
 
-/// Every rule of the pass, in a fixed order.
+/// Every rule of the pass, in a fixed order, built once per process.
 ///
 /// Errors: a rule whose pattern is not of the form [`rule`] takes (a bug in this
 /// crate, reported as such).
-pub(crate) fn all() -> Result<Vec<Rule>, String> {
+pub(crate) fn all() -> Result<&'static [Rule], String> {
+    static RULES: std::sync::OnceLock<Result<Vec<Rule>, String>> = std::sync::OnceLock::new();
+    match RULES.get_or_init(build_all) {
+        Ok(rules) => Ok(rules),
+        Err(e) => Err(e.clone()),
+    }
+}
+
+/// The rules of [`all`], built.
+fn build_all() -> Result<Vec<Rule>, String> {
     let mut rules = Vec::new();
     rules.extend(collective::rules()?);
     rules.extend(norm::rules()?);
