@@ -10,6 +10,10 @@
 use arfuse::{import, Target};
 use std::time::Instant;
 
+/// The allocator arfuse's binaries (xtask, the Python module) install.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(path) = args.first() else {

@@ -16,6 +16,12 @@ use std::process::ExitCode;
 
 mod python;
 
+/// mimalloc, as in every arfuse binary: a lowering makes about 150 small allocations
+/// per site (mostly egg's e-classes), which glibc's malloc serves about a third
+/// slower (`crates/rewrite/benches/lower.rs` measures both).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The bundled model graph `cargo xtask lower` lowers when given no path.
 const DEFAULT_GRAPH: &str = "ir-fixtures/models/llama31_8b_tp8.json";
 /// The target preset used when `--target` is not given.

@@ -15,6 +15,14 @@ mod target;
 
 use pyo3::prelude::*;
 
+/// mimalloc for this module's own (Rust) allocations, as in every arfuse binary: a
+/// lowering makes about 150 small allocations per site (mostly egg's e-classes),
+/// which glibc's malloc serves about a third slower
+/// (`crates/rewrite/benches/lower.rs` measures both). Python's objects keep Python's
+/// allocator.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[pymodule]
 fn _arfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();

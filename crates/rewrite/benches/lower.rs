@@ -14,6 +14,11 @@
 //! lowering per IR node (bytes; counted by this binary's allocator wrapper, which
 //! costs every allocation two relaxed atomic updates).
 //!
+//! The allocator under the wrapper is mimalloc, the one arfuse's binaries (xtask, the
+//! Python module) install; built with `ARFUSE_BENCH_ALLOC=system` in the environment,
+//! it is the system's (glibc) malloc, the one a program that sets no allocator gets.
+//! The table's header says which.
+//!
 //! `cargo bench -p arfuse-rewrite --bench lower` (all), `-- decomposed` (one form),
 //! `-- max_nodes` (the 500,000-node graph alone). The figures depend on the machine's
 //! load: read them next to `uptime`.
@@ -31,15 +36,31 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-/// The system allocator, counting live and peak heap bytes.
+/// mimalloc, or the system allocator ([`system_alloc`]), counting live and peak heap
+/// bytes.
 struct Counting;
+
+/// Whether the bench was built with `ARFUSE_BENCH_ALLOC=system` (cargo rebuilds it
+/// when that changes).
+fn system_alloc() -> bool {
+    matches!(option_env!("ARFUSE_BENCH_ALLOC"), Some("system"))
+}
+
+/// The allocator under the counter.
+fn inner() -> &'static dyn GlobalAlloc {
+    if system_alloc() {
+        &System
+    } else {
+        &mimalloc::MiMalloc
+    }
+}
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
+        let p = inner().alloc(layout);
         if !p.is_null() {
             let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
             PEAK.fetch_max(now, Ordering::Relaxed);
@@ -47,11 +68,11 @@ unsafe impl GlobalAlloc for Counting {
         p
     }
     unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
-        System.dealloc(p, layout);
+        inner().dealloc(p, layout);
         LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
     }
     unsafe fn realloc(&self, p: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let q = System.realloc(p, layout, new_size);
+        let q = inner().realloc(p, layout, new_size);
         if !q.is_null() {
             if new_size >= layout.size() {
                 let grow = new_size - layout.size();
@@ -245,6 +266,12 @@ fn summary() {
             return;
         }
         println!();
+        let alloc = if system_alloc() {
+            "the system's malloc (ARFUSE_BENCH_ALLOC=system)"
+        } else {
+            "mimalloc"
+        };
+        println!("allocator: {alloc}");
         println!("| graph | size | IR nodes | sites | best ms | us/site | peak bytes/IR node |");
         println!("|---|---:|---:|---:|---:|---:|---:|");
         let mut per_form: BTreeMap<&str, (f64, f64)> = BTreeMap::new();
