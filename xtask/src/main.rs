@@ -63,7 +63,12 @@ enum Command {
         /// The tensor-parallel size W the graph was exported for: plans for the H200 SXM
         /// preset with W ranks (`h200-sxm-xW`, else the one preset with W ranks). A
         /// graph that records no TP size needs this or `--target`.
-        #[arg(long = "world-size", value_name = "N", allow_negative_numbers = true)]
+        #[arg(
+            long = "world-size",
+            value_name = "N",
+            allow_negative_numbers = true,
+            value_parser = parse_world_size
+        )]
         world_size: Option<u32>,
         /// Where to write the lowered graph (one graph and target only). Default:
         /// <checkout>/target/arfuse/<name>.<target>.lowered.json
@@ -536,6 +541,18 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
 
 /// The preset `--world-size W` plans for, and the note saying which and what else
 /// has W ranks.
+/// `--world-size`'s value: an integer that fits a target's `world_size` (0 is refused
+/// later, by [`world_size_choice`], with the reason).
+fn parse_world_size(s: &str) -> std::result::Result<u32, String> {
+    s.parse().map_err(|_| {
+        format!(
+            "a world size is the number of ranks in the tensor-parallel group, an integer \
+             from 1 to {}",
+            u32::MAX
+        )
+    })
+}
+
 fn world_size_choice(w: u32) -> Result<(String, String)> {
     if w == 0 {
         bail!("--world-size 0: a world size is the number of ranks in the tensor-parallel group, at least 1");
@@ -578,15 +595,16 @@ fn target_from_graph(graph: &Graph) -> std::result::Result<(String, Option<Strin
     };
     let w =
         u32::try_from(w).map_err(|_| format!("the graph records tp = {w}, no machine has that"))?;
-    let (name, note) =
-        world_size_choice(w).map_err(|e| format!("the graph records tp = {w}: {e:#}"))?;
+    // The choice's messages name `--world-size`, which this user did not pass.
+    let flag = format!("--world-size {w}");
+    let (name, note) = world_size_choice(w).map_err(|e| {
+        let why = format!("{e:#}");
+        let why = why.strip_prefix(&format!("{flag}: ")).unwrap_or(&why);
+        format!("the graph records tp = {w}: {why}")
+    })?;
     Ok((
         name,
-        Some(note.replacen(
-            &format!("--world-size {w}"),
-            &format!("recorded tp = {w}"),
-            1,
-        )),
+        Some(note.replacen(&flag, &format!("recorded tp = {w}"), 1)),
     ))
 }
 
@@ -1346,6 +1364,15 @@ mod tests {
             note.contains("h100-sxm-x4, b200-x4, b300-x4, rtx-pro-6000-x4"),
             "{note}"
         );
+        // A recorded size no preset has: said without naming a flag nobody passed.
+        let mut odd = corpus.clone();
+        odd.set_metadata(Some(serde_json::json!({"tp": 3})));
+        let why = target_from_graph(&odd).unwrap_err();
+        assert!(
+            why.starts_with("the graph records tp = 3: no preset has world_size 3"),
+            "{why}"
+        );
+        assert!(!why.contains("--world-size"), "{why}");
     }
 
     #[test]

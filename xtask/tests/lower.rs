@@ -547,6 +547,18 @@ fn a_directory_as_out_a_zero_world_size_and_ignored_all_reduce_ops_are_said() {
         "{}",
         stderr(&o)
     );
+    for bad in ["-1", "8.0", "eight", "4294967296"] {
+        let o = lower(&[EXPORTED, "--world-size", bad]);
+        assert_eq!(o.status.code(), Some(2), "{bad}");
+        assert!(
+            stderr(&o).contains(&format!(
+                "invalid value '{bad}' for '--world-size <N>': a world size is the number \
+                 of ranks in the tensor-parallel group, an integer from 1 to 4294967295"
+            )),
+            "{bad}: {}",
+            stderr(&o)
+        );
+    }
 
     let out = tmp.path("l.json");
     let o = lower(&[

@@ -79,6 +79,10 @@ pub struct BuildError {
     pub message: String,
 }
 
+/// The metadata keys that record a graph's tensor-parallel size, in the order
+/// [`Graph::recorded_world_size`] reads them.
+pub(crate) const WORLD_SIZE_KEYS: [&str; 2] = ["world_size", "tp"];
+
 /// A tensor graph. Nodes are stored in topological order: a node can only be added
 /// after every node it reads, so a `Graph` is acyclic with valid references by
 /// construction. Types are checked by [`Graph::validate`].
@@ -155,11 +159,12 @@ impl Graph {
     }
 
     /// The tensor-parallel size the graph was built or exported for, when its metadata
-    /// records one (key `world_size`, else `tp`, a non-negative integer; `arfuse-models`
-    /// writes `tp`). Lowering and the runtime refuse another world size.
+    /// records one (key `world_size`, else `tp`; `arfuse-models` writes `tp`). In a valid
+    /// graph it is an integer from 1 to `u32::MAX`, and the two keys agree
+    /// ([`Graph::validate`]). Lowering and the runtime refuse another world size.
     pub fn recorded_world_size(&self) -> Option<u64> {
         let m = self.metadata.as_ref()?;
-        ["world_size", "tp"]
+        WORLD_SIZE_KEYS
             .iter()
             .find_map(|k| m.get(*k).and_then(|v| v.as_u64()))
     }

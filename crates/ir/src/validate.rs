@@ -1,7 +1,7 @@
 //! Type checking: arity, dtypes, shapes, attributes and byte-count overflow.
 
 use crate::error::{Problem, ProblemKind, Problems};
-use crate::graph::{MAX_RANK, MAX_SYMBOL_VALUE};
+use crate::graph::{MAX_RANK, MAX_SYMBOL_VALUE, WORLD_SIZE_KEYS};
 use crate::op::{FusedOutput, FusedQuant, GroupScaleLayout};
 use crate::{DType, Dim, Graph, Node, NodeId, Op, Shape, TensorType};
 
@@ -31,6 +31,7 @@ impl Graph {
     pub fn validate_nodes(&self, nodes: impl IntoIterator<Item = NodeId>) -> Result<(), Problems> {
         let mut p = Problems::new();
         check_symbols(self, &mut p);
+        check_metadata(self, &mut p);
         for id in nodes {
             if let Some(n) = self.get(id) {
                 check_node(self, n, &mut p);
@@ -43,6 +44,7 @@ impl Graph {
 pub(crate) fn validate(g: &Graph) -> Result<(), Problems> {
     let mut p = Problems::new();
     check_symbols(g, &mut p);
+    check_metadata(g, &mut p);
     for (_, n) in g.nodes() {
         check_node(g, n, &mut p);
     }
@@ -74,6 +76,57 @@ fn check_symbols(g: &Graph, p: &mut Problems) {
                 ),
             ));
         }
+    }
+}
+
+/// The metadata keys recording the tensor-parallel size ([`WORLD_SIZE_KEYS`]): each one
+/// present in an object is an integer from 1 to `u32::MAX` (a world size, as a target's
+/// `world_size`), and when both are, they are equal. Other metadata is free-form.
+fn check_metadata(g: &Graph, p: &mut Problems) {
+    let Some(serde_json::Value::Object(m)) = g.metadata() else {
+        return;
+    };
+    let mut sizes = Vec::new();
+    for key in WORLD_SIZE_KEYS {
+        let Some(v) = m.get(key) else { continue };
+        match v.as_u64().filter(|&w| w >= 1 && w <= u64::from(u32::MAX)) {
+            Some(w) => sizes.push((key, w)),
+            None => p.push(Problem::new(
+                format!("metadata.{key}"),
+                ProblemKind::Attribute,
+                format!(
+                    "is {}; it records the tensor-parallel size the graph was built for, an \
+                     integer from 1 to {} (remove the key if the graph has none)",
+                    describe_json(v),
+                    u32::MAX
+                ),
+            )),
+        }
+    }
+    if let [(a, wa), (b, wb)] = sizes[..] {
+        if wa != wb {
+            p.push(Problem::new(
+                "metadata",
+                ProblemKind::Attribute,
+                format!("{a} = {wa} and {b} = {wb} disagree: a graph has one tensor-parallel size"),
+            ));
+        }
+    }
+}
+
+/// A JSON value in a few words, whatever its size: a number as written, a string
+/// quoted (its first 32 characters), else its kind.
+fn describe_json(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Number(n) => n.to_string(),
+        serde_json::Value::String(s) if s.chars().count() <= 32 => format!("{s:?}"),
+        serde_json::Value::String(s) => {
+            format!("{:?}... (a string)", s.chars().take(32).collect::<String>())
+        }
+        serde_json::Value::Null => "null".into(),
+        serde_json::Value::Bool(b) => b.to_string(),
+        serde_json::Value::Array(_) => "an array".into(),
+        serde_json::Value::Object(_) => "an object".into(),
     }
 }
 

@@ -146,3 +146,79 @@ fn a_number_of_the_wrong_type_names_its_field() {
         "{e}"
     );
 }
+
+/// The graph of [`graph`] with `metadata`.
+fn with_metadata(metadata: &str) -> String {
+    format!(
+        r#"{{"format": "arfuse-graph", "version": 1, "symbols": {T},
+            "nodes": [{{"id": "x", "op": "input", "outputs": [{{"dtype": "bf16", "shape": ["T", 64]}}]}}],
+            "outputs": ["x"], "metadata": {metadata}}}"#
+    )
+}
+
+#[test]
+fn a_recorded_tensor_parallel_size_must_be_a_world_size() {
+    for (metadata, problem) in [
+        (r#"{"tp": 0}"#, "metadata.tp [attribute]: is 0; "),
+        (r#"{"tp": -1}"#, "metadata.tp [attribute]: is -1; "),
+        (r#"{"tp": 8.5}"#, "metadata.tp [attribute]: is 8.5; "),
+        (
+            r#"{"tp": "eight"}"#,
+            "metadata.tp [attribute]: is \"eight\"; ",
+        ),
+        (r#"{"tp": [8]}"#, "metadata.tp [attribute]: is an array; "),
+        (
+            r#"{"world_size": 4294967296}"#,
+            "metadata.world_size [attribute]: is 4294967296; ",
+        ),
+    ] {
+        let e = error(&with_metadata(metadata));
+        assert!(e.contains(problem), "{metadata}: {e}");
+        assert!(
+            e.contains(
+                "it records the tensor-parallel size the graph was built for, an integer \
+                 from 1 to 4294967295 (remove the key if the graph has none)"
+            ),
+            "{metadata}: {e}"
+        );
+    }
+    let long = format!(r#"{{"tp": "{}"}}"#, "x".repeat(10_000));
+    let e = error(&with_metadata(&long));
+    assert!(
+        e.contains(&format!("is \"{}\"... (a string); ", "x".repeat(32))),
+        "{e}"
+    );
+    assert!(
+        e.len() < 1_000,
+        "the message stays short: {} bytes",
+        e.len()
+    );
+}
+
+#[test]
+fn the_two_tensor_parallel_keys_must_agree() {
+    let e = error(&with_metadata(r#"{"world_size": 4, "tp": 8}"#));
+    assert!(
+        e.contains(
+            "metadata [attribute]: world_size = 4 and tp = 8 disagree: a graph has one \
+             tensor-parallel size"
+        ),
+        "{e}"
+    );
+    for ok in [
+        r#"{"world_size": 8, "tp": 8}"#,
+        r#"{"tp": 1}"#,
+        r#"{"model": "x", "tp_note": 0}"#,
+        r#""free-form text""#,
+    ] {
+        let g = Graph::from_json_str(&with_metadata(ok)).expect(ok);
+        let expected = if ok.contains("\"tp\": 1") {
+            Some(1)
+        } else if ok.contains("8") {
+            Some(8)
+        } else {
+            None
+        };
+        assert_eq!(g.recorded_world_size(), expected, "{ok}");
+    }
+}
