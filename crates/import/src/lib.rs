@@ -262,9 +262,18 @@ fn unknown_hint(bytes: &[u8]) -> String {
     let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
     match body.iter().find(|b| !b.is_ascii_whitespace()) {
         None => "the file is empty".into(),
-        Some(b'{') => "a JSON object that is neither an arfuse graph (no \"format\": \"arfuse-graph\") \
-                       nor a torch.export ExportedProgram (no \"graph_module\" or \"schema_version\" key)"
-            .into(),
+        Some(b'{') => {
+            let mut hint = "a JSON object that is neither an arfuse graph (no \"format\": \
+                            \"arfuse-graph\") nor a torch.export ExportedProgram (no \
+                            \"graph_module\" or \"schema_version\" key)"
+                .to_string();
+            // A truncated or broken file fails the format check first: say so too.
+            // (`IgnoredAny` keeps nothing; serde_json bounds the nesting.)
+            if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                hint.push_str(&format!("; nor is it well-formed JSON: {e}"));
+            }
+            hint
+        }
         Some(_) => {
             let head: Vec<String> = body.iter().take(8).map(|b| format!("{b:02x}")).collect();
             format!(

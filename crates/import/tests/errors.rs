@@ -139,11 +139,24 @@ fn garbage_and_other_formats() {
         (b"\x00\x01\x02garbage", "starts with bytes 00 01 02"),
         (b"[1, 2, 3]", "starts with bytes"),
         (b"{\"hello\": 1}", "neither an arfuse graph"),
+        (
+            b"{",
+            "neither an arfuse graph (no \"format\": \"arfuse-graph\") nor a torch.export \
+             ExportedProgram (no \"graph_module\" or \"schema_version\" key); nor is it \
+             well-formed JSON: EOF while parsing an object at line 1 column 1",
+        ),
+        (
+            b"{\"format\": \"arfuse-graf\", \"nodes\": [",
+            "; nor is it well-formed JSON: EOF while parsing a list at line 1 column 36",
+        ),
     ] {
         let e = err(b);
         assert!(matches!(e, ImportError::UnknownFormat { .. }), "{e:?}");
         assert!(e.to_string().contains(want), "{e}");
     }
+    // Well-formed JSON of another kind is not said to be malformed.
+    let e = err(b"{\"hello\": 1}").to_string();
+    assert!(!e.contains("well-formed"), "{e}");
     // Looks like torch.export JSON but the structure is wrong.
     let e = err(br#"{"schema_version": {"major": 8, "minor": 20}, "graph_module": 3}"#);
     assert!(matches!(e, ImportError::Json { .. }), "{e:?}");
