@@ -539,8 +539,6 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
     Ok(None)
 }
 
-/// The preset `--world-size W` plans for, and the note saying which and what else
-/// has W ranks.
 /// `--world-size`'s value: an integer that fits a target's `world_size` (0 is refused
 /// later, by [`world_size_choice`], with the reason).
 fn parse_world_size(s: &str) -> std::result::Result<u32, String> {
@@ -553,6 +551,8 @@ fn parse_world_size(s: &str) -> std::result::Result<u32, String> {
     })
 }
 
+/// The preset `--world-size W` plans for, and the note saying which and what else
+/// has W ranks.
 fn world_size_choice(w: u32) -> Result<(String, String)> {
     if w == 0 {
         bail!("--world-size 0: a world size is the number of ranks in the tensor-parallel group, at least 1");
