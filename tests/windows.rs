@@ -3,7 +3,9 @@
 //! post-grad graph and all-reduce spelling) and deep builder stacks lower to the same
 //! graph, site maps and report (the runner's totals aside) whether the e-graph holds
 //! the whole graph or windows of a few nodes (`LowerOptions::window_nodes`), whose
-//! boundaries then cut through every layer.
+//! boundaries then cut through every layer. And the threads that saturate the windows
+//! (`LowerOptions::threads`) change nothing at all, the runner's totals and the errors
+//! of a runner stopped at a limit included.
 
 use arfuse::{Graph, LowerOptions, Lowered, Target};
 use std::path::{Path, PathBuf};
@@ -17,22 +19,37 @@ use common::{fixtures, root};
 /// and the default.
 const WINDOWS: [usize; 6] = [1, 16, 37, 100, 512, arfuse::rewrite::DEFAULT_WINDOW_NODES];
 
-fn lower(g: &Graph, target: &Target, window_nodes: usize) -> Lowered {
+fn lower(g: &Graph, target: &Target, window_nodes: usize, threads: usize) -> Lowered {
     let options = LowerOptions {
         window_nodes,
+        threads,
         ..LowerOptions::default()
     };
-    arfuse::lower_with(g, target, &options).unwrap_or_else(|e| panic!("window {window_nodes}: {e}"))
+    arfuse::lower_with(g, target, &options)
+        .unwrap_or_else(|e| panic!("window {window_nodes}, {threads} threads: {e}"))
 }
 
-/// Lowers `g` whole and in every window size of [`WINDOWS`] smaller than it, and
-/// requires the same result.
+/// Requires `a` and `b` to be the same lowering, report and runner totals included.
+fn same_lowering(what: &str, a: &Lowered, b: &Lowered) {
+    assert_eq!(
+        a.graph.to_string(),
+        b.graph.to_string(),
+        "{what}: lowered graph"
+    );
+    assert_eq!(a.sites, b.sites, "{what}: site maps");
+    assert_eq!(a.report, b.report, "{what}: report");
+}
+
+/// Lowers `g` whole and in every window size of [`WINDOWS`] smaller than it, on one
+/// thread and on three (more than this machine may have: the helpers then share its
+/// cores), and requires the same result.
 fn same_in_windows(name: &str, g: &Graph, target: &Target) {
-    let whole = lower(g, target, usize::MAX);
+    let whole = lower(g, target, usize::MAX, 1);
     assert_eq!(whole.report.runner.windows, 1, "{name}: the whole graph");
     for w in WINDOWS.into_iter().filter(|&w| w < g.len()) {
-        let cut = lower(g, target, w);
+        let cut = lower(g, target, w, 1);
         let what = format!("{name}, windows of {w} nodes");
+        same_lowering(&format!("{what}, 3 threads"), &cut, &lower(g, target, w, 3));
         if w == 1 {
             // One window per all-reduce (a core range of one node holds at most one).
             assert_eq!(

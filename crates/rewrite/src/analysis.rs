@@ -129,7 +129,7 @@ pub(crate) struct Facts {
 }
 
 /// The shape interner: every shape the pass meets, by a dense id.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Shapes {
     shapes: Vec<Shape>,
     ids: FxHashMap<Shape, u32>,

@@ -8,13 +8,15 @@
 //! ## Pipeline
 //!
 //! [`lower_with`] is these steps, each one function of the module that owns it. Steps
-//! 1 to 3 run window by window (`find_sites`, `window`): a graph larger than
+//! 1 to 3 run window by window (`find`, `window`): a graph larger than
 //! [`LowerOptions::window_nodes`] is cut into consecutive ranges of a quarter of that
 //! many nodes, and each range's all-reduces are decided in an e-graph of the range
 //! and a halo around it (every modeled node up to 16 steps downstream of those
 //! all-reduces and 8 steps upstream, views free), so the e-graph's work and memory
 //! per site do not grow with the model (the other steps still read and write the
-//! whole graph); the result is the whole graph's (`tests/windows.rs`).
+//! whole graph); the result is the whole graph's (`tests/windows.rs`). The windows'
+//! steps 1 and 2 run on [`LowerOptions::threads`] threads, step 3 on the calling
+//! thread in window order; the result does not depend on the thread count.
 //!
 //! 1. Convert (`convert::convert`): IR -> e-graph. The ops the rules look into become
 //!    e-nodes, every other value an opaque leaf keyed by the IR value; all-reduces
@@ -57,6 +59,7 @@ mod analysis;
 mod convert;
 mod emit;
 mod error;
+mod find;
 mod lang;
 mod plan;
 mod report;
@@ -121,6 +124,14 @@ pub struct LowerOptions {
     /// shared allocation really has. Default empty (the workspace is this graph's).
     /// An invalid size is [`LowerError::Policy`].
     pub shared_hidden_sizes: Vec<u64>,
+    /// The most threads that build and saturate the e-graphs of a graph cut into
+    /// windows, the calling thread included; 0 (the default): as many as
+    /// `std::thread::available_parallelism` says, at most 8. A graph that is one window
+    /// is lowered on the calling thread alone. The helpers are scoped threads of this
+    /// call (none outlives it), each at most two windows ahead of the calling thread.
+    /// The output, the report and every error do not depend on it (`tests/windows.rs`),
+    /// only the time and the peak memory do (one more window's e-graph per helper).
+    pub threads: usize,
 }
 
 impl Default for LowerOptions {
@@ -131,6 +142,7 @@ impl Default for LowerOptions {
             node_limit: DEFAULT_NODE_LIMIT,
             window_nodes: DEFAULT_WINDOW_NODES,
             shared_hidden_sizes: Vec::new(),
+            threads: 0,
         }
     }
 }
@@ -193,12 +205,12 @@ pub fn lower_with(
     let (group, group_source) = choose_group(graph, &collectives, options)?;
     let instances = &collectives.all_reduces[..];
 
-    let Found {
+    let find::Found {
         uses,
         mut choice,
         rule_refusals,
         runner,
-    } = find_sites(graph, target, options, &group, instances)?;
+    } = find::find_sites(graph, target, options, &group, instances)?;
     let planned = plan::plan_graph(graph, target, &choice.chosen, &options.shared_hidden_sizes)?;
     let emitted = emit::emit_checked(
         graph,
@@ -226,96 +238,6 @@ pub fn lower_with(
         report,
         sites: emitted.sites,
     })
-}
-
-/// What steps 1 to 3 found over every window.
-struct Found {
-    /// The input graph's uses (for the emit step).
-    uses: uses::Uses,
-    choice: site::Choice,
-    rule_refusals: BTreeMap<u32, Vec<String>>,
-    runner: RunnerReport,
-}
-
-/// Steps 1 to 3 (convert, run the rules, choose sites), window by window
-/// ([`window::Windows`]): each window's e-graph decides the all-reduces of its core
-/// and is dropped before the next is built.
-///
-/// Errors: [`LowerError::NotSaturated`] when a window's runner stops at a limit (the
-/// e-node limit counts every window's e-nodes), [`LowerError::Internal`] when a rule
-/// does not parse.
-fn find_sites(
-    graph: &Graph,
-    target: &Target,
-    options: &LowerOptions,
-    group: &str,
-    instances: &[u32],
-) -> Result<Found, LowerError> {
-    let (facts, mut shapes) = convert::facts(graph, group, uses::Uses::new(graph));
-    let rules = rules::all().map_err(LowerError::Internal)?;
-    let mut classes = convert::Classes::new(facts.uses.values());
-    let mut claimed = site::Claimed::new(graph.len());
-    let mut choice = site::Choice::default();
-    let mut rule_refusals = BTreeMap::new();
-    let mut windows = window::Windows::new(graph, &facts.uses, instances, options.window_nodes);
-    let mut runner = RunnerReport {
-        stop_reason: "saturated".into(),
-        iterations: 0,
-        egraph_nodes: 0,
-        egraph_classes: 0,
-        windows: 0,
-        whole_graph: windows.whole(),
-        limits: RunnerLimits {
-            iterations: options.iter_limit,
-            egraph_nodes: options.node_limit,
-        },
-    };
-    let mut w = window::Window::default();
-    while windows.next(&mut w) {
-        let analysis = analysis::FxAnalysis::new(&facts, std::mem::take(&mut shapes));
-        let eg = convert::convert(graph, &w.nodes, analysis, &mut classes);
-        let budget = options.node_limit.saturating_sub(runner.egraph_nodes);
-        let (mut eg, ran) = rules::saturate(eg, rules, options.iter_limit, budget)
-            .map_err(|(stop, ran)| not_saturated(stop, ran, &runner, options))?;
-        runner.iterations = runner.iterations.max(ran.iterations);
-        runner.egraph_nodes += ran.nodes;
-        runner.egraph_classes += ran.classes;
-        runner.windows += 1;
-        let index = site::Index::new(graph, &eg, &classes);
-        site::choose(&index, &w.owned, target, &mut claimed, &mut choice);
-        index.rule_refusals(&w.owned, &mut rule_refusals);
-        shapes = std::mem::take(&mut eg.analysis.shapes);
-    }
-    drop(windows);
-    Ok(Found {
-        uses: facts.uses,
-        choice,
-        rule_refusals,
-        runner,
-    })
-}
-
-/// The error of a window's runner that stopped at a limit (`stop`, after `ran`), the
-/// earlier windows' e-nodes (`so_far`) counted too.
-fn not_saturated(
-    stop: rules::Stop,
-    ran: rules::Ran,
-    so_far: &RunnerReport,
-    options: &LowerOptions,
-) -> LowerError {
-    let reason = match stop {
-        rules::Stop::NodeLimit(n) => format!(
-            "e-node limit {} (the e-graph had {} e-nodes when it stopped)",
-            options.node_limit,
-            so_far.egraph_nodes + n
-        ),
-        rules::Stop::IterationLimit(n) => format!("iteration limit {n}"),
-    };
-    LowerError::NotSaturated {
-        reason,
-        iterations: ran.iterations,
-        nodes: so_far.egraph_nodes + ran.nodes,
-    }
 }
 
 /// The graph's own tensor-parallel size, when its metadata records one (`tp` or

@@ -87,6 +87,14 @@ pub(crate) struct Windows<'a> {
     sources: Vec<u32>,
 }
 
+/// A window's core: the nodes `start..end` and, as positions in the graph's
+/// all-reduces, the ones it decides.
+struct Core {
+    start: usize,
+    end: usize,
+    owned: std::ops::Range<usize>,
+}
+
 /// [`Windows::step`] of a node not looked at yet.
 const UNKNOWN: u8 = u8::MAX;
 /// [`Windows::step`] of a node the rules do not model.
@@ -140,33 +148,58 @@ impl<'a> Windows<'a> {
     /// skipped; a graph that is one window is always converted (its report gives the
     /// e-graph of the whole graph).
     pub fn next(&mut self, w: &mut Window) -> bool {
+        let Some(core) = self.next_core() else {
+            return false;
+        };
+        w.owned.clear();
+        w.nodes.clear();
+        w.owned
+            .extend_from_slice(&self.instances[core.owned.clone()]);
+        if self.whole() {
+            // The whole graph: no halo.
+            w.nodes.extend(0..self.g.len() as u32);
+        } else {
+            self.build(core.start, core.end, w);
+        }
+        true
+    }
+
+    /// Passes over the next `count` windows without building them (another thread
+    /// builds them, `crate::find`); false when fewer than `count` were left.
+    pub fn skip(&mut self, count: usize) -> bool {
+        (0..count).all(|_| self.next_core().is_some())
+    }
+
+    /// The next window's core (the whole graph for a graph that is one window), past
+    /// core ranges without an all-reduce; `None` when none is left.
+    fn next_core(&mut self) -> Option<Core> {
         let n = self.g.len();
         loop {
             // The first window is always made (an empty graph is one empty window).
             if self.started && self.next_start >= n {
-                return false;
+                return None;
             }
             self.started = true;
-            w.owned.clear();
-            w.nodes.clear();
             if self.whole() {
-                // The whole graph: no halo.
                 self.next_start = n;
-                w.owned.extend_from_slice(self.instances);
-                w.nodes.extend(0..n as u32);
-                return true;
+                return Some(Core {
+                    start: 0,
+                    end: n,
+                    owned: 0..self.instances.len(),
+                });
             }
             let start = self.next_start;
             let end = start.saturating_add(self.core).min(n);
             self.next_start = end;
             let lo = self.instances.partition_point(|&i| (i as usize) < start);
             let hi = self.instances.partition_point(|&i| (i as usize) < end);
-            if lo == hi {
-                continue;
+            if lo < hi {
+                return Some(Core {
+                    start,
+                    end,
+                    owned: lo..hi,
+                });
             }
-            w.owned.extend_from_slice(&self.instances[lo..hi]);
-            self.build(start, end, w);
-            return true;
         }
     }
 

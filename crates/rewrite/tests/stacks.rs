@@ -425,3 +425,69 @@ fn the_report_says_how_the_egraph_was_cut() {
     assert!(empty.runner.whole_graph);
     assert_eq!((empty.runner.windows, empty.runner.iterations), (1, 1));
 }
+
+/// The threads that saturate windows (`LowerOptions::threads`) change no answer, and
+/// no error: a runner that stops at the e-node limit in any window, or at the
+/// iteration limit, gives the one-thread error whichever thread saturated that
+/// window, with the e-nodes of the windows before it counted.
+#[test]
+fn threads_give_the_one_thread_answer_at_every_limit() {
+    let g = Stack {
+        layers: 12,
+        norm: NormForm::Decomposed,
+        ..Stack::default()
+    }
+    .build();
+    let target = h200();
+    let lower = |threads: usize, node_limit: usize, iter_limit: usize| {
+        let options = arfuse_rewrite::LowerOptions {
+            window_nodes: 24,
+            threads,
+            node_limit,
+            iter_limit,
+            ..Default::default()
+        };
+        match arfuse_rewrite::lower_with(&g, &target, &options) {
+            // The whole answer, compared with `==` (a mismatch prints only the limit).
+            Ok(l) => format!("{}\n{}\n{:?}", l.graph, l.report, l.sites),
+            Err(e) => format!("error: {e}"),
+        }
+    };
+    let options = arfuse_rewrite::LowerOptions {
+        window_nodes: 24,
+        threads: 1,
+        ..Default::default()
+    };
+    let free = arfuse_rewrite::lower_with(&g, &target, &options).unwrap();
+    let (windows, total) = (free.report.runner.windows, free.report.runner.egraph_nodes);
+    assert!(windows >= 12, "{windows} windows");
+    // Limits from the first window's size to past the total: each stops in another
+    // window (or none), on the calling thread or a helper.
+    let mut outcomes = std::collections::BTreeSet::new();
+    for k in 0..=40 {
+        let limit = total * k / 38;
+        let one = lower(1, limit, arfuse_rewrite::DEFAULT_ITER_LIMIT);
+        for threads in [2, 3, 5] {
+            let many = lower(threads, limit, arfuse_rewrite::DEFAULT_ITER_LIMIT);
+            assert!(one == many, "node limit {limit}, {threads} threads");
+        }
+        outcomes.insert(one);
+    }
+    // Distinct errors (each its e-node count), and success past the total.
+    assert!(outcomes.len() > 20, "{} distinct outcomes", outcomes.len());
+    assert!(outcomes.iter().any(|o| !o.starts_with("error")));
+    assert!(outcomes
+        .iter()
+        .any(|o| o.starts_with("error: ") && o.contains("e-node limit")));
+    for iter_limit in [1, 2] {
+        let one = lower(1, arfuse_rewrite::DEFAULT_NODE_LIMIT, iter_limit);
+        assert!(one.starts_with("error: ") && one.contains("iteration limit"));
+        for threads in [2, 3] {
+            let many = lower(threads, arfuse_rewrite::DEFAULT_NODE_LIMIT, iter_limit);
+            assert!(
+                one == many,
+                "iteration limit {iter_limit}, {threads} threads"
+            );
+        }
+    }
+}

@@ -37,6 +37,11 @@ pub(crate) struct Ran {
     pub nodes: usize,
     /// E-classes at the end.
     pub classes: usize,
+    /// The most e-nodes counted at any check of the e-node limit. The runner's only
+    /// dependence on that limit is those checks, so a run with any limit of at least
+    /// this many e-nodes is this run, step for step (what lets a window be saturated
+    /// before the e-nodes of the windows ahead of it are known, `crate::find`).
+    pub peak: usize,
 }
 
 /// Why a runner stopped before saturation.
@@ -172,8 +177,10 @@ pub(crate) fn saturate<'a>(
     iter_limit: usize,
     node_limit: usize,
 ) -> Result<(FxGraph<'a>, Ran), (Stop, Ran)> {
+    let peak = std::cell::Cell::new(0);
     let limit = |iterations: usize, eg: &FxGraph<'a>| {
         let size = eg.total_size();
+        peak.set(peak.get().max(size));
         if size > node_limit {
             Some(Stop::NodeLimit(size))
         } else if iterations >= iter_limit {
@@ -186,6 +193,7 @@ pub(crate) fn saturate<'a>(
         iterations,
         nodes: eg.total_size(),
         classes: eg.number_of_classes(),
+        peak: peak.get(),
     };
     eg.rebuild();
     let mut matches: Vec<Vec<(Id, Vars)>> = rules.iter().map(|_| Vec::new()).collect();
