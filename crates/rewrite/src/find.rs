@@ -2,22 +2,26 @@
 //! ([`crate::window`]), on the calling thread and, for a graph cut into several
 //! windows, on helper threads too ([`crate::LowerOptions::threads`]).
 //!
-//! With `t` threads, window `j` (in graph order) is converted and saturated by thread
-//! `j % t`, thread 0 being the calling one, which also chooses the sites of every
-//! window, in window order. The result is the one-thread result, by construction:
+//! With `t` threads, window `j` (in graph order) is converted, saturated and its sites
+//! chosen by thread `j % t`, thread 0 being the calling one, which takes every window's
+//! answer in window order. The result is the one-thread result, by construction:
 //! - a window's e-graph is a function of its nodes, the graph's facts and the rules.
 //!   Each thread interns shapes into its own copy of the graph's shape table, so a
 //!   shape derived by a rule may get another id on another thread; ids are compared
 //!   only within one e-graph, and none leaves it (sites carry IR types);
-//! - the sites are chosen on one thread, in window order, against the nodes the
-//!   sites of the windows before claimed, as with one thread;
 //! - the e-node limit counts the e-nodes of every window before, which a helper does
 //!   not know yet: it saturates its window under the whole limit and records the most
 //!   e-nodes any limit check saw ([`rules::Ran::peak`]). When the calling thread takes
 //!   the window, a run whose peak fits what the windows before left is the run under
 //!   that budget, step for step; otherwise (or when the helper's runner stopped at a
 //!   limit) the calling thread runs the window again under the exact budget, which
-//!   stops where the one-thread pass stops, with its error.
+//!   stops where the one-thread pass stops, with its error;
+//! - a helper chooses its window's sites knowing only the claims of that window's own
+//!   sites, logging every node its checks tested against the claims. Claims are the
+//!   only thing step 3 reads from the windows before, so when none of those nodes was
+//!   claimed by an earlier window, every test came out as it would have on the calling
+//!   thread and the helper's sites, refusals and notes are taken as they are; otherwise
+//!   the calling thread chooses that window's sites again, on the helper's e-graph.
 //!
 //! A helper works at most two windows ahead of the calling thread (two buffers each),
 //! so the e-graphs alive at once are bounded by the thread count, not the model.
@@ -35,8 +39,8 @@ use std::collections::BTreeMap;
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 
 /// Most threads one lowering uses, whatever [`LowerOptions::threads`] or the machine
-/// say: the calling thread chooses every window's sites, about a fifth of a window's
-/// work, so past about five threads more would wait on it.
+/// say. The steps after the windows (plan, emit, report) run on the calling thread
+/// alone and so do its takes of every window, so more threads would mostly wait.
 pub(crate) const MAX_THREADS: usize = 8;
 
 /// What steps 1 to 3 found over every window.
@@ -72,6 +76,7 @@ pub(crate) fn find_sites(
     let mut chooser = Chooser::new(graph, target, options, windows.whole());
     let work = Work {
         graph,
+        target,
         facts: &facts,
         rules,
         instances,
@@ -100,10 +105,21 @@ fn thread_count(requested: usize) -> usize {
     n.min(MAX_THREADS)
 }
 
+/// The thread that converts and saturates window `j` of a lowering on `threads`
+/// threads: round robin, 0 being the calling thread. The calling thread also chooses
+/// every window's sites, but a helper saturates more slowly: on the 4,096-layer
+/// decomposed stack on 2 threads (this repository's 2-core VM), the calling thread's
+/// half of the windows took 85-90 ms and the helper's half 115-120 ms, so an even
+/// share keeps both busy (giving the helper two windows in three measured no better).
+fn owner(j: usize, threads: usize) -> usize {
+    j % threads
+}
+
 /// What converting and saturating a window needs, shared by every thread.
 #[derive(Clone, Copy)]
 struct Work<'a> {
     graph: &'a Graph,
+    target: &'a Target,
     facts: &'a Facts,
     rules: &'static [Rule],
     instances: &'a [u32],
@@ -126,6 +142,18 @@ struct Helper<'a> {
 struct Done<'a> {
     buffers: Buffers<'a>,
     result: Saturated<'a>,
+    /// Step 3 as the helper ran it, when its runner saturated.
+    ahead: Option<Ahead>,
+}
+
+/// Step 3 of one window, run by the helper that saturated it, knowing only the claims
+/// of that window's own sites. It is the calling thread's answer unless a site of an
+/// earlier window claimed a node it tested ([`Chooser::merge`]).
+struct Ahead {
+    choice: site::Choice,
+    rule_refusals: BTreeMap<u32, Vec<String>>,
+    /// Every node the checks tested against the claims.
+    tested: Vec<u32>,
 }
 
 /// The buffers of one window in flight: its nodes, the classes of its values, the
@@ -210,7 +238,7 @@ impl<'a> Work<'a> {
             let mut own = Window::default();
             let mut classes = Classes::new(self.facts.uses.values());
             for j in 0usize.. {
-                let h = j % threads;
+                let h = owner(j, threads);
                 if h == 0 {
                     if !windows.next(&mut own) {
                         return Ok(());
@@ -230,10 +258,12 @@ impl<'a> Work<'a> {
         })
     }
 
-    /// Takes window `j` from its helper: step 3 on the helper's e-graph when its
-    /// runner's peak fits the e-nodes the windows before left, else the window run
-    /// again here under that budget (with `shapes`, the calling thread's table), which
-    /// stops at a limit as the one-thread pass does. Sends the buffers back.
+    /// Takes window `j` from its helper. Its runner's result holds when its peak fits
+    /// the e-nodes the windows before left; else the window is run again here under
+    /// that budget (with `shapes`, the calling thread's table), which stops at a limit
+    /// as the one-thread pass does. Its sites are the helper's when no node they tested
+    /// was claimed by an earlier window; else they are chosen again here. Sends the
+    /// buffers back.
     fn take_from(
         &self,
         helper: &Helper<'a>,
@@ -244,6 +274,7 @@ impl<'a> Work<'a> {
         let Ok(Done {
             mut buffers,
             result,
+            ahead,
         }) = helper.done.recv()
         else {
             return Err(LowerError::Internal(format!(
@@ -259,26 +290,33 @@ impl<'a> Work<'a> {
             }
         };
         let (mut eg, ran) = result.map_err(|(stop, ran)| chooser.not_saturated(stop, ran))?;
-        let table = chooser.take(&buffers.window, &mut eg, ran, &buffers.classes);
-        buffers.spent = Some(eg);
+        let merged = match ahead {
+            Some(ahead) if !rerun => chooser.merge(ran, ahead),
+            _ => false,
+        };
         if rerun {
+            let table = chooser.take(&buffers.window, &mut eg, ran, &buffers.classes);
             // The rerun borrowed the calling thread's table (and the helper's went with
             // its e-graph; any table holding the graph's shapes will do for it).
             buffers.shapes = table.clone();
             *shapes = table;
+        } else if merged {
+            buffers.shapes = std::mem::take(&mut eg.analysis.shapes);
         } else {
-            buffers.shapes = table;
+            buffers.shapes = chooser.take(&buffers.window, &mut eg, ran, &buffers.classes);
         }
+        buffers.spent = Some(eg);
         // A closed channel only means the helper already stopped.
         let _ = helper.back.send(buffers);
         Ok(())
     }
 
     /// Helper `h` of `threads`: saturates windows `h`, `h + threads`, ... under the
-    /// whole e-node limit, in buffers from `back` (two, which the calling thread sends
-    /// back once it took their window), each sent on `done`. Stops after
-    /// the last of them, after a runner that stopped at a limit (the lowering then
-    /// fails), or when the calling thread stopped listening.
+    /// whole e-node limit and chooses their sites ahead ([`Ahead`]), in buffers from
+    /// `back` (two, which the calling thread sends back once it took their window),
+    /// each sent on `done`. Stops after the last of them, after a runner that stopped
+    /// at a limit (the lowering then fails), or when the calling thread stopped
+    /// listening.
     fn helper(
         self,
         h: usize,
@@ -287,16 +325,23 @@ impl<'a> Work<'a> {
         back: Receiver<Buffers<'a>>,
         done: SyncSender<Done<'a>>,
     ) {
-        let mut ahead = h;
+        let mut claimed = site::Claimed::logging(self.graph.len());
+        let mut j = 0;
         loop {
             let Ok(mut buffers) = back.recv() else {
                 return;
             };
             drop(buffers.spent.take());
-            if !windows.skip(ahead) || !windows.next(&mut buffers.window) {
+            while owner(j, threads) != h {
+                if !windows.skip(1) {
+                    return;
+                }
+                j += 1;
+            }
+            if !windows.next(&mut buffers.window) {
                 return;
             }
-            ahead = threads - 1;
+            j += 1;
             let limit = self.options.node_limit;
             let Buffers {
                 window,
@@ -305,15 +350,48 @@ impl<'a> Work<'a> {
                 ..
             } = &mut buffers;
             let result = self.saturate(window, shapes, classes, limit);
+            let ahead = match &result {
+                Ok((eg, _)) => Some(self.choose_ahead(window, eg, classes, &mut claimed)),
+                Err(_) => None,
+            };
             let stopped = result.is_err();
-            if done.send(Done { buffers, result }).is_err() || stopped {
+            let done_ = Done {
+                buffers,
+                result,
+                ahead,
+            };
+            if done.send(done_).is_err() || stopped {
                 return;
             }
         }
     }
+
+    /// Step 3 of window `w`, saturated into `eg`, against the claims of its own sites
+    /// only (`claimed`, logging, released after).
+    fn choose_ahead(
+        &self,
+        w: &Window,
+        eg: &FxGraph<'a>,
+        classes: &Classes,
+        claimed: &mut site::Claimed,
+    ) -> Ahead {
+        let mut choice = site::Choice::default();
+        let mut rule_refusals = BTreeMap::new();
+        let index = site::Index::new(self.graph, eg, classes);
+        site::choose(&index, &w.owned, self.target, claimed, &mut choice);
+        index.rule_refusals(&w.owned, &mut rule_refusals);
+        let tested = claimed.tested().to_vec();
+        claimed.release(&choice.chosen);
+        Ahead {
+            choice,
+            rule_refusals,
+            tested,
+        }
+    }
 }
 
-/// Step 3 and the runner's totals, on the calling thread, window by window in order.
+/// Step 3 (or a helper's answer to it) and the runner's totals, on the calling thread,
+/// window by window in order.
 struct Chooser<'g, 'o> {
     graph: &'g Graph,
     target: &'o Target,
@@ -358,10 +436,7 @@ impl<'g, 'o> Chooser<'g, 'o> {
     /// Step 3 for window `w`, saturated into `eg` (its runner having run to `ran`, its
     /// values' classes in `classes`). Returns the e-graph's shape table.
     fn take(&mut self, w: &Window, eg: &mut FxGraph<'_>, ran: Ran, classes: &Classes) -> Shapes {
-        self.runner.iterations = self.runner.iterations.max(ran.iterations);
-        self.runner.egraph_nodes += ran.nodes;
-        self.runner.egraph_classes += ran.classes;
-        self.runner.windows += 1;
+        self.count(ran);
         let index = site::Index::new(self.graph, eg, classes);
         site::choose(
             &index,
@@ -373,6 +448,41 @@ impl<'g, 'o> Chooser<'g, 'o> {
         index.rule_refusals(&w.owned, &mut self.rule_refusals);
         drop(index);
         std::mem::take(&mut eg.analysis.shapes)
+    }
+
+    /// Takes a window's sites as a helper chose them ahead (its runner having run to
+    /// `ran`), unless a site of an earlier window claimed a node their checks tested:
+    /// then nothing is taken and false returned (the window's step 3 must run here).
+    /// Otherwise every claims test came out as it would have here, so the sites,
+    /// refusals and notes are this thread's.
+    fn merge(&mut self, ran: Ran, ahead: Ahead) -> bool {
+        if ahead.tested.iter().any(|&n| self.claimed.contains(n)) {
+            return false;
+        }
+        self.count(ran);
+        for (inst, s) in ahead.choice.chosen {
+            self.claimed.claim(&s.region);
+            self.choice.chosen.insert(inst, s);
+        }
+        let choice = &mut self.choice;
+        for (to, from) in [
+            (&mut choice.why_not, ahead.choice.why_not),
+            (&mut choice.notes, ahead.choice.notes),
+            (&mut self.rule_refusals, ahead.rule_refusals),
+        ] {
+            for (inst, list) in from {
+                to.entry(inst).or_default().extend(list);
+            }
+        }
+        true
+    }
+
+    /// Adds a window's runner (`ran`) to the totals.
+    fn count(&mut self, ran: Ran) {
+        self.runner.iterations = self.runner.iterations.max(ran.iterations);
+        self.runner.egraph_nodes += ran.nodes;
+        self.runner.egraph_classes += ran.classes;
+        self.runner.windows += 1;
     }
 
     /// The error of a window's runner that stopped at a limit (`stop`, after `ran`),
@@ -392,5 +502,70 @@ impl<'g, 'o> Chooser<'g, 'o> {
             iterations: ran.iterations,
             nodes: so_far + ran.nodes,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Ahead, Chooser};
+    use crate::rules::Ran;
+    use crate::LowerOptions;
+    use arfuse_ir::{DType, Dim, Graph, InputKind, Node, Op, TensorType};
+    use arfuse_policy::Target;
+    use std::collections::{BTreeMap, BTreeSet};
+
+    /// The sites a helper chose ahead are taken only when no node its checks tested
+    /// was claimed by an earlier window. (No graph of the corpus or the builders makes
+    /// two candidate regions share a node, so this path is tested here.)
+    #[test]
+    fn a_window_chosen_ahead_is_taken_only_when_no_tested_node_was_claimed() {
+        let mut g = Graph::new();
+        for i in 0..6 {
+            g.add_node(Node {
+                id: format!("n{i}"),
+                op: Op::Input {
+                    kind: InputKind::Activation,
+                },
+                inputs: vec![],
+                outputs: vec![TensorType::new(DType::Bf16, vec![Dim::constant(8)])],
+                module: None,
+            })
+            .unwrap();
+        }
+        let target = Target::preset("h200-sxm-x8").unwrap();
+        let options = LowerOptions::default();
+        let mut chooser = Chooser::new(&g, &target, &options, false);
+        chooser.claimed.claim(&BTreeSet::from([3]));
+        let ran = Ran {
+            iterations: 2,
+            nodes: 40,
+            classes: 30,
+            peak: 40,
+        };
+        let ahead = |tested: Vec<u32>| {
+            let mut a = Ahead {
+                choice: Default::default(),
+                rule_refusals: BTreeMap::from([(5, vec!["a rule said no".to_string()])]),
+                tested,
+            };
+            a.choice
+                .why_not
+                .insert(5, vec!["not the pattern".to_string()]);
+            a
+        };
+        // Node 3 was claimed before: nothing is taken.
+        assert!(!chooser.merge(ran, ahead(vec![4, 3])));
+        assert!(chooser.choice.why_not.is_empty());
+        assert!(chooser.rule_refusals.is_empty());
+        assert_eq!(chooser.runner.windows, 0);
+        assert_eq!(chooser.runner.egraph_nodes, 0);
+        // Nodes 4 and 5 were not: the window's answer and runner are taken.
+        assert!(chooser.merge(ran, ahead(vec![4, 5])));
+        assert_eq!(chooser.choice.why_not[&5], ["not the pattern"]);
+        assert_eq!(chooser.rule_refusals[&5], ["a rule said no"]);
+        assert_eq!(chooser.runner.windows, 1);
+        assert_eq!(chooser.runner.egraph_nodes, 40);
+        assert_eq!(chooser.runner.egraph_classes, 30);
+        assert_eq!(chooser.runner.iterations, 2);
     }
 }

@@ -213,7 +213,7 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
         fclass: Id,
         ch: [Id; 6],
         kind: FKind,
-        claimed: &Claimed,
+        claimed: &mut Claimed,
     ) -> Result<Site, String> {
         let eg = self.eg;
         let [_, _, x, r, w, s] = ch;
@@ -348,7 +348,7 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
         inst: u32,
         ports: &[Port],
         frontier: &[Id],
-        claimed: &Claimed,
+        claimed: &mut Claimed,
     ) -> Result<SmallVec<[u32; 16]>, String> {
         let mut region: SmallVec<[u32; 16]> = SmallVec::new();
         let mut stack: SmallVec<[u32; 16]> = ports
@@ -418,10 +418,10 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
         if region.binary_search(&inst).is_err() {
             return Err("internal: the fused node does not replace its all-reduce".into());
         }
-        if let Some(n) = region.iter().find(|n| claimed.contains(**n)) {
+        if let Some(n) = claimed.first_claimed(&region) {
             return Err(format!(
                 "node `{}` belongs to another fused site",
-                self.node(*n).id
+                self.node(n).id
             ));
         }
         Ok(region)
@@ -671,26 +671,74 @@ fn site_map(g: &Graph, s: &Site) -> SiteMap {
     }
 }
 
-/// The IR nodes the chosen sites replace, by node index.
+/// The IR nodes the chosen sites replace, by node index; when logging
+/// ([`Claimed::logging`]), also every node a check asked about.
 #[derive(Debug, Default)]
-pub(crate) struct Claimed(Vec<bool>);
+pub(crate) struct Claimed {
+    claimed: Vec<bool>,
+    /// Every node of every region tested against the claims, with repeats.
+    tested: Option<Vec<u32>>,
+}
 
 impl Claimed {
     /// Nothing claimed in a graph of `nodes` nodes.
     pub fn new(nodes: usize) -> Claimed {
-        Claimed(vec![false; nodes])
+        Claimed {
+            claimed: vec![false; nodes],
+            tested: None,
+        }
     }
 
-    fn contains(&self, n: u32) -> bool {
-        self.0.get(n as usize).copied().unwrap_or(false)
+    /// Like [`Claimed::new`], logging every node tested: a helper thread chooses a
+    /// window's sites ahead, knowing only its own window's claims; the result holds
+    /// when no tested node was claimed by a window before (`crate::find`).
+    pub fn logging(nodes: usize) -> Claimed {
+        Claimed {
+            claimed: vec![false; nodes],
+            tested: Some(Vec::new()),
+        }
     }
 
-    fn claim(&mut self, region: &BTreeSet<u32>) {
+    /// Whether node `n` is claimed.
+    pub fn contains(&self, n: u32) -> bool {
+        self.claimed.get(n as usize).copied().unwrap_or(false)
+    }
+
+    /// The first node of `region` that is claimed; logs `region` when logging.
+    fn first_claimed(&mut self, region: &[u32]) -> Option<u32> {
+        if let Some(log) = &mut self.tested {
+            log.extend_from_slice(region);
+        }
+        region.iter().copied().find(|&n| self.contains(n))
+    }
+
+    /// Claims the nodes of `region`.
+    pub fn claim(&mut self, region: &BTreeSet<u32>) {
         for &n in region {
-            if let Some(c) = self.0.get_mut(n as usize) {
+            if let Some(c) = self.claimed.get_mut(n as usize) {
                 *c = true;
             }
         }
+    }
+
+    /// Forgets the claims of every site of `chosen`, and the log: ready for another
+    /// window.
+    pub fn release(&mut self, chosen: &BTreeMap<u32, Site>) {
+        for s in chosen.values() {
+            for &n in &s.region {
+                if let Some(c) = self.claimed.get_mut(n as usize) {
+                    *c = false;
+                }
+            }
+        }
+        if let Some(log) = &mut self.tested {
+            log.clear();
+        }
+    }
+
+    /// The nodes tested since the last [`Claimed::release`] (empty when not logging).
+    pub fn tested(&self) -> &[u32] {
+        self.tested.as_deref().unwrap_or(&[])
     }
 }
 
