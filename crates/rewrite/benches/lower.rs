@@ -14,6 +14,11 @@
 //! lowering per IR node (bytes; counted by this binary's allocator wrapper, which
 //! costs every allocation two relaxed atomic updates).
 //!
+//! Lowered with the default options (`LowerOptions::threads` = 0: a graph cut into
+//! windows is saturated on as many threads as the machine has cores, at most 8);
+//! `ARFUSE_BENCH_THREADS=N` in the environment sets the thread count instead. The
+//! table's header says which.
+//!
 //! The allocator under the wrapper is mimalloc, the one arfuse's binaries (xtask, the
 //! Python module) install; built with `ARFUSE_BENCH_ALLOC=system` in the environment,
 //! it is the system's (glibc) malloc, the one a program that sets no allocator gets.
@@ -105,11 +110,24 @@ thread_local! {
     static SEEN: RefCell<BTreeMap<(String, usize), Seen>> = const { RefCell::new(BTreeMap::new()) };
 }
 
+/// The lowering options: the defaults, `threads` from `ARFUSE_BENCH_THREADS` when set
+/// (read when the bench runs; 0 or unset: the default, the machine's cores).
+fn options() -> arfuse_rewrite::LowerOptions {
+    let threads = std::env::var("ARFUSE_BENCH_THREADS")
+        .ok()
+        .map(|t| t.parse().expect("ARFUSE_BENCH_THREADS: a thread count"))
+        .unwrap_or(0);
+    arfuse_rewrite::LowerOptions {
+        threads,
+        ..Default::default()
+    }
+}
+
 /// One lowering's peak heap growth in bytes (the graph itself excluded).
 fn peak_of_one(g: &Graph, target: &Target) -> (usize, usize) {
     let base = LIVE.load(Ordering::Relaxed);
     PEAK.store(base, Ordering::Relaxed);
-    let l = arfuse_rewrite::lower(g, target).expect("the benchmark graph lowers");
+    let l = arfuse_rewrite::lower_with(g, target, &options()).expect("the benchmark graph lowers");
     let peak = PEAK.load(Ordering::Relaxed).saturating_sub(base);
     (peak, l.report.all_reduces_fused)
 }
@@ -125,6 +143,7 @@ fn bench_graph(
     build: impl Fn() -> Graph,
 ) {
     let target = Target::preset("h200-sxm-x8").expect("preset");
+    let options = options();
     let key = (group.to_string(), size);
     let mut graph: Option<Graph> = None;
     let mut grp = c.benchmark_group(format!("lower/{group}"));
@@ -150,7 +169,7 @@ fn bench_graph(
             let mut total = Duration::ZERO;
             for _ in 0..iters {
                 let t = Instant::now();
-                let l = arfuse_rewrite::lower(g, &target);
+                let l = arfuse_rewrite::lower_with(g, &target, &options);
                 let took = t.elapsed();
                 // The result is dropped outside the timed part.
                 drop(std::hint::black_box(l));
@@ -272,6 +291,14 @@ fn summary() {
             "mimalloc"
         };
         println!("allocator: {alloc}");
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        match options().threads {
+            0 => println!(
+                "threads: the default (this machine's {cores} core(s), at most 8); a graph of \
+                 one window (up to 4,096 nodes) is lowered on one"
+            ),
+            t => println!("threads: {t} (ARFUSE_BENCH_THREADS)"),
+        }
         println!("| graph | size | IR nodes | sites | best ms | us/site | peak bytes/IR node |");
         println!("|---|---:|---:|---:|---:|---:|---:|");
         let mut per_form: BTreeMap<&str, (f64, f64)> = BTreeMap::new();
