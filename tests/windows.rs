@@ -3,9 +3,9 @@
 //! post-grad graph and all-reduce spelling) and deep builder stacks lower to the same
 //! graph, site maps and report (the runner's totals aside) whether the e-graph holds
 //! the whole graph or windows of a few nodes (`LowerOptions::window_nodes`), whose
-//! boundaries then cut through every layer. And the threads that saturate the windows
-//! (`LowerOptions::threads`) change nothing at all, the runner's totals and the errors
-//! of a runner stopped at a limit included.
+//! boundaries then cut through every layer. And the threads that work on the windows
+//! (`LowerOptions::threads`) change nothing at all, the runner's totals included (the
+//! errors of a runner stopped at a limit: `crates/rewrite/tests/stacks.rs`).
 
 use arfuse::{Graph, LowerOptions, Lowered, Target};
 use std::path::{Path, PathBuf};

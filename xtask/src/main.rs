@@ -941,12 +941,12 @@ fn lower_pair(
         }
     }
     if !pair.world_size_given {
-        if let Some(note) = assumed_world_size_note(graph, &target, &target_name) {
+        if let Some(note) = assumed_world_size_note(graph, target, target_name) {
             eprintln!("note: {}: {note}", input.display());
         }
     }
     let start = std::time::Instant::now();
-    let lowered = match arfuse::lower_with(graph, &target, &options) {
+    let lowered = match arfuse::lower_with(graph, target, options) {
         Ok(l) => l,
         Err(e) => {
             return Err(format!(

@@ -248,7 +248,7 @@ impl<'a> Work<'a> {
                     let (mut eg, ran) =
                         saturated.map_err(|(stop, ran)| chooser.not_saturated(stop, ran))?;
                     shapes = chooser.take(&own, &mut eg, ran, &classes);
-                } else if windows.skip(1) {
+                } else if windows.skip() {
                     self.take_from(&helpers[h - 1], j, &mut shapes, chooser)?;
                 } else {
                     return Ok(());
@@ -333,7 +333,7 @@ impl<'a> Work<'a> {
             };
             drop(buffers.spent.take());
             while owner(j, threads) != h {
-                if !windows.skip(1) {
+                if !windows.skip() {
                     return;
                 }
                 j += 1;

@@ -14,9 +14,10 @@
 //! and a halo around it (every modeled node up to 16 steps downstream of those
 //! all-reduces and 8 steps upstream, views free), so the e-graph's work and memory
 //! per site do not grow with the model (the other steps still read and write the
-//! whole graph); the result is the whole graph's (`tests/windows.rs`). The windows'
-//! steps 1 and 2 run on [`LowerOptions::threads`] threads, step 3 on the calling
-//! thread in window order; the result does not depend on the thread count.
+//! whole graph); the result is the whole graph's (`tests/windows.rs`). The windows
+//! are spread over [`LowerOptions::threads`] threads, each window's steps 1 to 3 on
+//! one, and the calling thread takes their answers in window order; the result does
+//! not depend on the thread count.
 //!
 //! 1. Convert (`convert::convert`): IR -> e-graph. The ops the rules look into become
 //!    e-nodes, every other value an opaque leaf keyed by the IR value; all-reduces
@@ -124,13 +125,13 @@ pub struct LowerOptions {
     /// shared allocation really has. Default empty (the workspace is this graph's).
     /// An invalid size is [`LowerError::Policy`].
     pub shared_hidden_sizes: Vec<u64>,
-    /// The most threads that build and saturate the e-graphs of a graph cut into
-    /// windows, the calling thread included; 0 (the default): as many as
+    /// The most threads that convert, saturate and choose the sites of the windows of a
+    /// graph cut into windows, the calling thread included; 0 (the default): as many as
     /// `std::thread::available_parallelism` says, at most 8. A graph that is one window
     /// is lowered on the calling thread alone. The helpers are scoped threads of this
     /// call (none outlives it), each at most two windows ahead of the calling thread.
     /// The output, the report and every error do not depend on it (`tests/windows.rs`),
-    /// only the time and the peak memory do (one more window's e-graph per helper).
+    /// only the time and the peak memory do (up to two windows' e-graphs per helper).
     pub threads: usize,
 }
 

@@ -164,10 +164,10 @@ impl<'a> Windows<'a> {
         true
     }
 
-    /// Passes over the next `count` windows without building them (another thread
-    /// builds them, `crate::find`); false when fewer than `count` were left.
-    pub fn skip(&mut self, count: usize) -> bool {
-        (0..count).all(|_| self.next_core().is_some())
+    /// Passes over the next window without building it (another thread builds it,
+    /// `crate::find`); false when none was left.
+    pub fn skip(&mut self) -> bool {
+        self.next_core().is_some()
     }
 
     /// The next window's core (the whole graph for a graph that is one window), past
