@@ -37,6 +37,7 @@ use arfuse_ir::Graph;
 use arfuse_policy::Target;
 use std::collections::BTreeMap;
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
+use std::sync::OnceLock;
 
 /// Most threads one lowering uses, whatever [`LowerOptions::threads`] or the machine
 /// say. The steps after the windows (plan, emit, report) run on the calling thread
@@ -214,27 +215,24 @@ impl<'a> Work<'a> {
         mut shapes: Shapes,
         chooser: &mut Chooser,
     ) -> Result<(), LowerError> {
+        // The thread count the helpers work with: the one asked for, or fewer when the
+        // system would not start as many threads.
+        let count = OnceLock::new();
         std::thread::scope(|s| {
-            let helpers: Vec<Helper<'a>> = (1..threads)
-                .map(|h| {
-                    let (done_tx, done) = sync_channel(1);
-                    let (back, back_rx) = channel();
-                    for _ in 0..2 {
-                        // A closed channel only means the helper already stopped.
-                        let _ = back.send(Buffers {
-                            window: Window::default(),
-                            classes: Classes::new(self.facts.uses.values()),
-                            shapes: shapes.clone(),
-                            spent: None,
-                        });
-                    }
-                    let (g, uses) = (self.graph, &self.facts.uses);
-                    let windows = Windows::new(g, uses, self.instances, self.options.window_nodes);
-                    let work = *self;
-                    s.spawn(move || work.helper(h, threads, windows, back_rx, done_tx));
-                    Helper { done, back }
-                })
-                .collect();
+            let helpers = self.spawn_helpers(s, threads, &count);
+            let threads = helpers.len() + 1;
+            let _ = count.set(threads);
+            for helper in &helpers {
+                for _ in 0..2 {
+                    // A closed channel only means the helper already stopped.
+                    let _ = helper.back.send(Buffers {
+                        window: Window::default(),
+                        classes: Classes::new(self.facts.uses.values()),
+                        shapes: shapes.clone(),
+                        spent: None,
+                    });
+                }
+            }
             let mut own = Window::default();
             let mut classes = Classes::new(self.facts.uses.values());
             for j in 0usize.. {
@@ -256,6 +254,36 @@ impl<'a> Work<'a> {
             }
             unreachable!("the loop over windows returns")
         })
+    }
+
+    /// Starts helpers 1 to `wanted - 1`, or as many of them as the system starts (the
+    /// result does not depend on the count: the calling thread does the rest). Each
+    /// waits for its first buffers, then reads the thread count from `count`.
+    fn spawn_helpers<'s>(
+        &self,
+        s: &'s std::thread::Scope<'s, '_>,
+        wanted: usize,
+        count: &'s OnceLock<usize>,
+    ) -> Vec<Helper<'a>>
+    where
+        'a: 's,
+    {
+        let mut helpers = Vec::with_capacity(wanted.saturating_sub(1));
+        for h in 1..wanted {
+            let (done_tx, done) = sync_channel(1);
+            let (back, back_rx) = channel();
+            let (g, uses) = (self.graph, &self.facts.uses);
+            let windows = Windows::new(g, uses, self.instances, self.options.window_nodes);
+            let work = *self;
+            let started = std::thread::Builder::new()
+                .name(format!("arfuse-windows-{h}"))
+                .spawn_scoped(s, move || work.helper(h, count, windows, back_rx, done_tx));
+            if started.is_err() {
+                break;
+            }
+            helpers.push(Helper { done, back });
+        }
+        helpers
     }
 
     /// Takes window `j` from its helper. Its runner's result holds when its peak fits
@@ -311,24 +339,29 @@ impl<'a> Work<'a> {
         Ok(())
     }
 
-    /// Helper `h` of `threads`: saturates windows `h`, `h + threads`, ... under the
-    /// whole e-node limit and chooses their sites ahead ([`Ahead`]), in buffers from
-    /// `back` (two, which the calling thread sends back once it took their window),
-    /// each sent on `done`. Stops after the last of them, after a runner that stopped
+    /// Helper `h` of `t` threads (`count`, read when its first buffers arrive):
+    /// saturates windows `h`, `h + t`, ... under the whole e-node limit and chooses
+    /// their sites ahead ([`Ahead`]), in buffers from `back` (two, which the calling
+    /// thread sends back once it took their window), each sent on `done`. Stops after the last of them, after a runner that stopped
     /// at a limit (the lowering then fails), or when the calling thread stopped
     /// listening.
     fn helper(
         self,
         h: usize,
-        threads: usize,
+        count: &OnceLock<usize>,
         mut windows: Windows<'a>,
         back: Receiver<Buffers<'a>>,
         done: SyncSender<Done<'a>>,
     ) {
         let mut claimed = site::Claimed::logging(self.graph.len());
         let mut j = 0;
+        let mut threads = None;
         loop {
             let Ok(mut buffers) = back.recv() else {
+                return;
+            };
+            // Set before the first buffers were sent.
+            let Some(&threads) = *threads.get_or_insert_with(|| count.get()) else {
                 return;
             };
             drop(buffers.spent.take());
