@@ -196,12 +196,24 @@ impl<'a> Work<'a> {
         let mut classes = Classes::new(self.facts.uses.values());
         let mut w = Window::default();
         while windows.next(&mut w) {
-            let budget = chooser.budget();
-            let saturated = self.saturate(&w, &mut shapes, &mut classes, budget);
-            let (mut eg, ran) =
-                saturated.map_err(|(stop, ran)| chooser.not_saturated(stop, ran))?;
-            shapes = chooser.take(&w, &mut eg, ran, &classes);
+            self.own_window(&w, &mut shapes, &mut classes, chooser)?;
         }
+        Ok(())
+    }
+
+    /// Steps 1 to 3 for window `w` on the calling thread, under the e-node budget the
+    /// windows before left.
+    fn own_window(
+        &self,
+        w: &Window,
+        shapes: &mut Shapes,
+        classes: &mut Classes,
+        chooser: &mut Chooser,
+    ) -> Result<(), LowerError> {
+        let budget = chooser.budget();
+        let saturated = self.saturate(w, shapes, classes, budget);
+        let (mut eg, ran) = saturated.map_err(|(stop, ran)| chooser.not_saturated(stop, ran))?;
+        *shapes = chooser.take(w, &mut eg, ran, classes);
         Ok(())
     }
 
@@ -241,11 +253,7 @@ impl<'a> Work<'a> {
                     if !windows.next(&mut own) {
                         return Ok(());
                     }
-                    let budget = chooser.budget();
-                    let saturated = self.saturate(&own, &mut shapes, &mut classes, budget);
-                    let (mut eg, ran) =
-                        saturated.map_err(|(stop, ran)| chooser.not_saturated(stop, ran))?;
-                    shapes = chooser.take(&own, &mut eg, ran, &classes);
+                    self.own_window(&own, &mut shapes, &mut classes, chooser)?;
                 } else if windows.skip() {
                     self.take_from(&helpers[h - 1], j, &mut shapes, chooser)?;
                 } else {
