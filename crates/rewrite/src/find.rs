@@ -217,9 +217,9 @@ impl<'a> Work<'a> {
         Ok(())
     }
 
-    /// Every window on `threads` threads (see the module doc): helpers saturate the
-    /// windows `j` with `j % threads` their number; the calling thread saturates the
-    /// rest and chooses every window's sites, in order.
+    /// Every window on `threads` threads (see the module doc): the helpers convert,
+    /// saturate and choose ahead the windows `j` with `j % threads` their number; the
+    /// calling thread does the rest and takes every window's answer, in order.
     fn threads(
         &self,
         threads: usize,
