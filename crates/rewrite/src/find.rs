@@ -295,9 +295,8 @@ impl<'a> Work<'a> {
     }
 
     /// Takes window `j` from its helper. Its runner's result holds when its peak fits
-    /// the e-nodes the windows before left; else the window is run again here under
-    /// that budget (with `shapes`, the calling thread's table), which stops at a limit
-    /// as the one-thread pass does. Its sites are the helper's when no node they tested
+    /// the e-nodes the windows before left; else the lowering fails as the one-thread
+    /// pass does ([`Work::rerun`]). Its sites are the helper's when no node they tested
     /// was claimed by an earlier window; else they are chosen again here. Sends the
     /// buffers back.
     fn take_from(
@@ -318,33 +317,49 @@ impl<'a> Work<'a> {
             )));
         };
         let budget = chooser.budget();
-        let (result, rerun) = match result {
-            Ok((eg, ran)) if ran.peak <= budget => (Ok((eg, ran)), false),
-            _ => {
-                let (w, classes) = (&buffers.window, &mut buffers.classes);
-                (self.saturate(w, shapes, classes, budget), true)
-            }
+        let (mut eg, ran) = match result {
+            Ok((eg, ran)) if ran.peak <= budget => (eg, ran),
+            _ => return Err(self.rerun(j, &mut buffers, shapes, chooser, budget)),
         };
-        let (mut eg, ran) = result.map_err(|(stop, ran)| chooser.not_saturated(stop, ran))?;
         let merged = match ahead {
-            Some(ahead) if !rerun => chooser.merge(ran, ahead),
-            _ => false,
+            Some(ahead) => chooser.merge(ran, ahead),
+            None => false,
         };
-        if rerun {
-            let table = chooser.take(&buffers.window, &mut eg, ran, &buffers.classes);
-            // The rerun borrowed the calling thread's table (and the helper's went with
-            // its e-graph; any table holding the graph's shapes will do for it).
-            buffers.shapes = table.clone();
-            *shapes = table;
-        } else if merged {
-            buffers.shapes = std::mem::take(&mut eg.analysis.shapes);
+        buffers.shapes = if merged {
+            std::mem::take(&mut eg.analysis.shapes)
         } else {
-            buffers.shapes = chooser.take(&buffers.window, &mut eg, ran, &buffers.classes);
-        }
+            chooser.take(&buffers.window, &mut eg, ran, &buffers.classes)
+        };
         buffers.spent = Some(eg);
         // A closed channel only means the helper already stopped.
         let _ = helper.back.send(buffers);
         Ok(())
+    }
+
+    /// The error of window `j`, whose helper's runner went past the e-node `budget` the
+    /// windows before left (its peak) or stopped at a limit: the window is run again
+    /// here under that budget (with `shapes`, the calling thread's table, which goes
+    /// with the dropped e-graph), which stops where the one-thread pass stops, with its
+    /// error. The run under the smaller budget is the helper's run step for step up to
+    /// the first limit check over it, and the helper's run had one (its peak) or
+    /// stopped at a limit itself, so it cannot saturate; if it did, that is
+    /// [`LowerError::Internal`].
+    fn rerun(
+        &self,
+        j: usize,
+        buffers: &mut Buffers<'a>,
+        shapes: &mut Shapes,
+        chooser: &Chooser,
+        budget: usize,
+    ) -> LowerError {
+        let (w, classes) = (&buffers.window, &mut buffers.classes);
+        match self.saturate(w, shapes, classes, budget) {
+            Err((stop, ran)) => chooser.not_saturated(stop, ran),
+            Ok(_) => LowerError::Internal(format!(
+                "window {j} saturated under an e-node budget of {budget} after its run \
+                 under the whole limit went past it"
+            )),
+        }
     }
 
     /// Helper `h` of `t` threads (`count`, read when its first buffers arrive):
@@ -421,8 +436,7 @@ impl<'a> Work<'a> {
         let index = site::Index::new(self.graph, eg, classes);
         site::choose(&index, &w.owned, self.target, claimed, &mut choice);
         index.rule_refusals(&w.owned, &mut rule_refusals);
-        let tested = claimed.tested().to_vec();
-        claimed.release(&choice.chosen);
+        let tested = claimed.release(&choice.chosen);
         Ahead {
             choice,
             rule_refusals,

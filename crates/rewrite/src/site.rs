@@ -721,9 +721,9 @@ impl Claimed {
         }
     }
 
-    /// Forgets the claims of every site of `chosen`, and the log: ready for another
-    /// window.
-    pub fn release(&mut self, chosen: &BTreeMap<u32, Site>) {
+    /// Forgets the claims of every site of `chosen`, ready for another window; returns
+    /// the nodes tested since the last release, with repeats (empty when not logging).
+    pub fn release(&mut self, chosen: &BTreeMap<u32, Site>) -> Vec<u32> {
         for s in chosen.values() {
             for &n in &s.region {
                 if let Some(c) = self.claimed.get_mut(n as usize) {
@@ -731,14 +731,7 @@ impl Claimed {
                 }
             }
         }
-        if let Some(log) = &mut self.tested {
-            log.clear();
-        }
-    }
-
-    /// The nodes tested since the last [`Claimed::release`] (empty when not logging).
-    pub fn tested(&self) -> &[u32] {
-        self.tested.as_deref().unwrap_or(&[])
+        self.tested.as_mut().map(std::mem::take).unwrap_or_default()
     }
 }
 
