@@ -3,7 +3,6 @@
 //! hand-built fused graph) runs end to end on the reference evaluator with outputs
 //! bit-identical to the original, in bf16, f16 and an FP8 (static quant) variant.
 
-#[allow(dead_code)]
 #[path = "../crates/reference/tests/common/mod.rs"]
 mod common;
 

@@ -181,15 +181,12 @@ impl B {
         )
     }
 
-    /// (normed, residual out)
+    /// (normed, residual out) of `x + r` normed with weight `w` and `(eps, weight_bias)`.
     pub fn fused_add_rms_norm(
         &mut self,
         id: &str,
-        x: Value,
-        r: Value,
-        w: Value,
-        eps: f64,
-        bias: f64,
+        [x, r, w]: [Value; 3],
+        (eps, bias): (f64, f64),
         module: Option<&str>,
     ) -> (Value, Value) {
         let t = self.ty(x);
@@ -419,7 +416,7 @@ impl Stack {
     ) -> (Value, Value) {
         let bias = if self.gemma { 1.0 } else { 0.0 };
         if self.norm == NormForm::FusedAdd {
-            return b.fused_add_rms_norm(id, a, r, w, self.eps, bias, Some(module));
+            return b.fused_add_rms_norm(id, [a, r, w], (self.eps, bias), Some(module));
         }
         let h = b.add(&format!("{id}.add"), a, r, Some(module));
         (self.norm(b, id, h, w, module), h)
