@@ -106,6 +106,13 @@ fn egraph_limits_give_a_clear_error() {
             },
         ),
         (
+            "iter_limit = 0",
+            af::LowerOptions {
+                iter_limit: 0,
+                ..Default::default()
+            },
+        ),
+        (
             "iter_limit = 1",
             af::LowerOptions {
                 iter_limit: 1,
@@ -119,7 +126,16 @@ fn egraph_limits_give_a_clear_error() {
     }
     insta::assert_snapshot!("egraph_limits", s);
     assert!(s.contains("did not saturate: e-node limit 10 "), "{s}");
-    assert!(s.contains("did not saturate: iteration limit 1 "), "{s}");
+    assert!(
+        s.contains("did not saturate: iteration limit 1 after 1 iteration(s)"),
+        "{s}"
+    );
+    // A limit that stops the runner before its first search: no iteration ran.
+    assert!(
+        s.contains("e-nodes when it stopped) after 0 iteration(s)"),
+        "{s}"
+    );
+    assert!(s.contains("iteration limit 0 after 0 iteration(s)"), "{s}");
     assert!(s.contains("8 of 8 all-reduce(s) fused"), "{s}");
 }
 

@@ -467,7 +467,8 @@ pub struct WorkspaceReport {
 /// What [`crate::lower`] did.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Report {
-    /// The layer's tensor-parallel group the pass fused.
+    /// The layer's tensor-parallel group the pass fused; empty when the graph has no
+    /// all-reduce and none was given ([`Report::group_source`] says so).
     pub group: String,
     /// How the group was chosen (given, or inferred and how).
     pub group_source: String,
@@ -795,9 +796,13 @@ impl Report {
         let t = &self.target;
         writeln!(
             f,
-            "arfuse lower: group `{}` ({}); target SM {}, W={}, {} node{}, {}, backend {}, \
+            "arfuse lower: {} ({}); target SM {}, W={}, {} node{}, {}, backend {}, \
              {} kernels; all-reduces fused {} / {}{}",
-            self.group,
+            if self.group.is_empty() {
+                "no group".to_string()
+            } else {
+                format!("group `{}`", self.group)
+            },
             self.group_source,
             t.sm,
             t.world_size,

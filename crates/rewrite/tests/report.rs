@@ -163,3 +163,28 @@ fn a_wider_shared_graph_sizes_the_workspace() {
     )
     .is_err());
 }
+
+/// A graph without an all-reduce has no layer group: the header says so instead of
+/// naming an empty one.
+#[test]
+fn a_graph_without_an_all_reduce_has_no_group() {
+    let mut b = B::new();
+    b.sym("T", 64);
+    let x = b.input(
+        "x",
+        ty(DType::Bf16, &[s("T"), c(256)]),
+        arfuse_ir::InputKind::Activation,
+    );
+    let w = b.param("w", ty(DType::Bf16, &[c(256)]));
+    let y = b.rms_norm("n", x, w, 1e-6, 0.0, None);
+    let g = b.finish(vec![y]);
+    let l = lowered(&g, &h200());
+    let text = l.report.to_string();
+    let header = text.lines().next().unwrap();
+    assert!(
+        header.starts_with("arfuse lower: no group (no all-reduce in the graph); target SM 90"),
+        "{header}"
+    );
+    assert!(header.ends_with("all-reduces fused 0 / 0"), "{header}");
+    assert_eq!(l.report.group, "");
+}

@@ -13,7 +13,8 @@
 //!
 //! The runner ([`saturate`]) is egg's `Runner` with its `SimpleScheduler`, iteration for
 //! iteration (the same searches on the rebuilt e-graph, the same application order,
-//! the same limits and stop reasons, the same iteration count), but it matches each
+//! the same limits and stop reasons, the same iteration count, except that an
+//! iteration stopped by a limit before its search is not counted), but it matches each
 //! rule's pattern directly against the classes holding its root op, with no pattern
 //! machine and no substitution per match: a pattern here is one op with variables for
 //! its children, or one op one of whose children is another such op.
@@ -202,7 +203,10 @@ pub(crate) fn saturate<'a>(
         let (nodes, classes) = (eg.total_size(), eg.number_of_classes());
         let mut stop = limit(iterations, &eg);
         let mut changed = false;
-        if stop.is_none() {
+        // An iteration stopped by a limit before its search did nothing: it is not
+        // counted (egg's runner records it; the error would say one iteration ran).
+        let searched = stop.is_none();
+        if searched {
             for (r, m) in rules.iter().zip(&mut matches) {
                 m.clear();
                 r.search(&eg, m);
@@ -217,7 +221,7 @@ pub(crate) fn saturate<'a>(
                 }
             }
         }
-        iterations += 1;
+        iterations += usize::from(searched);
         // Saturated: no applier merged two classes and no e-node or e-class was added,
         // so nothing is pending and the e-graph is exactly as the last rebuild left it;
         // egg's runner would rebuild it once more to the same state.
