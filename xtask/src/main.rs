@@ -85,7 +85,12 @@ enum Command {
         group: Option<String>,
         /// Hidden size of another graph sharing this graph's workspace (e.g. a
         /// speculative-decoding draft); repeatable. The workspace is sized for the widest.
-        #[arg(long = "shared-hidden", value_name = "H")]
+        #[arg(
+            long = "shared-hidden",
+            value_name = "H",
+            allow_negative_numbers = true,
+            value_parser = parse_shared_hidden
+        )]
         shared_hidden: Vec<u64>,
         /// A framework's own all-reduce op to import as a sum all-reduce (repeatable),
         /// e.g. `vllm.all_reduce`; `=GROUP` gives its process group when the op has no
@@ -239,7 +244,9 @@ struct Output {
 }
 
 /// `--list-targets`: one line per preset with its machine and the backend the
-/// policy resolves it to.
+/// policy resolves it to. `driver-multicast` is what the preset says every GPU's
+/// driver reports (`multicast_all_ranks`), which the backend needs but which does not
+/// decide it alone (a bridged-NVLink or InfiniBand group is not fused).
 fn targets_table() -> String {
     let mut rows = vec![[
         "preset".to_string(),
@@ -248,7 +255,7 @@ fn targets_table() -> String {
         "W".into(),
         "nodes".into(),
         "interconnect".into(),
-        "multicast".into(),
+        "driver-multicast".into(),
         "backend".into(),
     ]];
     for p in arfuse::policy::PRESETS {
@@ -396,8 +403,8 @@ fn assumed_world_size_note(graph: &Graph, target: &Target, target_name: &str) ->
     Some(format!(
         "the graph records no tensor-parallel size (metadata `tp` or `world_size`, absent \
          from torch.export output): planned for {target_name}'s world_size {}; if the \
-         model was exported for another tensor-parallel size, pass a --target with that \
-         world_size",
+         model was exported for another tensor-parallel size, plan for that size \
+         (--world-size N, or a --target with that world_size)",
         target.world_size
     ))
 }
@@ -486,7 +493,9 @@ fn resolved(p: &Path) -> PathBuf {
     }
 }
 
-/// Graph files in a directory: `*.json` and `*.pt2`, not option files, sorted.
+/// Graph files in a directory: `*.json`, `*.json.gz` and `*.pt2`, not option files,
+/// sorted. An entry with such a name that is no regular file (a directory, a broken
+/// link) is listed too: reading it fails, so it is a failed pair, not skipped unsaid.
 fn graphs_in(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
@@ -497,7 +506,7 @@ fn graphs_in(dir: &Path) -> Result<Vec<PathBuf>> {
             .unwrap_or_default();
         let json = name.ends_with(".json") || name.ends_with(".json.gz");
         let is_graph = (json && !name.ends_with(".options.json")) || name.ends_with(".pt2");
-        if p.is_file() && is_graph {
+        if is_graph {
             out.push(p);
         }
     }
@@ -547,6 +556,18 @@ fn parse_world_size(s: &str) -> std::result::Result<u32, String> {
             "a world size is the number of ranks in the tensor-parallel group, an integer \
              from 1 to {}",
             u32::MAX
+        )
+    })
+}
+
+/// `--shared-hidden`'s value: an integer count of elements (0 and sizes the policy
+/// refuses are refused by [`check_shared_hidden`], with the reason).
+fn parse_shared_hidden(s: &str) -> std::result::Result<u64, String> {
+    s.parse().map_err(|_| {
+        format!(
+            "a hidden size is the number of elements of a row of another graph sharing this \
+             graph's workspace, an integer from 1 to {}",
+            u64::MAX
         )
     })
 }
@@ -1260,6 +1281,55 @@ fn host_check(root: &Path, args: &[String]) -> Result<ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A directory's graph-named entries are all listed, so one that is no regular
+    /// file fails as a pair instead of being skipped unsaid.
+    #[test]
+    fn graphs_in_lists_every_graph_named_entry() {
+        let dir = std::env::temp_dir().join(format!("arfuse-graphs-in-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("sub.json")).unwrap();
+        for f in [
+            "good.json",
+            "b.json.gz",
+            "c.pt2",
+            "good.options.json",
+            "notes.md",
+        ] {
+            std::fs::write(dir.join(f), b"{}").unwrap();
+        }
+        #[cfg(unix)]
+        std::os::unix::fs::symlink(dir.join("missing"), dir.join("broken.json")).unwrap();
+        let names: Vec<String> = graphs_in(&dir)
+            .unwrap()
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        let mut want = vec!["b.json.gz", "c.pt2", "good.json", "sub.json"];
+        if cfg!(unix) {
+            want.insert(1, "broken.json");
+        }
+        assert_eq!(names, want);
+        let none = arfuse::import::ImportOptions::default();
+        let err = read_graph(&dir.join("sub.json"), &none).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("is not a regular file"),
+            "{err:#}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn shared_hidden_values_are_integers_with_a_reason() {
+        assert_eq!(parse_shared_hidden("4096"), Ok(4096));
+        for bad in ["-4096", "4k", ""] {
+            let e = parse_shared_hidden(bad).unwrap_err();
+            assert!(
+                e.starts_with("a hidden size is the number of elements"),
+                "{e}"
+            );
+        }
+    }
 
     #[test]
     fn default_out_names_do_not_stack() {

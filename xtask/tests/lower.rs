@@ -396,7 +396,8 @@ fn list_targets_and_help() {
     let lines: Vec<&str> = t.lines().collect();
     assert_eq!(lines.len(), 1 + Target::preset_names().len(), "{t}");
     assert!(
-        lines[0].starts_with("preset") && lines[0].ends_with("interconnect    multicast  backend"),
+        lines[0].starts_with("preset")
+            && lines[0].ends_with("interconnect    driver-multicast  backend"),
         "{t}"
     );
     let h200x2 = lines

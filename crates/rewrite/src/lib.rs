@@ -5,6 +5,36 @@
 //! node carrying its plan from `arfuse-policy`; refuses every look-alike that is not
 //! the pattern; and says what it did ([`Report`]).
 //!
+//! ```
+//! use arfuse_ir::{DType, Dim, Graph, InputKind, Node, Op, SymbolRange, TensorType, Value};
+//! use arfuse_rewrite::{lower_with, LowerOptions};
+//!
+//! // x [T, 4096] bf16 -> all_reduce over "tp" -> rms_norm with a weight of 4096.
+//! let act = || TensorType::new(DType::Bf16, vec![Dim::symbol("T"), Dim::constant(4096)]);
+//! let mut g = Graph::new();
+//! g.set_symbol("T", SymbolRange { min: 1, max: 8192 });
+//! let mut add = |id: &str, op: Op, inputs: Vec<Value>, out: TensorType| {
+//!     let node = Node { id: id.into(), op, inputs, outputs: vec![out], module: None };
+//!     g.add_node(node).map(|n| Value::new(n, 0))
+//! };
+//! let x = add("x", Op::Input { kind: InputKind::Activation }, vec![], act())?;
+//! let w_ty = TensorType::new(DType::Bf16, vec![Dim::constant(4096)]);
+//! let w = add("w", Op::Input { kind: InputKind::Parameter }, vec![], w_ty)?;
+//! let reduce = Op::AllReduce { group: "tp".into(), reduce: Default::default() };
+//! let ar = add("ar", reduce, vec![x], act())?;
+//! let norm = Op::RmsNorm { eps: 1e-6, weight_bias: 0.0 };
+//! let y = add("norm", norm, vec![ar, w], act())?;
+//! g.set_outputs(vec![y])?;
+//!
+//! let target = arfuse_policy::Target::preset("h200-sxm-x8")?;
+//! let lowered = lower_with(&g, &target, &LowerOptions::default())?;
+//! assert_eq!(lowered.report.all_reduces_fused, 1);
+//! // The all-reduce and the norm are one fused node now.
+//! assert_eq!(lowered.graph.len(), 3);
+//! println!("{}", lowered.report);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! ## Pipeline
 //!
 //! [`lower_with`] is these steps, each one function of the module that owns it. Steps
@@ -114,7 +144,7 @@ pub struct LowerOptions {
     /// steps upstream (its halo), so the e-graph's work and memory per site do not grow
     /// with the model. Default [`DEFAULT_WINDOW_NODES`]; 0 counts as 1. The sites,
     /// plans and output do not depend on it (tested down to windows of one node); the
-    /// report's e-graph totals do, and so does the e-nodes counted against
+    /// report's e-graph totals do, and so do the e-nodes counted against
     /// `node_limit`: a halo's nodes count in every window holding them, so smaller
     /// windows count more (at the default, a dense decomposed stack's halos add about
     /// 20%; at windows of a few nodes, the count can be many times the whole graph's).
@@ -130,8 +160,9 @@ pub struct LowerOptions {
     /// `std::thread::available_parallelism` says. At most 8 either way; fewer when the
     /// system will not start as many (the calling thread then does the rest). A graph
     /// that is one window is lowered on the calling thread alone. The helpers are
-    /// scoped threads of this call (none outlives it); each holds at most two of its
-    /// windows the calling thread has not taken yet.
+    /// scoped threads of this call (none outlives it). A helper works ahead of the
+    /// calling thread, which takes every window's result in order, by at most two
+    /// windows: two windows' e-graphs per helper are alive at most.
     ///
     /// The output, the report and every error do not depend on it (`tests/windows.rs`);
     /// the time and the peak memory do. Each helper adds up to two windows' e-graphs
