@@ -12,8 +12,9 @@
 //! fastest lowering criterion saw (ms, and us per site), the fastest of the
 //! interleaved rounds (us per site, below), the spread of us per site between the
 //! sizes of a form (slowest / fastest) for both, and the peak heap growth of one
-//! lowering per IR node (bytes; counted by this binary's allocator wrapper, which
-//! costs every allocation two relaxed atomic updates).
+//! lowering per IR node (bytes; counted by this binary's allocator wrapper in a
+//! lowering of its own: while counting, every allocation costs two atomic updates of
+//! counters all threads share, so the timed lowerings run with counting off).
 //!
 //! Criterion measures one size after the other, so on a machine whose speed drifts
 //! (a shared VM's fast and slow phases, which differ by up to 1.6x on this project's
@@ -46,7 +47,7 @@ use criterion::{criterion_group, BenchmarkId, Criterion};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// mimalloc, or the system allocator ([`system_alloc`]), counting live and peak heap
@@ -68,32 +69,43 @@ fn inner() -> &'static dyn GlobalAlloc {
     }
 }
 
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
+/// Whether allocations are counted (only during [`peak_of_one`]).
+static COUNTING: AtomicBool = AtomicBool::new(false);
+/// Bytes allocated less bytes freed since counting started (negative when more was
+/// freed than allocated: memory from before counting).
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+/// The most `LIVE` was since counting started.
+static PEAK: AtomicIsize = AtomicIsize::new(0);
+
+/// Adds `bytes` (negative: freed) to the live count, when counting.
+fn count(bytes: isize) {
+    if COUNTING.load(Ordering::Relaxed) {
+        let now = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        PEAK.fetch_max(now, Ordering::Relaxed);
+    }
+}
+
+/// A size in bytes as a count (a layout's size fits `isize`).
+fn signed(bytes: usize) -> isize {
+    isize::try_from(bytes).unwrap_or(isize::MAX)
+}
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = inner().alloc(layout);
         if !p.is_null() {
-            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
+            count(signed(layout.size()));
         }
         p
     }
     unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
         inner().dealloc(p, layout);
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        count(-signed(layout.size()));
     }
     unsafe fn realloc(&self, p: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let q = inner().realloc(p, layout, new_size);
         if !q.is_null() {
-            if new_size >= layout.size() {
-                let grow = new_size - layout.size();
-                let now = LIVE.fetch_add(grow, Ordering::Relaxed) + grow;
-                PEAK.fetch_max(now, Ordering::Relaxed);
-            } else {
-                LIVE.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
-            }
+            count(signed(new_size) - signed(layout.size()));
         }
         q
     }
@@ -133,12 +145,15 @@ fn options() -> arfuse_rewrite::LowerOptions {
     }
 }
 
-/// One lowering's peak heap growth in bytes (the graph itself excluded).
+/// One lowering's peak heap growth in bytes (the graph itself excluded), counted with
+/// the allocator's counters on for this lowering alone.
 fn peak_of_one(g: &Graph, target: &Target) -> (usize, usize) {
-    let base = LIVE.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
+    LIVE.store(0, Ordering::Relaxed);
+    PEAK.store(0, Ordering::Relaxed);
+    COUNTING.store(true, Ordering::SeqCst);
     let l = arfuse_rewrite::lower_with(g, target, &options()).expect("the benchmark graph lowers");
-    let peak = PEAK.load(Ordering::Relaxed).saturating_sub(base);
+    COUNTING.store(false, Ordering::SeqCst);
+    let peak = usize::try_from(PEAK.load(Ordering::Relaxed)).unwrap_or(0);
     (peak, l.report.all_reduces_fused)
 }
 
