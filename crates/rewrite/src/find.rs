@@ -365,9 +365,9 @@ impl<'a> Work<'a> {
     /// Helper `h` of `t` threads (`count`, read when its first buffers arrive):
     /// saturates windows `h`, `h + t`, ... under the whole e-node limit and chooses
     /// their sites ahead ([`Ahead`]), in buffers from `back` (two, which the calling
-    /// thread sends back once it took their window), each sent on `done`. Stops after the last of them, after a runner that stopped
-    /// at a limit (the lowering then fails), or when the calling thread stopped
-    /// listening.
+    /// thread sends back once it took their window), each sent on `done`. Stops after
+    /// the last of them, after a runner that stopped at a limit (the lowering then
+    /// fails), or when the calling thread stopped listening.
     fn helper(
         self,
         h: usize,

@@ -162,7 +162,7 @@ pub struct LowerOptions {
     /// that is one window is lowered on the calling thread alone. The helpers are
     /// scoped threads of this call (none outlives it). A helper works ahead of the
     /// calling thread, which takes every window's result in order, by at most two
-    /// windows: two windows' e-graphs per helper are alive at most.
+    /// windows.
     ///
     /// The output, the report and every error do not depend on it (`tests/windows.rs`);
     /// the time and the peak memory do. Each helper adds up to two windows' e-graphs
@@ -205,8 +205,9 @@ pub struct Lowered {
     pub graph: Graph,
     /// Per all-reduce: fused or why not; totals; warnings.
     pub report: Report,
-    /// One per fused node this lowering added, in the order of their all-reduces: the chain of the input
-    /// graph it replaces (what `arfuse_reference::check_sites` checks site by site).
+    /// One per fused node this lowering added, in the order of their all-reduces: the
+    /// chain of the input graph it replaces (what `arfuse_reference::check_sites`
+    /// checks site by site).
     pub sites: Vec<arfuse_ir::SiteMap>,
 }
 
