@@ -135,10 +135,7 @@ thread_local! {
 /// The lowering options: the defaults, `threads` from `ARFUSE_BENCH_THREADS` when set
 /// (read when the bench runs; 0 or unset: the default, the machine's cores).
 fn options() -> arfuse_rewrite::LowerOptions {
-    let threads = std::env::var("ARFUSE_BENCH_THREADS")
-        .ok()
-        .map(|t| t.parse().expect("ARFUSE_BENCH_THREADS: a thread count"))
-        .unwrap_or(0);
+    let threads = env_count("ARFUSE_BENCH_THREADS", 0);
     arfuse_rewrite::LowerOptions {
         threads,
         ..Default::default()
@@ -239,10 +236,7 @@ fn stacks(c: &mut Criterion) {
 /// The interleaved rounds (see the crate doc) over the stacks criterion ran, recorded
 /// as each one's `interleaved` time.
 fn interleaved() {
-    let rounds: usize = std::env::var("ARFUSE_BENCH_ROUNDS")
-        .ok()
-        .map(|r| r.parse().expect("ARFUSE_BENCH_ROUNDS: a round count"))
-        .unwrap_or(10);
+    let rounds = env_count("ARFUSE_BENCH_ROUNDS", DEFAULT_ROUNDS);
     let ran: Vec<(String, usize)> = SEEN.with(|s| {
         let seen = s.borrow();
         seen.keys()
@@ -425,7 +419,31 @@ fn summary() {
 
 criterion_group!(benches, stacks, max_nodes);
 
+/// Interleaved rounds when `ARFUSE_BENCH_ROUNDS` is not set.
+const DEFAULT_ROUNDS: usize = 10;
+
+/// The count in environment variable `name`, `default` when it is unset. A value that
+/// is no count ends the run with a message naming the variable (before anything is
+/// measured: [`check_env`]).
+fn env_count(name: &str, default: usize) -> usize {
+    match std::env::var(name) {
+        Err(_) => default,
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            eprintln!("{name}={v:?}: expected a non-negative integer");
+            std::process::exit(2)
+        }),
+    }
+}
+
+/// Reads every environment variable the bench takes, so that a bad one stops the run
+/// before criterion measures anything rather than after.
+fn check_env() {
+    env_count("ARFUSE_BENCH_THREADS", 0);
+    env_count("ARFUSE_BENCH_ROUNDS", DEFAULT_ROUNDS);
+}
+
 fn main() {
+    check_env();
     benches();
     Criterion::default().configure_from_args().final_summary();
     interleaved();
