@@ -6,7 +6,9 @@
 //! refusal log written by conditional appliers. The process group of an all-reduce
 //! is looked up from its instance, so it never has to live in a merged class.
 
-use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
+use crate::lang::{
+    Attrs, FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE,
+};
 use crate::uses::Uses;
 use arfuse_ir::{broadcast, broadcasts_to, DType, Dim, Shape, TensorType, NVFP4_BLOCK};
 use egg::{Analysis, DidMerge, EGraph, Id};
@@ -167,6 +169,8 @@ pub(crate) struct FxAnalysis<'a> {
     /// Refusals at an op (instance, class of the op, why), named by the IR node of the
     /// class once the e-graph is saturated ([`FxAnalysis::refuse_at`]).
     pub refusals_at: BTreeSet<(u32, Id, String)>,
+    /// The attributes the e-graph's leaves hold by number.
+    pub attrs: Attrs,
 }
 
 impl<'a> FxAnalysis<'a> {
@@ -177,6 +181,7 @@ impl<'a> FxAnalysis<'a> {
             shapes,
             refusals: BTreeMap::new(),
             refusals_at: BTreeSet::new(),
+            attrs: Attrs::default(),
         }
     }
 
@@ -376,8 +381,9 @@ impl<'a> Analysis<Fx> for FxAnalysis<'a> {
                 ..Data::default()
             },
             Fx::Quant([q, x, _]) => {
-                let outs = match (leaf(q), ty(x)) {
-                    (Some(Leaf::Quant(q)), Some(t)) => {
+                let q = leaf(q).and_then(|l| egraph.analysis.attrs.quant(l));
+                let outs = match (q, ty(x)) {
+                    (Some(q), Some(t)) => {
                         let (a, b) = egraph.analysis.quant_types(q, t);
                         [a, b, None, None]
                     }
@@ -390,8 +396,9 @@ impl<'a> Analysis<Fx> for FxAnalysis<'a> {
                 }
             }
             Fx::Fused([k, _, x, _, _, _]) => {
-                let outs = match (leaf(k), ty(x)) {
-                    (Some(Leaf::Fused(k)), Some(t)) => egraph.analysis.fused_types(k, t),
+                let k = leaf(k).and_then(|l| egraph.analysis.attrs.fused(l));
+                let outs = match (k, ty(x)) {
+                    (Some(k), Some(t)) => egraph.analysis.fused_types(k, t),
                     _ => [None; MAX_OUTS],
                 };
                 Data {

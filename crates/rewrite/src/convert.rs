@@ -5,7 +5,7 @@
 //! ([`crate::window::Window`]), a value read from outside the window an opaque leaf.
 
 use crate::analysis::{Facts, FxAnalysis, FxGraph, Instances, Shapes, Ty};
-use crate::lang::{Fx, Leaf, QKind};
+use crate::lang::{Fx, Leaf, NormAttrs, QKind};
 use crate::uses::Uses;
 use arfuse_ir::op::is_wait_target as is_wait;
 use arfuse_ir::op::FusedQuant;
@@ -270,7 +270,8 @@ fn enodes(eg: &mut FxGraph, idx: u32, n: &Node, form: Form, ins: [Id; 3]) -> ([I
     match form {
         Form::Opaque => ([x, x], 0),
         Form::Quant(q) => {
-            let kl = eg.add(Fx::Leaf(Leaf::Quant(q)));
+            let kl = eg.analysis.attrs.quant_leaf(q);
+            let kl = eg.add(Fx::Leaf(kl));
             let s = if q.takes_scale_input() {
                 ins[1]
             } else {
@@ -285,7 +286,8 @@ fn enodes(eg: &mut FxGraph, idx: u32, n: &Node, form: Form, ins: [Id; 3]) -> ([I
             }
         }
         Form::FusedAddRmsNorm { eps, bias } => {
-            let a = eg.add(Fx::Leaf(norm_leaf(eps, bias)));
+            let a = norm_leaf(eg, eps, bias);
+            let a = eg.add(Fx::Leaf(a));
             let t = eg.add(Fx::FusedAddRmsNorm([a, x, ins[1], ins[2]]));
             ([get(eg, t, 0), get(eg, t, 1)], 2)
         }
@@ -301,7 +303,8 @@ fn enodes(eg: &mut FxGraph, idx: u32, n: &Node, form: Form, ins: [Id; 3]) -> ([I
             one(eg.add(Fx::ToDtype([d, x])))
         }
         Form::Pow(exponent) => {
-            let e = eg.add(Fx::Leaf(Leaf::Exp(exponent.to_bits())));
+            let e = eg.analysis.attrs.exp_leaf(exponent.to_bits());
+            let e = eg.add(Fx::Leaf(e));
             one(eg.add(Fx::Pow([e, x])))
         }
         Form::Mean => {
@@ -315,18 +318,19 @@ fn enodes(eg: &mut FxGraph, idx: u32, n: &Node, form: Form, ins: [Id; 3]) -> ([I
             one(eg.add(Fx::Reshape([s, x])))
         }
         Form::RmsNorm { eps, bias } => {
-            let a = eg.add(Fx::Leaf(norm_leaf(eps, bias)));
+            let a = norm_leaf(eg, eps, bias);
+            let a = eg.add(Fx::Leaf(a));
             one(eg.add(Fx::RmsNorm([a, x, ins[1]])))
         }
     }
 }
 
-fn norm_leaf(eps: f64, bias: f64) -> Leaf {
-    Leaf::Norm {
+fn norm_leaf(eg: &mut FxGraph, eps: f64, bias: f64) -> Leaf {
+    eg.analysis.attrs.norm_leaf(NormAttrs {
         eps: eps.to_bits(),
         bias: bias.to_bits(),
         twice: false,
-    }
+    })
 }
 
 fn get(eg: &mut FxGraph, t: Id, k: u8) -> Id {

@@ -184,9 +184,8 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
         for class in classes.map(|c| &self.eg[c]) {
             for node in &class.nodes {
                 let Fx::Fused(ch) = node else { continue };
-                let (Some(Leaf::Fused(k)), Some(Leaf::Inst(i))) =
-                    (leaf_of(self.eg, ch[0]), leaf_of(self.eg, ch[1]))
-                else {
+                let kind = leaf_of(self.eg, ch[0]).and_then(|l| self.eg.analysis.attrs.fused(l));
+                let (Some(k), Some(Leaf::Inst(i))) = (kind, leaf_of(self.eg, ch[1])) else {
                     continue;
                 };
                 if owned.binary_search(&i).is_ok() {

@@ -33,7 +33,7 @@
 
 use super::{get, leaf, rule, union, Rule, Vars};
 use crate::analysis::{all_reduce_in, leaf_of, FxGraph};
-use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_RESIDUAL};
+use crate::lang::{FKind, Fx, Leaf, NormAttrs, QKind, PORT_NORM, PORT_RESIDUAL};
 use arfuse_ir::DType;
 use egg::Id;
 use smallvec::SmallVec;
@@ -136,7 +136,8 @@ fn fuse(
             return false;
         }
     };
-    let k = leaf(eg, Leaf::Fused(kind));
+    let k = eg.analysis.attrs.fused_leaf(kind);
+    let k = leaf(eg, k);
     let none = leaf(eg, Leaf::None);
     let f = eg.add(Fx::Fused([k, i, x, r.unwrap_or(none), w, none]));
     let norm = get(eg, PORT_NORM, f);
@@ -158,7 +159,9 @@ fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<
             an.facts.group
         ));
     }
-    let Some(Leaf::Norm { eps, bias, twice }) = leaf_of(eg, n) else {
+    let Some(NormAttrs { eps, bias, twice }) =
+        leaf_of(eg, n).and_then(|l| eg.analysis.attrs.norm(l))
+    else {
         return Err("internal: norm attributes missing".into());
     };
     let b = f64::from_bits(bias);

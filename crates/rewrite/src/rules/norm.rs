@@ -24,7 +24,7 @@
 
 use super::{rule, union, Rule, Vars};
 use crate::analysis::{all_reduce_in, leaf_of, FxGraph};
-use crate::lang::{Fx, Leaf};
+use crate::lang::{Fx, Leaf, NormAttrs};
 use arfuse_ir::DType;
 use egg::Id;
 use smallvec::SmallVec;
@@ -126,8 +126,8 @@ fn split_fused_add(eg: &mut FxGraph, eclass: Id, &[n, x, r, w]: &Vars) -> bool {
 /// term, the eps and the casts check out.
 fn common(eg: &FxGraph, m: Normed, t: Id) -> Option<(Id, f64, DType)> {
     if let Some(e) = m.exp {
-        match leaf_of(eg, e) {
-            Some(Leaf::Exp(bits)) if f64::from_bits(bits) == 2.0 => {}
+        match leaf_of(eg, e).and_then(|l| eg.analysis.attrs.exp(l)) {
+            Some(bits) if f64::from_bits(bits) == 2.0 => {}
             _ => return None,
         }
     }
@@ -157,23 +157,9 @@ fn common(eg: &FxGraph, m: Normed, t: Id) -> Option<(Id, f64, DType)> {
     Some((x, eps, t))
 }
 
-/// The norm attributes of one match: eps, weight_bias and whether it rounds twice.
-#[derive(Clone, Copy)]
-struct NormAttrs {
-    eps: f64,
-    bias: f64,
-    twice: bool,
-}
-
 fn add_norm(eg: &mut FxGraph, eclass: Id, x: Id, w: Id, a: NormAttrs) -> bool {
-    let n = super::leaf(
-        eg,
-        Leaf::Norm {
-            eps: a.eps.to_bits(),
-            bias: a.bias.to_bits(),
-            twice: a.twice,
-        },
-    );
+    let n = eg.analysis.attrs.norm_leaf(a);
+    let n = super::leaf(eg, n);
     let y = eg.add(Fx::RmsNorm([n, x, w]));
     eg[y].data.ty() == eg[eclass].data.ty() && union(eg, eclass, y)
 }
@@ -212,8 +198,8 @@ fn decomposed_llama(eg: &mut FxGraph, eclass: Id, &[a, b, ..]: &Vars) -> bool {
                     continue;
                 }
                 let a = NormAttrs {
-                    eps,
-                    bias: 0.0,
+                    eps: eps.to_bits(),
+                    bias: 0.0f64.to_bits(),
                     twice: t != DType::F32,
                 };
                 changed |= add_norm(eg, eclass, x, w, a);
@@ -238,8 +224,8 @@ fn decomposed_one_rounding(eg: &mut FxGraph, eclass: Id, &[t, a, b, ..]: &Vars) 
             match weight_of(eg, wf, t) {
                 Some((w, bias)) => {
                     let a = NormAttrs {
-                        eps,
-                        bias,
+                        eps: eps.to_bits(),
+                        bias: bias.to_bits(),
                         twice: false,
                     };
                     changed |= add_norm(eg, eclass, x, w, a);

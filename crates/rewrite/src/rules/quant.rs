@@ -35,7 +35,7 @@ pub(crate) fn rules() -> Result<Vec<Rule>, String> {
 /// `(quant ?q ?y ?s)`.
 fn fuse_quant(eg: &mut FxGraph, eclass: Id, &[q, y, s, ..]: &Vars) -> bool {
     let mut changed = false;
-    let Some(Leaf::Quant(qk)) = leaf_of(eg, q) else {
+    let Some(qk) = leaf_of(eg, q).and_then(|l| eg.analysis.attrs.quant(l)) else {
         return false;
     };
     // Fused nodes whose norm output is `?y`, without an epilogue yet; or whose norm
@@ -45,8 +45,8 @@ fn fuse_quant(eg: &mut FxGraph, eclass: Id, &[q, y, s, ..]: &Vars) -> bool {
     let no_epilogue = |eg: &FxGraph, t: Id, view: Option<Id>, out: &mut Vec<_>| {
         for tn in &eg[t].nodes {
             if let Fx::Fused(ch) = tn {
-                if matches!(leaf_of(eg, ch[0]), Some(Leaf::Fused(k)) if k.quant == crate::lang::QKind::None)
-                {
+                let kind = leaf_of(eg, ch[0]).and_then(|l| eg.analysis.attrs.fused(l));
+                if matches!(kind, Some(k) if k.quant == crate::lang::QKind::None) {
                     out.push((*ch, view));
                 }
             }
@@ -94,8 +94,8 @@ fn fuse_quant(eg: &mut FxGraph, eclass: Id, &[q, y, s, ..]: &Vars) -> bool {
     fused.dedup();
     for (ch, view) in fused {
         let [k, i, x, r, w, _] = ch;
-        let (Some(Leaf::Fused(kind)), Some(Leaf::Inst(inst))) = (leaf_of(eg, k), leaf_of(eg, i))
-        else {
+        let kind = leaf_of(eg, k).and_then(|l| eg.analysis.attrs.fused(l));
+        let (Some(kind), Some(Leaf::Inst(inst))) = (kind, leaf_of(eg, i)) else {
             continue;
         };
         if f64::from_bits(kind.bias) != 0.0 {
@@ -130,7 +130,8 @@ fn fuse_quant(eg: &mut FxGraph, eclass: Id, &[q, y, s, ..]: &Vars) -> bool {
         };
         let mut kq = kind;
         kq.quant = qk;
-        let kq = leaf(eg, Leaf::Fused(kq));
+        let kq = eg.analysis.attrs.fused_leaf(kq);
+        let kq = leaf(eg, kq);
         let fq = eg.add(Fx::Fused([kq, i, x, r, w, scale]));
         if eg[fq]
             .data
