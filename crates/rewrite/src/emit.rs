@@ -16,43 +16,81 @@ use arfuse_ir::{DType, Graph, Node, NodeId, Op, SiteMap, TensorType, Value};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashSet};
 
-/// What [`emit_checked`] returns.
+/// What [`emit_sites`] returns.
 pub(crate) struct Emitted {
-    /// The output graph (validated).
+    /// The output graph (validated by [`check`]).
     pub graph: Graph,
     /// The fused node's id in the output, by all-reduce instance, for every site fused.
     pub fused_id_of: BTreeMap<u32, String>,
-    /// Fused nodes already in the input.
-    pub fused_before: usize,
     /// What each fused node added here replaced, in all-reduce (graph) order.
     pub sites: Vec<SiteMap>,
+    /// The nodes of `graph` that [`check`] validates: those added or rewired.
+    changed: Vec<NodeId>,
 }
 
-/// Step 5 of the pass, emit and check: every chosen site the policy fuses becomes one
-/// fused node carrying its plan; then every original all-reduce must appear exactly
-/// once in the result (kept, or inside one fused node), the collective count must
-/// match, and the result must validate: every node it added or rewired is checked
-/// ([`Graph::validate_nodes`]); every other node is as it was in the validated input,
-/// reading values of the same types.
+/// The chosen sites step 5 emits, as all-reduce instances in graph order: those whose
+/// size the policy fuses with a plan ([`SiteDecision`]). What the report calls fused.
+pub(crate) fn selected(
+    chosen: &BTreeMap<u32, Site>,
+    decisions: &BTreeMap<(DType, u64), SiteDecision>,
+) -> Vec<u32> {
+    chosen
+        .values()
+        .filter(|s| {
+            let h = s.hidden().unwrap_or(0);
+            decisions
+                .get(&(s.x_ty.dtype, h))
+                .is_some_and(|d| d.fused && d.plan.is_some())
+        })
+        .map(|s| s.inst)
+        .collect()
+}
+
+/// The site maps of the `selected` sites (in their order), taken out of `chosen`: the
+/// chain each fused node replaces, its fused node not named yet ([`emit_sites`] names
+/// it).
 ///
-/// Errors: [`LowerError::Internal`] when one of these checks fails (a bug).
-pub(crate) fn emit_checked(
+/// Errors: [`LowerError::Internal`] when a selected site has no map (a bug).
+pub(crate) fn take_site_maps(
+    chosen: &mut BTreeMap<u32, Site>,
+    selected: &[u32],
+) -> Result<Vec<SiteMap>, LowerError> {
+    selected
+        .iter()
+        .map(|inst| {
+            chosen
+                .get_mut(inst)
+                .and_then(|s| s.map.take())
+                .ok_or_else(|| LowerError::Internal("a fused site has no site map".into()))
+        })
+        .collect()
+}
+
+/// Step 5 of the pass, emit: every `selected` site of `chosen` becomes one fused node
+/// carrying its plan (from `decisions`); `sites` are their maps
+/// ([`take_site_maps`]), which get the fused nodes' ids. The result is checked by
+/// [`check`].
+///
+/// Errors: [`LowerError::Internal`] when a selected site is missing, has no plan or
+/// cannot be wired (a bug).
+pub(crate) fn emit_sites(
     g: &Graph,
     uses: &Uses,
-    collectives: &Collectives,
-    chosen: &mut BTreeMap<u32, Site>,
+    chosen: &BTreeMap<u32, Site>,
+    selected: Vec<u32>,
+    mut sites: Vec<SiteMap>,
     decisions: &BTreeMap<(DType, u64), SiteDecision>,
     group: &str,
 ) -> Result<Emitted, LowerError> {
-    let mut emits = Vec::new();
-    for s in chosen.values() {
+    let missing = || LowerError::Internal("a selected site has no plan".into());
+    let mut emits = Vec::with_capacity(selected.len());
+    for inst in &selected {
+        let s = chosen.get(inst).ok_or_else(missing)?;
         let h = s.hidden().unwrap_or(0);
-        let Some(d) = decisions.get(&(s.x_ty.dtype, h)) else {
-            continue;
-        };
-        let (true, Some(mut plan)) = (d.fused, d.plan.clone()) else {
-            continue;
-        };
+        let mut plan = decisions
+            .get(&(s.x_ty.dtype, h))
+            .and_then(|d| d.plan.clone())
+            .ok_or_else(missing)?;
         plan.pattern_code = s.pattern_code();
         emits.push(Emit {
             site: s,
@@ -60,29 +98,32 @@ pub(crate) fn emit_checked(
             group,
         });
     }
-    let emitted: Vec<u32> = emits.iter().map(|e| e.site.inst).collect();
     let (out, changed, fused_ids) = emit(g, uses, emits)?;
-    let mut sites = Vec::with_capacity(emitted.len());
-    for (inst, fid) in emitted.iter().zip(&fused_ids) {
-        let mut map = chosen
-            .get_mut(inst)
-            .and_then(|s| s.map.take())
-            .ok_or_else(|| LowerError::Internal("a fused site has no site map".into()))?;
+    for (map, fid) in sites.iter_mut().zip(&fused_ids) {
         map.fused_node = fid.clone();
-        sites.push(map);
     }
-    let fused_id_of: BTreeMap<u32, String> = emitted.into_iter().zip(fused_ids).collect();
-    check_collectives(g, &out, collectives, &fused_id_of)?;
-    // The input validated; a node that is not new and reads no new node's value has
-    // the checks it had there.
-    out.validate_nodes(changed)
-        .map_err(|p| LowerError::Internal(format!("the rewritten graph fails validation: {p}")))?;
     Ok(Emitted {
         graph: out,
-        fused_id_of,
-        fused_before: collectives.fused.len(),
+        fused_id_of: selected.into_iter().zip(fused_ids).collect(),
         sites,
+        changed,
     })
+}
+
+/// The checks of step 5, on the graph [`emit_sites`] made from `g`: every original
+/// all-reduce appears exactly once in the result (kept, or inside one fused node), the
+/// collective count matches, and the result validates: every node it added or rewired
+/// is checked ([`Graph::validate_nodes`]); every other node is as it was in the
+/// validated input, reading values of the same types.
+///
+/// Errors: [`LowerError::Internal`] when one of these checks fails (a bug).
+pub(crate) fn check(g: &Graph, collectives: &Collectives, e: &Emitted) -> Result<(), LowerError> {
+    check_collectives(g, &e.graph, collectives, &e.fused_id_of)?;
+    // The input validated; a node that is not new and reads no new node's value has
+    // the checks it had there.
+    e.graph
+        .validate_nodes(e.changed.iter().copied())
+        .map_err(|p| LowerError::Internal(format!("the rewritten graph fails validation: {p}")))
 }
 
 /// Every original all-reduce appears exactly once in `out`: kept as is, or in one

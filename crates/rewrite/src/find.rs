@@ -53,8 +53,9 @@ pub(crate) struct Found {
     pub runner: RunnerReport,
 }
 
-/// Steps 1 to 3 over every window of `graph`: each window's e-graph decides the
-/// all-reduces of its core and is dropped once its sites are chosen.
+/// Steps 1 to 3 over every window of `graph` (its `facts` and their shape table from
+/// [`convert::facts`]): each window's e-graph decides the all-reduces of its core and
+/// is dropped once its sites are chosen.
 ///
 /// Errors: [`LowerError::NotSaturated`] when a window's runner stops at a limit (the
 /// e-node limit counts every window's e-nodes), [`LowerError::Internal`] when a rule
@@ -63,10 +64,10 @@ pub(crate) fn find_sites(
     graph: &Graph,
     target: &Target,
     options: &LowerOptions,
-    group: &str,
+    facts: Facts,
+    shapes: Shapes,
     instances: &[u32],
 ) -> Result<Found, LowerError> {
-    let (facts, shapes) = convert::facts(graph, group, crate::uses::Uses::new(graph));
     let rules = rules::all().map_err(LowerError::Internal)?;
     let windows = Windows::new(graph, &facts.uses, instances, options.window_nodes);
     let threads = if windows.whole() {
@@ -98,7 +99,7 @@ pub(crate) fn find_sites(
 
 /// The threads to use: `requested`, 0 meaning what the machine offers
 /// (`std::thread::available_parallelism`, 1 when unknown), at most [`MAX_THREADS`].
-fn thread_count(requested: usize) -> usize {
+pub(crate) fn thread_count(requested: usize) -> usize {
     let n = match requested {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,

@@ -47,7 +47,9 @@
 //! whole graph); the result is the whole graph's (`tests/windows.rs`). The windows
 //! are spread over [`LowerOptions::threads`] threads, each window's steps 1 to 3 on
 //! one, and the calling thread takes their answers in window order; the result does
-//! not depend on the thread count.
+//! not depend on the thread count. With more than one thread, a graph cut into windows
+//! is also validated while the facts below are gathered, and its report is built while
+//! the output is emitted and checked (`par`): the same result, sooner.
 //!
 //! 1. Convert (`convert::convert`): IR -> e-graph. The ops the rules look into become
 //!    e-nodes, every other value an opaque leaf keyed by the IR value; all-reduces
@@ -67,9 +69,9 @@
 //!    complete first.
 //! 4. Plan (`plan::plan_graph`): one plan per activation dtype over the sites' hidden
 //!    sizes from `arfuse-policy`; fused nodes already in the input must carry it.
-//! 5. Emit and check (`emit::emit_checked`): e-graph -> IR, the fused node once
-//!    however many projections are live; then every original all-reduce is checked
-//!    to appear exactly once, and the result is validated (the nodes added or
+//! 5. Emit and check (`emit::emit_sites`, `emit::check`): e-graph -> IR, the fused
+//!    node once however many projections are live; then every original all-reduce is
+//!    checked to appear exactly once, and the result is validated (the nodes added or
 //!    rewired; the rest are as in the validated input).
 //! 6. Report (`report::build`): the one place the [`Report`] is made.
 //!
@@ -92,6 +94,7 @@ mod emit;
 mod error;
 mod find;
 mod lang;
+mod par;
 mod plan;
 mod report;
 mod rules;
@@ -230,7 +233,11 @@ pub fn lower_with(
     target: &Target,
     options: &LowerOptions,
 ) -> Result<Lowered, LowerError> {
-    graph.validate().map_err(LowerError::InvalidGraph)?;
+    // A graph cut into windows pairs steps on two threads (`par`).
+    let cut = graph.len() > options.window_nodes.max(1);
+    let pairs = cut && find::thread_count(options.threads) > 1;
+    let (valid, prepared) = par::both(pairs, || graph.validate(), || prepare(graph, options));
+    valid.map_err(LowerError::InvalidGraph)?;
     target.validate()?;
     // The shared hidden sizes are checked whatever the graph holds (a graph without a
     // site refuses `[0]` as one with sites does); each dtype's plan checks them again
@@ -239,8 +246,8 @@ pub fn lower_with(
         arfuse_policy::check_hidden(h, target.dtype)?;
     }
     check_world_size(graph, target)?;
-    let collectives = convert::collectives(graph);
-    let (group, group_source) = choose_group(graph, &collectives, options)?;
+    let Prepared { collectives, found } = prepared;
+    let ((group, group_source), facts, shapes) = found?;
     let instances = &collectives.all_reduces[..];
 
     let find::Found {
@@ -248,34 +255,70 @@ pub fn lower_with(
         mut choice,
         rule_refusals,
         runner,
-    } = find::find_sites(graph, target, options, &group, instances)?;
+    } = find::find_sites(graph, target, options, facts, shapes, instances)?;
     let planned = plan::plan_graph(graph, target, &choice.chosen, &options.shared_hidden_sizes)?;
-    let emitted = emit::emit_checked(
-        graph,
-        &uses,
-        &collectives,
-        &mut choice.chosen,
-        &planned.decisions,
-        &group,
-    )?;
-    let report = report::build(report::Outcome {
-        graph,
-        target,
-        group,
-        group_source,
-        instances,
-        opaque_collectives: &collectives.opaque_collectives,
-        runner,
-        rule_refusals,
-        choice,
-        planned,
-        emitted: &emitted,
-    });
+    let selected = emit::selected(&choice.chosen, &planned.decisions);
+    let site_maps = emit::take_site_maps(&mut choice.chosen, &selected)?;
+    let (mut report, emitted) = par::both(
+        pairs,
+        || {
+            report::build(report::Outcome {
+                graph,
+                target,
+                group: group.clone(),
+                group_source,
+                instances,
+                opaque_collectives: &collectives.opaque_collectives,
+                runner,
+                rule_refusals,
+                choice: &choice,
+                planned: &planned,
+                selected: &selected,
+                already_fused: collectives.fused.len(),
+            })
+        },
+        || {
+            let emitted = emit::emit_sites(
+                graph,
+                &uses,
+                &choice.chosen,
+                selected.clone(),
+                site_maps,
+                &planned.decisions,
+                &group,
+            )?;
+            emit::check(graph, &collectives, &emitted)?;
+            Ok::<_, LowerError>(emitted)
+        },
+    );
+    let emitted = emitted?;
+    report::name_fused_nodes(&mut report, instances, &emitted.fused_id_of);
     Ok(Lowered {
         graph: emitted.graph,
         report,
         sites: emitted.sites,
     })
+}
+
+/// What the steps read of the input graph besides the graph itself, gathered while it
+/// is validated (the two at once for a graph cut into windows: [`par::both`]).
+struct Prepared {
+    collectives: convert::Collectives,
+    /// The layer group and where it came from, the graph's facts for it and its shape
+    /// table; or why no group could be chosen.
+    found: Result<((String, String), analysis::Facts, analysis::Shapes), LowerError>,
+}
+
+/// The collectives of `graph`, its layer group and the facts for that group. Reads
+/// only what `Graph` guarantees by construction (references to existing outputs), so
+/// it is safe on a graph that fails validation; its result is then not used.
+fn prepare(graph: &Graph, options: &LowerOptions) -> Prepared {
+    let collectives = convert::collectives(graph);
+    let found = choose_group(graph, &collectives, options).map(|group| {
+        let (facts, shapes) = convert::facts(graph, &group.0, uses::Uses::new(graph));
+        (group, facts, shapes)
+    });
+    Prepared { collectives, found }
 }
 
 /// The graph's own tensor-parallel size, when its metadata records one (`tp` or

@@ -2,7 +2,6 @@
 //! workspace) or not (why); totals; warnings; the runner's stop reason and e-graph
 //! size. Serialises to JSON (`--report json`) and prints as a table.
 
-use crate::emit::Emitted;
 use crate::plan::{Planned, SiteDecision};
 use crate::site::{Choice, Site};
 use arfuse_ir::op::FusedOutput;
@@ -32,16 +31,20 @@ pub(crate) struct Outcome<'a> {
     /// gives them.
     pub rule_refusals: BTreeMap<u32, Vec<String>>,
     /// The sites chosen and the candidates refused.
-    pub choice: Choice,
+    pub choice: &'a Choice,
     /// The plan.
-    pub planned: Planned,
-    /// The emitted graph's fused nodes.
-    pub emitted: &'a Emitted,
+    pub planned: &'a Planned,
+    /// The sites emitted as fused nodes (`crate::emit::selected`), ascending.
+    pub selected: &'a [u32],
+    /// Fused nodes already in the input.
+    pub already_fused: usize,
 }
 
 /// Step 6 of the pass, the report: the one place a [`Report`] is made, from the
 /// outcomes of the other steps. Per all-reduce in graph order: fused (pattern,
-/// outputs, backend, dispatch, workspace) or why not; the totals; the warnings.
+/// outputs, backend, dispatch, workspace) or why not; the totals; the warnings. It
+/// needs no emitted graph, so it can be built while the graph is emitted; the fused
+/// nodes' ids are filled in after ([`name_fused_nodes`]).
 pub(crate) fn build(o: Outcome<'_>) -> Report {
     let Outcome {
         graph,
@@ -52,32 +55,33 @@ pub(crate) fn build(o: Outcome<'_>) -> Report {
         opaque_collectives,
         runner,
         mut rule_refusals,
-        mut choice,
+        choice,
         planned,
-        emitted,
+        selected,
+        already_fused,
     } = o;
     let mut by_pattern: BTreeMap<String, PatternCount> = BTreeMap::new();
     let mut sites = Vec::with_capacity(instances.len());
     for &inst in instances {
-        let notes = choice.notes.remove(&inst).unwrap_or_default();
+        let notes = choice.notes.get(&inst).cloned().unwrap_or_default();
         let entry = match choice.chosen.get(&inst) {
             Some(s) => {
                 let d = s
                     .hidden()
                     .and_then(|h| planned.decisions.get(&(s.x_ty.dtype, h)));
-                let fused_id = emitted.fused_id_of.get(&inst);
+                let fused = selected.binary_search(&inst).is_ok();
                 let pattern = s.pattern_name();
                 let count = match by_pattern.get_mut(&pattern) {
                     Some(c) => c,
                     None => by_pattern.entry(pattern.clone()).or_default(),
                 };
                 count.total += 1;
-                count.fused += usize::from(fused_id.is_some() && d.is_some());
-                matched_site(graph, s, pattern, notes, fused_id, d)
+                count.fused += usize::from(fused && d.is_some());
+                matched_site(graph, s, pattern, notes, fused, d)
             }
             None => {
                 let mut reasons = rule_refusals.remove(&inst).unwrap_or_default();
-                reasons.extend(choice.why_not.remove(&inst).unwrap_or_default());
+                reasons.extend(choice.why_not.get(&inst).into_iter().flatten().cloned());
                 if reasons.is_empty() {
                     reasons.push(no_match_reason(graph, inst));
                 }
@@ -88,19 +92,19 @@ pub(crate) fn build(o: Outcome<'_>) -> Report {
         };
         sites.push(entry);
     }
-    let all_reduces_fused = emitted.fused_id_of.len();
+    let all_reduces_fused = selected.len();
     let (unknown_collectives, mut warnings) =
         unknown_collective_warnings(graph, opaque_collectives);
     let enabled = target.requested_backend != arfuse_policy::RequestedBackend::Off;
-    if enabled && all_reduces_fused == 0 && emitted.fused_before == 0 {
+    if enabled && all_reduces_fused == 0 && already_fused == 0 {
         warnings.push(nothing_fused_warning(instances.len(), &unknown_collectives));
     }
     let workspaces = planned
         .workspaces
-        .into_iter()
+        .iter()
         .map(|w| WorkspaceReport {
             group: group.clone(),
-            ..w
+            ..w.clone()
         })
         .collect();
     Report {
@@ -117,13 +121,28 @@ pub(crate) fn build(o: Outcome<'_>) -> Report {
         workspaces,
         all_reduces_seen: instances.len(),
         all_reduces_fused,
-        already_fused: emitted.fused_before,
+        already_fused,
         by_pattern,
         sites,
         unknown_collectives,
         warnings,
-        notes: planned.notes,
+        notes: planned.notes.clone(),
         runner,
+    }
+}
+
+/// Names the fused node of every fused site of `report` (built by [`build`] over
+/// `instances`, one entry each, in order): its id in the emitted graph, by all-reduce
+/// instance (`crate::emit::Emitted::fused_id_of`).
+pub(crate) fn name_fused_nodes(
+    report: &mut Report,
+    instances: &[u32],
+    fused_id_of: &BTreeMap<u32, String>,
+) {
+    for (entry, inst) in report.sites.iter_mut().zip(instances) {
+        if entry.fused {
+            entry.fused_node = fused_id_of.get(inst).cloned();
+        }
     }
 }
 
@@ -171,7 +190,7 @@ fn matched_site(
     s: &Site,
     pattern: String,
     notes: Vec<String>,
-    fused_id: Option<&String>,
+    fused: bool,
     d: Option<&SiteDecision>,
 ) -> SiteReport {
     let ar = graph.node(NodeId::new(s.inst as usize));
@@ -198,10 +217,10 @@ fn matched_site(
                 .into(),
         );
     }
-    match (fused_id, d) {
-        (Some(fid), Some(d)) => {
+    match (fused, d) {
+        // The fused node is named once emitted (`name_fused_nodes`).
+        (true, Some(d)) => {
             entry.fused = true;
-            entry.fused_node = Some(fid.clone());
             entry.backend_reason = Some(d.reason.clone());
             if let Some(p) = &d.plan {
                 entry.backend = Some(p.backend().to_string());

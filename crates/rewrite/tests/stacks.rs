@@ -491,3 +491,71 @@ fn threads_give_the_one_thread_answer_at_every_limit() {
         }
     }
 }
+
+/// A graph cut into windows, lowered on more than one thread, is validated while its
+/// facts are gathered and has its report built while the output is emitted: its errors
+/// are the one-thread errors, in the one-thread order. A node that fails validation
+/// (in a graph whose layer group is also ambiguous) gives the validation error; the
+/// ambiguous group alone gives the group error.
+#[test]
+fn paired_steps_give_the_one_thread_errors() {
+    use arfuse_ir::{DType, Dim, Graph, Node, TensorType, Value};
+    fn node(g: &mut Graph, id: &str, op: Op, inputs: Vec<Value>, ty: TensorType) -> Value {
+        let n = g
+            .add_node(Node {
+                id: id.into(),
+                op,
+                inputs,
+                outputs: vec![ty],
+                module: None,
+            })
+            .unwrap();
+        Value::new(n, 0)
+    }
+    let lower = |g: &Graph, threads: usize| {
+        let options = arfuse_rewrite::LowerOptions {
+            window_nodes: 24,
+            threads,
+            ..Default::default()
+        };
+        match arfuse_rewrite::lower_with(g, &h200(), &options) {
+            Ok(l) => format!("{}\n{}", l.graph, l.report),
+            Err(e) => format!("error: {e}"),
+        }
+    };
+    let t = || TensorType::new(DType::Bf16, vec![Dim::constant(8)]);
+    let mut g = Graph::new();
+    let input = Op::Input {
+        kind: arfuse_ir::InputKind::Activation,
+    };
+    let x = node(&mut g, "x", input, vec![], t());
+    // Two groups with one all-reduce each: a tie.
+    let mut last = x;
+    for (i, group) in ["tp", "ep"].iter().enumerate() {
+        let op = Op::AllReduce {
+            group: group.to_string(),
+            reduce: Default::default(),
+        };
+        last = node(&mut g, &format!("ar{i}"), op, vec![last], t());
+    }
+    for i in 0..40 {
+        last = node(&mut g, &format!("add{i}"), Op::Add, vec![last, x], t());
+    }
+    g.set_outputs(vec![last]).unwrap();
+    let ambiguous = lower(&g, 1);
+    assert!(
+        ambiguous.starts_with("error: ") && ambiguous.contains("group"),
+        "{ambiguous}"
+    );
+    assert_eq!(ambiguous, lower(&g, 2));
+    // And a node that fails validation: its error comes first.
+    let bad = TensorType::new(DType::F32, vec![]);
+    node(&mut g, "bad_add", Op::Add, vec![x], bad);
+    let invalid = lower(&g, 1);
+    assert!(
+        invalid.starts_with("error: ") && invalid.contains("bad_add"),
+        "{invalid}"
+    );
+    assert_ne!(invalid, ambiguous);
+    assert_eq!(invalid, lower(&g, 2));
+}
