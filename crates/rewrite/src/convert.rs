@@ -128,9 +128,10 @@ pub(crate) fn modeled_step(g: &Graph, id: NodeId) -> Option<u32> {
     }
 }
 
-/// The facts of `g` (which passed validation) for layer group `group`: every value's
-/// type and constant (shapes interned into the returned [`Shapes`]), every all-reduce
-/// with its uses.
+/// The facts of `g` for layer group `group`: every value's type and constant (shapes
+/// interned into the returned [`Shapes`]), every all-reduce with its uses. Bounded on
+/// any graph `Graph` accepts, so that it can run while `g` is validated; the steps use
+/// it only once `g` passed.
 pub(crate) fn facts(g: &Graph, group: &str, uses: Uses) -> (Facts, Shapes) {
     let mut shapes = Shapes::default();
     let mut values = Vec::with_capacity(uses.values());
@@ -354,18 +355,21 @@ fn is_last_dim(g: &Graph, n: &Node, dims: &[i64]) -> bool {
 /// Most views followed when counting the real users of a value.
 const MAX_VIEW_DEPTH: usize = 16;
 
-/// Users of `v` that are not views: reshapes and waits are followed (up to
-/// [`MAX_VIEW_DEPTH`] deep), graph outputs count.
+/// Users of `v` that are not views: reshapes and waits of one input are followed (up
+/// to [`MAX_VIEW_DEPTH`] deep), graph outputs count. Views of one input form a tree
+/// below `v`, so the walk visits each at most once, in a graph that failed validation
+/// too (a reshape reading one value many times is counted, not followed).
 pub(crate) fn uses_through_views(g: &Graph, uses: &Uses, v: Value) -> usize {
     fn go(g: &Graph, uses: &Uses, v: Value, depth: usize) -> usize {
         let mut n = uses.output_uses(v);
         for &u in uses.users_of(v) {
             let node = g.node(NodeId::new(u as usize));
-            let view = match &node.op {
-                Op::Reshape => true,
-                Op::Opaque { target, .. } => is_wait(target) && node.inputs.len() == 1,
-                _ => false,
-            };
+            let view = node.inputs.len() == 1
+                && match &node.op {
+                    Op::Reshape => true,
+                    Op::Opaque { target, .. } => is_wait(target),
+                    _ => false,
+                };
             if view && depth < MAX_VIEW_DEPTH && node.outputs.len() == 1 {
                 n += go(g, uses, Value::new(NodeId::new(u as usize), 0), depth + 1);
             } else {

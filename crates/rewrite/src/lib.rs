@@ -73,7 +73,8 @@
 //!    node once however many projections are live; then every original all-reduce is
 //!    checked to appear exactly once, and the result is validated (the nodes added or
 //!    rewired; the rest are as in the validated input).
-//! 6. Report (`report::build`): the one place the [`Report`] is made.
+//! 6. Report (`report::build`): the one place the [`Report`] is made (the fused
+//!    nodes' ids are filled in once emitted: `report::name_fused_nodes`).
 //!
 //! There is no cost model in the pass: a kept site always replaces at least an
 //! all-reduce and a norm kernel by one kernel, so fusing a legal site never loses at
@@ -162,13 +163,15 @@ pub struct LowerOptions {
     /// graph cut into windows, the calling thread included; 0 (the default): as many as
     /// `std::thread::available_parallelism` says. At most 8 either way; fewer when the
     /// system will not start as many (the calling thread then does the rest). A graph
-    /// that is one window is lowered on the calling thread alone. The helpers are
-    /// scoped threads of this call (none outlives it). A helper works ahead of the
-    /// calling thread, which takes every window's result in order, by at most two
-    /// windows.
+    /// that is one window is lowered on the calling thread alone. With more than one
+    /// thread, a graph cut into windows also runs two pairs of whole-graph steps on two
+    /// threads, one helper each (validation with gathering the facts, the report with
+    /// emit and its checks), before and after its windows. The helpers are scoped
+    /// threads of this call (none outlives it). A helper works ahead of the calling
+    /// thread, which takes every window's result in order, by at most two windows.
     ///
     /// The output, the report and every error do not depend on it (`tests/windows.rs`);
-    /// the time and the peak memory do. Each helper adds up to two windows' e-graphs
+    /// the time and the peak memory do. Each window helper adds up to two windows' e-graphs
     /// and its own tables sized by the whole graph: 14 bytes per IR node (its window
     /// search and its claims) and 16 per IR value (two value-class tables).
     pub threads: usize,
@@ -236,8 +239,14 @@ pub fn lower_with(
     // A graph cut into windows pairs steps on two threads (`par`).
     let cut = graph.len() > options.window_nodes.max(1);
     let pairs = cut && find::thread_count(options.threads) > 1;
-    let (valid, prepared) = par::both(pairs, || graph.validate(), || prepare(graph, options));
-    valid.map_err(LowerError::InvalidGraph)?;
+    let prepared = if pairs {
+        let (valid, prepared) = par::both(true, || graph.validate(), || prepare(graph, options));
+        valid.map_err(LowerError::InvalidGraph)?;
+        prepared
+    } else {
+        graph.validate().map_err(LowerError::InvalidGraph)?;
+        prepare(graph, options)
+    };
     target.validate()?;
     // The shared hidden sizes are checked whatever the graph holds (a graph without a
     // site refuses `[0]` as one with sites does); each dtype's plan checks them again
@@ -309,9 +318,11 @@ struct Prepared {
     found: Result<((String, String), analysis::Facts, analysis::Shapes), LowerError>,
 }
 
-/// The collectives of `graph`, its layer group and the facts for that group. Reads
-/// only what `Graph` guarantees by construction (references to existing outputs), so
-/// it is safe on a graph that fails validation; its result is then not used.
+/// The collectives of `graph`, its layer group and the facts for that group. Relies
+/// only on what `Graph` guarantees by construction (inputs name existing outputs of
+/// earlier nodes, at most `MAX_PORTS` of them), and its work is linear in the graph's
+/// nodes and inputs, so it is bounded on a graph that fails validation, which it meets
+/// only while that graph is validated on another thread; its result is then not used.
 fn prepare(graph: &Graph, options: &LowerOptions) -> Prepared {
     let collectives = convert::collectives(graph);
     let found = choose_group(graph, &collectives, options).map(|group| {

@@ -496,7 +496,9 @@ fn threads_give_the_one_thread_answer_at_every_limit() {
 /// facts are gathered and has its report built while the output is emitted: its errors
 /// are the one-thread errors, in the one-thread order. A node that fails validation
 /// (in a graph whose layer group is also ambiguous) gives the validation error; the
-/// ambiguous group alone gives the group error.
+/// ambiguous group alone gives the group error; a graph whose views would make the
+/// facts' walk exponential if it trusted their arity gives its validation error at
+/// once.
 #[test]
 fn paired_steps_give_the_one_thread_errors() {
     use arfuse_ir::{DType, Dim, Graph, Node, TensorType, Value};
@@ -558,4 +560,37 @@ fn paired_steps_give_the_one_thread_errors() {
     );
     assert_ne!(invalid, ambiguous);
     assert_eq!(invalid, lower(&g, 2));
+
+    // Reshapes of 64 inputs, each reading the one before 64 times, below an
+    // all-reduce: invalid, and while it is validated the facts are gathered on the
+    // other thread, which must not follow the 64^16 paths through them.
+    let mut g = Graph::new();
+    let input = Op::Input {
+        kind: arfuse_ir::InputKind::Activation,
+    };
+    let x = node(&mut g, "x", input, vec![], t());
+    let op = Op::AllReduce {
+        group: "tp".into(),
+        reduce: Default::default(),
+    };
+    let mut last = node(&mut g, "ar", op, vec![x], t());
+    for i in 0..16 {
+        last = node(
+            &mut g,
+            &format!("view{i}"),
+            Op::Reshape,
+            vec![last; 64],
+            t(),
+        );
+    }
+    for i in 0..20 {
+        last = node(&mut g, &format!("add{i}"), Op::Add, vec![last, x], t());
+    }
+    g.set_outputs(vec![last]).unwrap();
+    let invalid = lower(&g, 2);
+    assert!(
+        invalid.starts_with("error: ") && invalid.contains("view0"),
+        "{invalid}"
+    );
+    assert_eq!(invalid, lower(&g, 1));
 }
