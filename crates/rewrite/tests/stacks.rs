@@ -594,3 +594,45 @@ fn paired_steps_give_the_one_thread_errors() {
     );
     assert_eq!(invalid, lower(&g, 1));
 }
+
+/// The report of a graph cut into windows is built while the output is emitted, its
+/// fused nodes named after: on one thread or two, every fused entry names the fused
+/// node of its all-reduce in the output graph, every other entry none, and the JSON
+/// reports are the same.
+#[test]
+fn paired_reports_name_their_fused_nodes() {
+    let g = Stack {
+        layers: 6,
+        quant: Some(Quant::Fp8PerToken),
+        ..Stack::default()
+    }
+    .build();
+    let lower = |threads: usize| {
+        let options = arfuse_rewrite::LowerOptions {
+            window_nodes: 24,
+            threads,
+            ..Default::default()
+        };
+        arfuse_rewrite::lower_with(&g, &h200(), &options).unwrap()
+    };
+    let (one, two) = (lower(1), lower(2));
+    assert_eq!(
+        serde_json::to_string(&one.report).unwrap(),
+        serde_json::to_string(&two.report).unwrap()
+    );
+    assert!(g.len() > 24 && one.report.all_reduces_fused == 13);
+    for entry in &two.report.sites {
+        match &entry.fused_node {
+            Some(id) => {
+                assert!(entry.fused, "{id}");
+                let n = two.graph.node(two.graph.find(id).unwrap());
+                let Op::FusedAllreduceNorm(_) = &n.op else {
+                    panic!("{id} is a {}", n.op.name())
+                };
+                let map = two.sites.iter().find(|m| &m.fused_node == id).unwrap();
+                assert_eq!(map.all_reduce, entry.all_reduce);
+            }
+            None => assert!(!entry.fused, "{}", entry.all_reduce),
+        }
+    }
+}
