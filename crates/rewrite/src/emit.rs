@@ -36,14 +36,18 @@ pub(crate) fn selected(
 ) -> Vec<u32> {
     chosen
         .values()
-        .filter(|s| {
-            let h = s.hidden().unwrap_or(0);
-            decisions
-                .get(&(s.x_ty.dtype, h))
-                .is_some_and(|d| d.fused && d.plan.is_some())
-        })
+        .filter(|s| fused_plan(s, decisions).is_some())
         .map(|s| s.inst)
         .collect()
+}
+
+/// The plan site `s` is emitted with: its size's decision's, when that decision fuses.
+fn fused_plan<'d>(
+    s: &Site,
+    decisions: &'d BTreeMap<(DType, u64), SiteDecision>,
+) -> Option<&'d FusedPlan> {
+    let d = decisions.get(&(s.x_ty.dtype, s.hidden().unwrap_or(0)))?;
+    d.plan.as_ref().filter(|_| d.fused)
 }
 
 /// The site maps of the `selected` sites (in their order), taken out of `chosen`: the
@@ -86,11 +90,7 @@ pub(crate) fn emit_sites(
     let mut emits = Vec::with_capacity(selected.len());
     for inst in &selected {
         let s = chosen.get(inst).ok_or_else(missing)?;
-        let h = s.hidden().unwrap_or(0);
-        let mut plan = decisions
-            .get(&(s.x_ty.dtype, h))
-            .and_then(|d| d.plan.clone())
-            .ok_or_else(missing)?;
+        let mut plan = fused_plan(s, decisions).ok_or_else(missing)?.clone();
         plan.pattern_code = s.pattern_code();
         emits.push(Emit {
             site: s,

@@ -237,7 +237,7 @@ pub fn lower_with(
     options: &LowerOptions,
 ) -> Result<Lowered, LowerError> {
     // A graph cut into windows pairs steps on two threads (`par`).
-    let cut = graph.len() > options.window_nodes.max(1);
+    let cut = !window::is_whole(graph.len(), options.window_nodes);
     let pairs = cut && find::thread_count(options.threads) > 1;
     let prepared = if pairs {
         let (valid, prepared) = par::both(true, || graph.validate(), || prepare(graph, options));

@@ -46,6 +46,13 @@ pub(crate) const CORE_DIVISOR: usize = 4;
 /// and the cast giving `xf`); views and waits below it cost none.
 pub(crate) const BACKWARD_HALO: u32 = 8;
 
+/// Whether a graph of `nodes` nodes is one window under
+/// [`crate::LowerOptions::window_nodes`] = `window_nodes` (0 counts as 1): at most that
+/// many nodes.
+pub(crate) fn is_whole(nodes: usize, window_nodes: usize) -> bool {
+    nodes <= window_nodes.max(1)
+}
+
 /// One window: the nodes converted, and the all-reduces it decides.
 #[derive(Debug, Default)]
 pub(crate) struct Window {
@@ -62,8 +69,8 @@ pub(crate) struct Windows<'a> {
     uses: &'a Uses,
     /// The graph's all-reduces, ascending.
     instances: &'a [u32],
-    /// The most nodes of a graph kept whole.
-    whole_limit: usize,
+    /// [`crate::LowerOptions::window_nodes`] ([`is_whole`]).
+    window_nodes: usize,
     /// Nodes per core range of a cut graph.
     core: usize,
     /// Start of the next core range.
@@ -123,7 +130,7 @@ impl<'a> Windows<'a> {
             g,
             uses,
             instances,
-            whole_limit: window_nodes.max(1),
+            window_nodes,
             core: (window_nodes / CORE_DIVISOR).max(1),
             next_start: 0,
             started: false,
@@ -140,7 +147,7 @@ impl<'a> Windows<'a> {
 
     /// Whether the graph is one window (its e-graph the whole graph's).
     pub fn whole(&self) -> bool {
-        self.g.len() <= self.whole_limit
+        is_whole(self.g.len(), self.window_nodes)
     }
 
     /// The next window, written into `w`; false when none is left. Of a graph cut into
