@@ -8,6 +8,7 @@
 
 use crate::convert::Collectives;
 use crate::error::LowerError;
+use crate::par;
 use crate::plan::SiteDecision;
 use crate::site::{Input, Port, Site};
 use crate::uses::Uses;
@@ -29,16 +30,30 @@ pub(crate) struct Emitted {
 }
 
 /// The chosen sites step 5 emits, as all-reduce instances in graph order: those whose
-/// size the policy fuses with a plan ([`SiteDecision`]). What the report calls fused.
-pub(crate) fn selected(
-    chosen: &BTreeMap<u32, Site>,
+/// size the policy fuses with a plan ([`SiteDecision`]), what the report calls fused;
+/// and their site maps (in the same order), taken out of `chosen`: the chain each
+/// fused node replaces, its fused node not named yet ([`emit_sites`] names it). One
+/// walk over `chosen`.
+///
+/// Errors: [`LowerError::Internal`] when a selected site has no map (a bug).
+pub(crate) fn select(
+    chosen: &mut BTreeMap<u32, Site>,
     decisions: &BTreeMap<(DType, u64), SiteDecision>,
-) -> Vec<u32> {
-    chosen
-        .values()
-        .filter(|s| fused_plan(s, decisions).is_some())
-        .map(|s| s.inst)
-        .collect()
+) -> Result<(Vec<u32>, Vec<SiteMap>), LowerError> {
+    let mut selected = Vec::new();
+    let mut maps = Vec::new();
+    for s in chosen.values_mut() {
+        if fused_plan(s, decisions).is_none() {
+            continue;
+        }
+        let map = s
+            .map
+            .take()
+            .ok_or_else(|| LowerError::Internal("a fused site has no site map".into()))?;
+        selected.push(s.inst);
+        maps.push(map);
+    }
+    Ok((selected, maps))
 }
 
 /// The plan site `s` is emitted with: its size's decision's, when that decision fuses.
@@ -50,33 +65,12 @@ fn fused_plan<'d>(
     d.plan.as_ref().filter(|_| d.fused)
 }
 
-/// The site maps of the `selected` sites (in their order), taken out of `chosen`: the
-/// chain each fused node replaces, its fused node not named yet ([`emit_sites`] names
-/// it).
+/// Step 5 of the pass, emit: every `selected` site of `chosen` ([`select`]) becomes
+/// one fused node carrying its plan (from `decisions`); `sites` are their maps, which
+/// get the fused nodes' ids. The result is checked by [`check`].
 ///
-/// Errors: [`LowerError::Internal`] when a selected site has no map (a bug).
-pub(crate) fn take_site_maps(
-    chosen: &mut BTreeMap<u32, Site>,
-    selected: &[u32],
-) -> Result<Vec<SiteMap>, LowerError> {
-    selected
-        .iter()
-        .map(|inst| {
-            chosen
-                .get_mut(inst)
-                .and_then(|s| s.map.take())
-                .ok_or_else(|| LowerError::Internal("a fused site has no site map".into()))
-        })
-        .collect()
-}
-
-/// Step 5 of the pass, emit: every `selected` site of `chosen` becomes one fused node
-/// carrying its plan (from `decisions`); `sites` are their maps
-/// ([`take_site_maps`]), which get the fused nodes' ids. The result is checked by
-/// [`check`].
-///
-/// Errors: [`LowerError::Internal`] when a selected site is missing, has no plan or
-/// cannot be wired (a bug).
+/// Errors: [`LowerError::Internal`] when the sites `decisions` fuse are not those
+/// selected or a site cannot be wired (a bug).
 pub(crate) fn emit_sites(
     g: &Graph,
     uses: &Uses,
@@ -86,17 +80,29 @@ pub(crate) fn emit_sites(
     decisions: &BTreeMap<(DType, u64), SiteDecision>,
     group: &str,
 ) -> Result<Emitted, LowerError> {
-    let missing = || LowerError::Internal("a selected site has no plan".into());
+    // The selected sites are those `decisions` fuse, in `chosen`'s order: one walk.
     let mut emits = Vec::with_capacity(selected.len());
-    for inst in &selected {
-        let s = chosen.get(inst).ok_or_else(missing)?;
-        let mut plan = fused_plan(s, decisions).ok_or_else(missing)?.clone();
+    for s in chosen.values() {
+        let Some(plan) = fused_plan(s, decisions) else {
+            continue;
+        };
+        if selected.get(emits.len()) != Some(&s.inst) {
+            return Err(LowerError::Internal(
+                "the sites to emit are not those selected".into(),
+            ));
+        }
+        let mut plan = plan.clone();
         plan.pattern_code = s.pattern_code();
         emits.push(Emit {
             site: s,
             plan: Some(plan),
             group,
         });
+    }
+    if emits.len() != selected.len() {
+        return Err(LowerError::Internal(
+            "the sites to emit are not those selected".into(),
+        ));
     }
     let (out, changed, fused_ids) = emit(g, uses, emits)?;
     for (map, fid) in sites.iter_mut().zip(&fused_ids) {
@@ -116,13 +122,44 @@ pub(crate) fn emit_sites(
 /// is checked ([`Graph::validate_nodes`]); every other node is as it was in the
 /// validated input, reading values of the same types.
 ///
+/// When `parallel`, the collectives and the first half of those nodes are checked on a
+/// helper thread while the calling thread checks the second half ([`par::both`]); a
+/// failure is then found again on the calling thread alone, so the error is the one
+/// thread's.
+///
 /// Errors: [`LowerError::Internal`] when one of these checks fails (a bug).
-pub(crate) fn check(g: &Graph, collectives: &Collectives, e: &Emitted) -> Result<(), LowerError> {
-    check_collectives(g, &e.graph, collectives, &e.fused_id_of)?;
-    // The input validated; a node that is not new and reads no new node's value has
-    // the checks it had there.
-    e.graph
-        .validate_nodes(e.changed.iter().copied())
+pub(crate) fn check(
+    g: &Graph,
+    collectives: &Collectives,
+    e: &Emitted,
+    parallel: bool,
+) -> Result<(), LowerError> {
+    let in_order = || {
+        check_collectives(g, &e.graph, collectives, &e.fused_id_of)?;
+        validate(&e.graph, &e.changed)
+    };
+    if !parallel {
+        return in_order();
+    }
+    let (first, second) = e.changed.split_at(e.changed.len() / 2);
+    let (a, b) = par::both(
+        true,
+        || {
+            check_collectives(g, &e.graph, collectives, &e.fused_id_of)
+                .and_then(|()| validate(&e.graph, first))
+        },
+        || validate(&e.graph, second),
+    );
+    match (a, b) {
+        (Ok(()), Ok(())) => Ok(()),
+        _ => in_order(),
+    }
+}
+
+/// Validates nodes `nodes` of `out`, the emitted graph: the input validated, and a node
+/// that is not new and reads no new node's value has the checks it had there.
+fn validate(out: &Graph, nodes: &[NodeId]) -> Result<(), LowerError> {
+    out.validate_nodes(nodes.iter().copied())
         .map_err(|p| LowerError::Internal(format!("the rewritten graph fails validation: {p}")))
 }
 
@@ -151,10 +188,16 @@ fn check_collectives(
             }
         }
     }
+    let mut is_fused = vec![false; g.len()];
+    for &inst in fused.keys() {
+        if let Some(f) = is_fused.get_mut(inst as usize) {
+            *f = true;
+        }
+    }
     for &inst in instances {
         let id = g.node(NodeId::new(inst as usize)).id.as_str();
         let kept = kept[inst as usize];
-        let fused = fused.contains_key(&inst);
+        let fused = is_fused[inst as usize];
         if kept == fused {
             return Err(LowerError::Internal(format!(
                 "all-reduce `{id}` appears {} times in the result",

@@ -69,10 +69,11 @@
 //!    complete first.
 //! 4. Plan (`plan::plan_graph`): one plan per activation dtype over the sites' hidden
 //!    sizes from `arfuse-policy`; fused nodes already in the input must carry it.
-//! 5. Emit and check (`emit::emit_sites`, `emit::check`): e-graph -> IR, the fused
-//!    node once however many projections are live; then every original all-reduce is
-//!    checked to appear exactly once, and the result is validated (the nodes added or
-//!    rewired; the rest are as in the validated input).
+//! 5. Emit and check (`emit::select`, `emit::emit_sites`, `emit::check`): the sites
+//!    the plan fuses, e-graph -> IR, the fused node once however many projections are
+//!    live; then every original all-reduce is checked to appear exactly once, and the
+//!    result is validated (the nodes added or rewired; the rest are as in the
+//!    validated input).
 //! 6. Report (`report::build`): the one place the [`Report`] is made (the fused
 //!    nodes' ids are filled in once emitted: `report::name_fused_nodes`).
 //!
@@ -164,9 +165,10 @@ pub struct LowerOptions {
     /// `std::thread::available_parallelism` says. At most 8 either way; fewer when the
     /// system will not start as many (the calling thread then does the rest). A graph
     /// that is one window is lowered on the calling thread alone. With more than one
-    /// thread, a graph cut into windows also runs two pairs of whole-graph steps on two
+    /// thread, a graph cut into windows also runs pairs of whole-graph steps on two
     /// threads, one helper each (validation with gathering the facts, the report with
-    /// emit and its checks), before and after its windows. The helpers are scoped
+    /// emit and its checks, and the checks in two halves), before and after its
+    /// windows. The helpers are scoped
     /// threads of this call (none outlives it). A helper works ahead of the calling
     /// thread, which takes every window's result in order, by at most two windows.
     ///
@@ -265,9 +267,14 @@ pub fn lower_with(
         rule_refusals,
         runner,
     } = find::find_sites(graph, target, options, facts, shapes, instances)?;
-    let planned = plan::plan_graph(graph, target, &choice.chosen, &options.shared_hidden_sizes)?;
-    let selected = emit::selected(&choice.chosen, &planned.decisions);
-    let site_maps = emit::take_site_maps(&mut choice.chosen, &selected)?;
+    let planned = plan::plan_graph(
+        graph,
+        target,
+        &choice.chosen,
+        &collectives.fused,
+        &options.shared_hidden_sizes,
+    )?;
+    let (selected, site_maps) = emit::select(&mut choice.chosen, &planned.decisions)?;
     let (mut report, emitted) = par::both(
         pairs,
         || {
@@ -296,12 +303,12 @@ pub fn lower_with(
                 &planned.decisions,
                 &group,
             )?;
-            emit::check(graph, &collectives, &emitted)?;
+            emit::check(graph, &collectives, &emitted, pairs)?;
             Ok::<_, LowerError>(emitted)
         },
     );
     let emitted = emitted?;
-    report::name_fused_nodes(&mut report, instances, &emitted.fused_id_of);
+    report::name_fused_nodes(&mut report, instances, emitted.fused_id_of);
     Ok(Lowered {
         graph: emitted.graph,
         report,

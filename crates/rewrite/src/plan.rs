@@ -23,7 +23,8 @@ pub(crate) struct Planned {
 
 /// Step 4 of the pass, the plan: one plan per activation dtype over the hidden sizes
 /// of the chosen sites and of the fused nodes already in the input (which share the
-/// workspace), with the largest token count the graph runs per (dtype, H).
+/// workspace; `fused` are their node indices, [`crate::convert::Collectives::fused`]),
+/// with the largest token count the graph runs per (dtype, H).
 ///
 /// Errors: those of [`decide`], and [`LowerError::StalePlan`] when a fused node of the
 /// input carries a plan other than the one this target gets.
@@ -31,16 +32,23 @@ pub(crate) fn plan_graph(
     graph: &Graph,
     target: &Target,
     chosen: &BTreeMap<u32, Site>,
+    fused: &[u32],
     shared: &[u64],
 ) -> Result<Planned, LowerError> {
     let mut keys: BTreeMap<(DType, u64), Option<u64>> = BTreeMap::new();
+    // Sites in a row mostly share their type; adding a type again changes nothing.
+    let mut last: Option<&TensorType> = None;
     for s in chosen.values() {
-        add_key(&mut keys, graph, &s.x_ty);
+        if last != Some(&s.x_ty) {
+            add_key(&mut keys, graph, &s.x_ty);
+            last = Some(&s.x_ty);
+        }
     }
     // Fused nodes already in the input share the workspace and must carry exactly the
     // plan this target gets (else the input was lowered for another machine).
     let mut existing = Vec::new();
-    for (_, n) in graph.nodes() {
+    for &i in fused {
+        let n = graph.node(arfuse_ir::NodeId::new(i as usize));
         if let Op::FusedAllreduceNorm(f) = &n.op {
             let Some(x) = n.inputs.first().and_then(|v| graph.value_type(*v)) else {
                 continue;

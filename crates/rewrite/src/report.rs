@@ -34,7 +34,7 @@ pub(crate) struct Outcome<'a> {
     pub choice: &'a Choice,
     /// The plan.
     pub planned: &'a Planned,
-    /// The sites emitted as fused nodes (`crate::emit::selected`), ascending.
+    /// The sites emitted as fused nodes (`crate::emit::select`), ascending.
     pub selected: &'a [u32],
     /// Fused nodes already in the input.
     pub already_fused: usize,
@@ -132,16 +132,20 @@ pub(crate) fn build(o: Outcome<'_>) -> Report {
 }
 
 /// Names the fused node of every fused site of `report` (built by [`build`] over
-/// `instances`, one entry each, in order): its id in the emitted graph, by all-reduce
-/// instance (`crate::emit::Emitted::fused_id_of`).
+/// `instances`, one entry each, in graph order, ascending): its id in the emitted
+/// graph, by all-reduce instance (`crate::emit::Emitted::fused_id_of`, whose ids it
+/// takes). One walk over both, in instance order.
 pub(crate) fn name_fused_nodes(
     report: &mut Report,
     instances: &[u32],
-    fused_id_of: &BTreeMap<u32, String>,
+    fused_id_of: BTreeMap<u32, String>,
 ) {
-    for (entry, inst) in report.sites.iter_mut().zip(instances) {
+    let mut ids = fused_id_of.into_iter().peekable();
+    for (entry, &inst) in report.sites.iter_mut().zip(instances) {
+        while ids.next_if(|(i, _)| *i < inst).is_some() {}
+        let id = ids.next_if(|(i, _)| *i == inst).map(|(_, id)| id);
         if entry.fused {
-            entry.fused_node = fused_id_of.get(inst).cloned();
+            entry.fused_node = id;
         }
     }
 }
