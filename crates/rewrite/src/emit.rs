@@ -785,3 +785,93 @@ impl Site {
         Input::Value(self.x)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arfuse_ir::{Dim, InputKind};
+
+    /// A graph of inputs `x` (bf16) and `y` (f32), then `n` adds: the odd ones (`bad1`,
+    /// `bad3`, ...) add `x` to `y` and fail validation, the even ones add `x` to
+    /// itself; and, with `collective`, an all-reduce of `x`. Returns the adds too.
+    fn graph(n: usize, collective: bool) -> (Graph, Vec<NodeId>) {
+        let mut g = Graph::new();
+        let mut add = |id: &str, op: Op, inputs: Vec<Value>, dtype: DType| {
+            let node = Node {
+                id: id.into(),
+                op,
+                inputs,
+                outputs: vec![TensorType::new(dtype, vec![Dim::constant(8)])],
+                module: None,
+            };
+            g.add_node(node).unwrap()
+        };
+        let input = || Op::Input {
+            kind: InputKind::Activation,
+        };
+        let x = Value::new(add("x", input(), vec![], DType::Bf16), 0);
+        let y = Value::new(add("y", input(), vec![], DType::F32), 0);
+        let adds = (0..n)
+            .map(|i| match i % 2 {
+                1 => add(&format!("bad{i}"), Op::Add, vec![x, y], DType::Bf16),
+                _ => add(&format!("ok{i}"), Op::Add, vec![x, x], DType::Bf16),
+            })
+            .collect();
+        if collective {
+            let op = Op::AllReduce {
+                group: "tp".into(),
+                reduce: Default::default(),
+            };
+            add("ar", op, vec![x], DType::Bf16);
+        }
+        (g, adds)
+    }
+
+    fn checked(g: &Graph, changed: Vec<NodeId>, parallel: bool) -> String {
+        let collectives = Collectives {
+            all_reduces: Vec::new(),
+            fused: Vec::new(),
+            opaque_collectives: Vec::new(),
+        };
+        let e = Emitted {
+            graph: g.clone(),
+            fused_id_of: BTreeMap::new(),
+            sites: Vec::new(),
+            changed,
+        };
+        match check(g, &collectives, &e, parallel) {
+            Ok(()) => "ok".into(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn checks_in_halves_give_the_one_thread_result() {
+        // Problems in both halves, in one, in none.
+        let (g, nodes) = graph(6, false);
+        let cases = [
+            nodes.clone(),
+            vec![nodes[0], nodes[2], nodes[3], nodes[4]],
+            vec![nodes[0], nodes[2], nodes[4]],
+        ];
+        for changed in cases {
+            let one = checked(&g, changed.clone(), false);
+            assert_eq!(checked(&g, changed.clone(), true), one);
+            let bad: Vec<&str> = changed
+                .iter()
+                .map(|&n| g.node(n).id.as_str())
+                .filter(|id| id.starts_with("bad"))
+                .collect();
+            assert_eq!(one == "ok", bad.is_empty(), "{one}");
+            for id in bad {
+                assert!(one.contains(id), "{one} names {id}");
+            }
+        }
+        // A collective the input did not have: the collectives' error, before any
+        // node's.
+        let (g, nodes) = graph(4, true);
+        let one = checked(&g, nodes.clone(), false);
+        assert_eq!(checked(&g, nodes, true), one);
+        assert!(one.contains("0 collectives in, 1 out"), "{one}");
+    }
+}
