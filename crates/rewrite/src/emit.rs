@@ -67,10 +67,13 @@ fn fused_plan<'d>(
 
 /// Step 5 of the pass, emit: every `selected` site of `chosen` ([`select`]) becomes
 /// one fused node carrying its plan (from `decisions`); `sites` are their maps, which
-/// get the fused nodes' ids. The result is checked by [`check`].
+/// get the fused nodes' ids. The result is checked by [`check`]. When `parallel`, the
+/// input's kept nodes are copied on a helper thread while the sites are added and
+/// wired ([`par::both`]).
 ///
 /// Errors: [`LowerError::Internal`] when the sites `decisions` fuse are not those
 /// selected or a site cannot be wired (a bug).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn emit_sites(
     g: &Graph,
     uses: &Uses,
@@ -79,6 +82,7 @@ pub(crate) fn emit_sites(
     mut sites: Vec<SiteMap>,
     decisions: &BTreeMap<(DType, u64), SiteDecision>,
     group: &str,
+    parallel: bool,
 ) -> Result<Emitted, LowerError> {
     // The selected sites are those `decisions` fuse, in `chosen`'s order: one walk.
     let mut emits = Vec::with_capacity(selected.len());
@@ -104,7 +108,7 @@ pub(crate) fn emit_sites(
             "the sites to emit are not those selected".into(),
         ));
     }
-    let (out, changed, fused_ids) = emit(g, uses, emits)?;
+    let (out, changed, fused_ids) = emit(g, uses, emits, parallel)?;
     for (map, fid) in sites.iter_mut().zip(&fused_ids) {
         map.fused_node = fid.clone();
     }
@@ -292,24 +296,54 @@ struct Builder<'g> {
 type FusedInputs = (usize, Vec<Input>, Option<Value>);
 
 /// The output graph, its nodes that are new or rewired, and the fused node ids (in
-/// site order).
+/// site order). When `parallel`, a helper thread copies the kept nodes of `g` while
+/// the calling thread adds and wires the sites and orders the output; else each kept
+/// node is copied as it is written.
 fn emit(
     g: &Graph,
     uses: &Uses,
     mut sites: Vec<Emit<'_>>,
+    parallel: bool,
 ) -> Result<(Graph, Vec<NodeId>, Vec<String>), LowerError> {
     let mut b = Builder::new(g, uses, &sites);
-    let (fused_ids, fused_inputs) = b.add_sites(&mut sites);
-    b.wire_kept()?;
-    b.wire_fused(fused_inputs)?;
-    let outputs = g
-        .outputs()
-        .iter()
-        .map(|v| b.resolve(*v))
-        .collect::<Result<Vec<_>, _>>()?;
-    let order = b.order()?;
-    let (out, changed) = b.into_graph(&order, &outputs)?;
+    let kept = b.kept_nodes();
+    let (copies, assembled) = par::both(
+        parallel,
+        || parallel.then(|| copy_nodes(g, &kept)),
+        || {
+            let (fused_ids, fused_inputs) = b.add_sites(&mut sites);
+            b.wire_kept()?;
+            b.wire_fused(fused_inputs)?;
+            let outputs = g
+                .outputs()
+                .iter()
+                .map(|v| b.resolve(*v))
+                .collect::<Result<Vec<_>, _>>()?;
+            let order = b.order()?;
+            Ok::<_, LowerError>((fused_ids, outputs, order))
+        },
+    );
+    let (fused_ids, outputs, order) = assembled?;
+    let (out, changed) = b.into_graph(&order, &outputs, copies)?;
     Ok((out, changed, fused_ids))
+}
+
+/// Copies of the nodes `nodes` of `g`, in that order, each with no inputs (the output
+/// graph wires its own).
+fn copy_nodes(g: &Graph, nodes: &[u32]) -> Vec<Node> {
+    nodes
+        .iter()
+        .map(|&n| {
+            let n = g.node(NodeId::new(n as usize));
+            Node {
+                id: n.id.clone(),
+                op: n.op.clone(),
+                inputs: Vec::new(),
+                outputs: n.outputs.clone(),
+                module: n.module.clone(),
+            }
+        })
+        .collect()
 }
 
 impl<'g> Builder<'g> {
@@ -352,6 +386,17 @@ impl<'g> Builder<'g> {
         }
         b.kept = b.pending.len();
         b
+    }
+
+    /// The input node of every kept pending slot, in slot order.
+    fn kept_nodes(&self) -> Vec<u32> {
+        self.pending[..self.kept]
+            .iter()
+            .filter_map(|p| match p.what {
+                What::Kept(n) => Some(n),
+                What::New(_) => None,
+            })
+            .collect()
     }
 
     /// A constant that is read, only by removed nodes, and is no graph output.
@@ -688,14 +733,20 @@ impl<'g> Builder<'g> {
     }
 
     /// The output graph: the pending nodes in `order` (a kept node copied from the
-    /// input, a new node moved), the outputs `outputs`; and its nodes that are new or
-    /// read a value of a new node (the only ones whose checks can differ from the
-    /// input's).
+    /// input, or moved from `copies`, its copy by kept slot, [`copy_nodes`]; a new
+    /// node moved), the outputs `outputs`; and its nodes that are new or read a value
+    /// of a new node (the only ones whose checks can differ from the input's).
     fn into_graph(
         mut self,
         order: &[usize],
         outputs: &[Ref],
+        mut copies: Option<Vec<Node>>,
     ) -> Result<(Graph, Vec<NodeId>), LowerError> {
+        if copies.as_ref().is_some_and(|c| c.len() != self.kept) {
+            return Err(LowerError::Internal(
+                "the kept nodes' copies do not match them".into(),
+            ));
+        }
         let g = self.g;
         let mut out = Graph::new();
         for (name, r) in g.symbols() {
@@ -711,8 +762,13 @@ impl<'g> Builder<'g> {
                 .map(|&(src, k)| node_of[src as usize].map(|n| Value::new(n, k)))
                 .collect::<Option<Vec<Value>>>()
                 .ok_or_else(|| LowerError::Internal("input emitted late".into()))?;
-            let node = match self.pending[i].what {
-                What::Kept(n) => {
+            let node = match (self.pending[i].what, copies.as_mut()) {
+                // Each kept node is emitted once: move its copy.
+                (What::Kept(_), Some(copies)) => Node {
+                    inputs,
+                    ..std::mem::replace(&mut copies[i], empty_node())
+                },
+                (What::Kept(n), None) => {
                     let n = g.node(NodeId::new(n as usize));
                     Node {
                         id: n.id.clone(),
@@ -722,7 +778,7 @@ impl<'g> Builder<'g> {
                         module: n.module.clone(),
                     }
                 }
-                What::New(k) => {
+                (What::New(k), _) => {
                     // Each new node is emitted once: move its parts.
                     let p = &mut self.new_nodes[k as usize];
                     Node {
@@ -757,6 +813,17 @@ impl<'g> Builder<'g> {
             .filter_map(|i| node_of[i])
             .collect();
         Ok((out, changed))
+    }
+}
+
+/// A node that allocates nothing, left where a node was moved out.
+fn empty_node() -> Node {
+    Node {
+        id: String::new(),
+        op: Op::Rsqrt,
+        inputs: Vec::new(),
+        outputs: Vec::new(),
+        module: None,
     }
 }
 

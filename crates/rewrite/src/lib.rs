@@ -167,10 +167,12 @@ pub struct LowerOptions {
     /// that is one window is lowered on the calling thread alone. With more than one
     /// thread, a graph cut into windows also runs pairs of whole-graph steps on two
     /// threads, one helper each (validation with gathering the facts, the report with
-    /// emit and its checks, and the checks in two halves), before and after its
-    /// windows. The helpers are scoped
-    /// threads of this call (none outlives it). A helper works ahead of the calling
-    /// thread, which takes every window's result in order, by at most two windows.
+    /// emit and its checks, within emit the copying of the kept nodes with the adding
+    /// of the sites, and the checks in two halves), before and after its windows; the
+    /// copying's helper runs beside the report's, so three threads at most. The
+    /// helpers are scoped threads of this call (none outlives it). A window helper
+    /// works ahead of the calling thread, which takes every window's result in order,
+    /// by at most two windows.
     ///
     /// The output, the report and every error do not depend on it (`tests/windows.rs`);
     /// the time and the peak memory do. Each window helper adds up to two windows' e-graphs
@@ -302,6 +304,7 @@ pub fn lower_with(
                 site_maps,
                 &planned.decisions,
                 &group,
+                pairs,
             )?;
             emit::check(graph, &collectives, &emitted, pairs)?;
             Ok::<_, LowerError>(emitted)

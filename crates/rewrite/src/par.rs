@@ -7,9 +7,11 @@
 //! do not depend on each other: validating the input and gathering the facts the steps
 //! read (its uses, every value's type, the all-reduces and the layer group); at the
 //! end, building the report and emitting and checking the output graph (the report
-//! needs the emitted nodes' ids only, filled in after); and, within the checks, the
-//! two halves of the emitted nodes to validate (`crate::emit::check`). For such a
-//! graph, with more than one thread, each pair runs on two threads.
+//! needs the emitted nodes' ids only, filled in after); within emit, copying the kept
+//! nodes of the input and adding the sites' nodes (`crate::emit::emit_sites`); and,
+//! within the checks, the two halves of the emitted nodes to validate
+//! (`crate::emit::check`). For such a graph, with more than one thread, each pair runs
+//! on two threads.
 //!
 //! A graph that is one window keeps every step on the calling thread. On this
 //! repository's 2-core VM a scoped helper started 80 to 750 us after its spawn and was
