@@ -32,9 +32,10 @@ impl Graph {
         let mut p = Problems::new();
         check_symbols(self, &mut p);
         check_metadata(self, &mut p);
+        let mut last = None;
         for id in nodes {
             if let Some(n) = self.get(id) {
-                check_node(self, n, &mut p);
+                check_node(self, n, &mut p, &mut last);
             }
         }
         p.into_result()
@@ -45,15 +46,19 @@ pub(crate) fn validate(g: &Graph) -> Result<(), Problems> {
     let mut p = Problems::new();
     check_symbols(g, &mut p);
     check_metadata(g, &mut p);
+    let mut last = None;
     for (_, n) in g.nodes() {
-        check_node(g, n, &mut p);
+        check_node(g, n, &mut p, &mut last);
     }
     p.into_result()
 }
 
-fn check_node(g: &Graph, n: &Node, p: &mut Problems) {
+/// Checks node `n` of `g` into `p`. `last` is the last output type found well formed
+/// (by [`Checker::outputs_well_formed`], under `g`'s symbols): an output of the same
+/// type is well formed without its checks again (most values of a layer share one).
+fn check_node<'g>(g: &'g Graph, n: &'g Node, p: &mut Problems, last: &mut Option<&'g TensorType>) {
     let mut c = Checker { g, n, p };
-    c.outputs_well_formed();
+    c.outputs_well_formed(&n.outputs, last);
     c.op();
 }
 
@@ -152,8 +157,18 @@ impl<'a> Checker<'a> {
             .expect("graph invariant: inputs name existing outputs")
     }
 
-    fn outputs_well_formed(&mut self) {
-        for (k, t) in self.n.outputs.iter().enumerate() {
+    /// Every output's (`outputs`, the node's) rank, symbols and largest byte count; an
+    /// output of type `last` (one found well formed before) is; `last` becomes the last
+    /// one found well formed.
+    fn outputs_well_formed<'o>(
+        &mut self,
+        outputs: &'o [TensorType],
+        last: &mut Option<&'o TensorType>,
+    ) {
+        for (k, t) in outputs.iter().enumerate() {
+            if *last == Some(t) {
+                continue;
+            }
             if t.shape.rank() > MAX_RANK {
                 self.err(
                     ProblemKind::Limit,
@@ -178,14 +193,19 @@ impl<'a> Checker<'a> {
                     }
                 }
             }
-            if ok && t.max_bytes(self.g.symbols()).is_none() {
+            if !ok {
+                continue;
+            }
+            if t.max_bytes(self.g.symbols()).is_none() {
                 self.err(
                     ProblemKind::Overflow,
                     format!(
                         "output {k} ({t}) has a largest byte count that overflows u64 at the symbols' maxima"
                     ),
                 );
+                continue;
             }
+            *last = Some(t);
         }
     }
 

@@ -9,7 +9,7 @@ use crate::lang::{Fx, Leaf, NormAttrs, QKind};
 use crate::uses::Uses;
 use arfuse_ir::op::is_wait_target as is_wait;
 use arfuse_ir::op::FusedQuant;
-use arfuse_ir::{DType, Graph, Node, NodeId, Op, Value};
+use arfuse_ir::{DType, Graph, Node, NodeId, Op, Shape, Value};
 use egg::{EGraph, Id};
 
 /// The collectives of a graph, by node index, in graph order.
@@ -136,15 +136,22 @@ pub(crate) fn facts(g: &Graph, group: &str, uses: Uses) -> (Facts, Shapes) {
     let mut shapes = Shapes::default();
     let mut values = Vec::with_capacity(uses.values());
     let mut instances = Instances::new(g.len());
+    // Values in a row mostly share their shape: the last one's id, without a lookup.
+    let mut last: Option<(&Shape, u32)> = None;
     for (id, n) in g.nodes() {
         let konst = match n.op {
             Op::Constant { value } => Some(value.to_bits()),
             _ => None,
         };
         for t in &n.outputs {
+            let shape = match last {
+                Some((s, id)) if *s == t.shape => id,
+                _ => shapes.intern(&t.shape),
+            };
+            last = Some((&t.shape, shape));
             let ty = Ty {
                 dtype: t.dtype,
-                shape: shapes.intern(&t.shape),
+                shape,
             };
             values.push((Some(ty), konst));
         }

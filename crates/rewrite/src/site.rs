@@ -532,7 +532,9 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
 impl Site {
     /// `allreduce[+residual]+rms_norm[(gemma)][(round_twice)][+<quant>]`.
     pub(crate) fn pattern_name(&self) -> String {
-        let mut name = String::from("allreduce");
+        // Room for the longest name, so that it is allocated once.
+        let mut name = String::with_capacity(80);
+        name.push_str("allreduce");
         if self.kind.residual {
             name.push_str("+residual");
         }
