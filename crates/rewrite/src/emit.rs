@@ -231,7 +231,8 @@ struct Emit<'a> {
 
 /// A node of the output, before ids are resolved.
 struct Pending {
-    /// A kept node of the input (its node index, cloned when the output is written), or
+    /// A kept node of the input (its node index; copied when the output is written, or
+    /// before, on a helper thread: [`copy_nodes`]), or
     /// a new node (its index in [`Builder::new_nodes`]).
     what: What,
     /// Its inputs: `Builder::ins[start..start + len]`.
@@ -306,7 +307,7 @@ fn emit(
     parallel: bool,
 ) -> Result<(Graph, Vec<NodeId>, Vec<String>), LowerError> {
     let mut b = Builder::new(g, uses, &sites);
-    let kept = b.kept_nodes();
+    let kept = if parallel { b.kept_nodes() } else { Vec::new() };
     let (copies, assembled) = par::both(
         parallel,
         || parallel.then(|| copy_nodes(g, &kept)),
@@ -914,10 +915,11 @@ mod tests {
 
     #[test]
     fn checks_in_halves_give_the_one_thread_result() {
-        // Problems in both halves, in one, in none.
+        // Problems in both halves, in the first only, in the second only, in none.
         let (g, nodes) = graph(6, false);
         let cases = [
             nodes.clone(),
+            vec![nodes[1], nodes[0], nodes[2], nodes[4]],
             vec![nodes[0], nodes[2], nodes[3], nodes[4]],
             vec![nodes[0], nodes[2], nodes[4]],
         ];

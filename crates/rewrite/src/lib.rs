@@ -169,8 +169,8 @@ pub struct LowerOptions {
     /// threads, one helper each (validation with gathering the facts, the report with
     /// emit and its checks, within emit the copying of the kept nodes with the adding
     /// of the sites, and the checks in two halves), before and after its windows; the
-    /// copying's helper runs beside the report's, so three threads at most. The
-    /// helpers are scoped threads of this call (none outlives it). A window helper
+    /// copying's helper runs beside the report's, so those steps run on three threads
+    /// at once (even when this is 2). The helpers are scoped threads of this call (none outlives it). A window helper
     /// works ahead of the calling thread, which takes every window's result in order,
     /// by at most two windows.
     ///

@@ -25,7 +25,8 @@
 //! Both steps of a pair always run to the end, so the result is the one-thread result:
 //! the caller looks at the two results in the one-thread order (the validation error
 //! before any error of the facts, an error of emit or its checks instead of the
-//! report).
+//! report), or, for the checks in halves, checks again on one thread when a half
+//! failed (`crate::emit::check`).
 
 use std::sync::{Mutex, PoisonError};
 
