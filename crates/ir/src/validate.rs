@@ -157,9 +157,10 @@ impl<'a> Checker<'a> {
             .expect("graph invariant: inputs name existing outputs")
     }
 
-    /// Every output's (`outputs`, the node's) rank, symbols and largest byte count; an
-    /// output of type `last` (one found well formed before) is; `last` becomes the last
-    /// one found well formed.
+    /// Checks the rank, symbols and largest byte count of every output in `outputs`
+    /// (the node's). An output whose type is `last` (found well formed before, under
+    /// the same symbols) is well formed without them; `last` becomes the last output
+    /// found well formed.
     fn outputs_well_formed<'o>(
         &mut self,
         outputs: &'o [TensorType],

@@ -170,9 +170,9 @@ pub struct LowerOptions {
     /// emit and its checks, within emit the copying of the kept nodes with the adding
     /// of the sites, and the checks in two halves), before and after its windows; the
     /// copying's helper runs beside the report's, so those steps run on three threads
-    /// at once (even when this is 2). The helpers are scoped threads of this call (none outlives it). A window helper
-    /// works ahead of the calling thread, which takes every window's result in order,
-    /// by at most two windows.
+    /// at once (even when this is 2). The helpers are scoped threads of this call
+    /// (none outlives it). A window helper works ahead of the calling thread, which
+    /// takes every window's result in order, by at most two windows.
     ///
     /// The output, the report and every error do not depend on it (`tests/windows.rs`);
     /// the time and the peak memory do. Each window helper adds up to two windows' e-graphs
