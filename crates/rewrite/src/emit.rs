@@ -65,36 +65,28 @@ fn fused_plan<'d>(
     d.plan.as_ref().filter(|_| d.fused)
 }
 
-/// Step 5 of the pass, emit: every `selected` site of `chosen` ([`select`]) becomes
-/// one fused node carrying its plan (from `decisions`); `sites` are their maps, which
-/// get the fused nodes' ids. The result is checked by [`check`]. When `parallel`, the
-/// input's kept nodes are copied on a helper thread while the sites are added and
-/// wired ([`par::both`]).
+/// Step 5 of the pass, emit: every site of `chosen` that `decisions` fuse (those
+/// [`select`] took, in the same order) becomes one fused node carrying its plan;
+/// `sites` are their maps ([`select`]'s), which get the fused nodes' ids. The result is
+/// checked by [`check`]. When `parallel`, the input's kept nodes are copied on a
+/// helper thread while the sites are added and wired ([`par::both`]).
 ///
-/// Errors: [`LowerError::Internal`] when the sites `decisions` fuse are not those
-/// selected or a site cannot be wired (a bug).
-#[allow(clippy::too_many_arguments)]
+/// Errors: [`LowerError::Internal`] when `sites` are not one map per site to emit or a
+/// site cannot be wired (a bug).
 pub(crate) fn emit_sites(
     g: &Graph,
     uses: &Uses,
     chosen: &BTreeMap<u32, Site>,
-    selected: Vec<u32>,
     mut sites: Vec<SiteMap>,
     decisions: &BTreeMap<(DType, u64), SiteDecision>,
     group: &str,
     parallel: bool,
 ) -> Result<Emitted, LowerError> {
-    // The selected sites are those `decisions` fuse, in `chosen`'s order: one walk.
-    let mut emits = Vec::with_capacity(selected.len());
+    let mut emits = Vec::with_capacity(sites.len());
     for s in chosen.values() {
         let Some(plan) = fused_plan(s, decisions) else {
             continue;
         };
-        if selected.get(emits.len()) != Some(&s.inst) {
-            return Err(LowerError::Internal(
-                "the sites to emit are not those selected".into(),
-            ));
-        }
         let mut plan = plan.clone();
         plan.pattern_code = s.pattern_code();
         emits.push(Emit {
@@ -103,18 +95,19 @@ pub(crate) fn emit_sites(
             group,
         });
     }
-    if emits.len() != selected.len() {
+    if emits.len() != sites.len() {
         return Err(LowerError::Internal(
-            "the sites to emit are not those selected".into(),
+            "the sites to emit are not one per site map".into(),
         ));
     }
+    let insts: Vec<u32> = emits.iter().map(|e| e.site.inst).collect();
     let (out, changed, fused_ids) = emit(g, uses, emits, parallel)?;
     for (map, fid) in sites.iter_mut().zip(&fused_ids) {
         map.fused_node = fid.clone();
     }
     Ok(Emitted {
         graph: out,
-        fused_id_of: selected.into_iter().zip(fused_ids).collect(),
+        fused_id_of: insts.into_iter().zip(fused_ids).collect(),
         sites,
         changed,
     })
@@ -334,17 +327,19 @@ fn emit(
 fn copy_nodes(g: &Graph, nodes: &[u32]) -> Vec<Node> {
     nodes
         .iter()
-        .map(|&n| {
-            let n = g.node(NodeId::new(n as usize));
-            Node {
-                id: n.id.clone(),
-                op: n.op.clone(),
-                inputs: Vec::new(),
-                outputs: n.outputs.clone(),
-                module: n.module.clone(),
-            }
-        })
+        .map(|&n| copy_node(g.node(NodeId::new(n as usize)), Vec::new()))
         .collect()
+}
+
+/// A copy of `n` reading `inputs` instead of its own.
+fn copy_node(n: &Node, inputs: Vec<Value>) -> Node {
+    Node {
+        id: n.id.clone(),
+        op: n.op.clone(),
+        inputs,
+        outputs: n.outputs.clone(),
+        module: n.module.clone(),
+    }
 }
 
 impl<'g> Builder<'g> {
@@ -769,16 +764,7 @@ impl<'g> Builder<'g> {
                     inputs,
                     ..std::mem::replace(&mut copies[i], empty_node())
                 },
-                (What::Kept(n), None) => {
-                    let n = g.node(NodeId::new(n as usize));
-                    Node {
-                        id: n.id.clone(),
-                        op: n.op.clone(),
-                        inputs,
-                        outputs: n.outputs.clone(),
-                        module: n.module.clone(),
-                    }
-                }
+                (What::Kept(n), None) => copy_node(g.node(NodeId::new(n as usize)), inputs),
                 (What::New(k), _) => {
                     // Each new node is emitted once: move its parts.
                     let p = &mut self.new_nodes[k as usize];

@@ -300,7 +300,6 @@ pub fn lower_with(
                 graph,
                 &uses,
                 &choice.chosen,
-                selected.clone(),
                 site_maps,
                 &planned.decisions,
                 &group,
