@@ -20,7 +20,14 @@
 //! at 18.1 us per site against 18.3 without, and at 25.0 against 20.8 when step 3 was
 //! split in halves as well (interleaved runs, fastest of 8 to 10). On the 4,096-layer
 //! stack the pairs overlap 11 to 24 ms of validation with 14 to 19 ms of facts, and
-//! 19 to 24 ms of report with 46 to 75 ms of emit and checks, per lowering.
+//! 19 to 24 ms of report with 46 to 75 ms of emit and checks, per lowering. There,
+//! with mimalloc, the first helper of a lowering that follows another in the same
+//! process started 6 to 11 ms after its spawn (with glibc's malloc, 0.1 to 0.6 ms):
+//! the new thread's first allocation reclaims the memory the earlier lowering's ended
+//! helpers had allocated and its output had freed since (`MIMALLOC_MAX_SEGMENT_RECLAIM`
+//! set to 0 removed the delay). The work does not go away: keeping the helpers alive
+//! in a rayon pool between lowerings, which removed the delay, measured no faster per
+//! lowering, in alternating runs at 256, 1,024 and 4,096 layers.
 //!
 //! Both steps of a pair always run to the end, so the result is the one-thread result:
 //! the caller looks at the two results in the one-thread order (the validation error

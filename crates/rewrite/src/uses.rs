@@ -23,21 +23,23 @@ pub(crate) struct Uses {
 impl Uses {
     /// The tables of `g` (a valid graph: every input names an existing value).
     pub fn new(g: &Graph) -> Uses {
+        // Numbering and counting pass (an input names a value of an earlier node, by
+        // construction, so its number is known when it is read), then filling pass.
         let mut value_base: Vec<u32> = Vec::with_capacity(g.len() + 1);
+        // The count of flat value `i`'s readers, at `i + 1`.
+        let mut user_start: Vec<u32> = Vec::with_capacity(g.len() + 2);
+        user_start.push(0);
         let mut n_values = 0u32;
         for (_, n) in g.nodes() {
             value_base.push(n_values);
             n_values += n.outputs.len() as u32;
+            user_start.resize(n_values as usize + 1, 0);
+            for v in &n.inputs {
+                user_start[(value_base[v.node.index()] + v.output) as usize + 1] += 1;
+            }
         }
         value_base.push(n_values);
         let flat = |v: &Value| (value_base[v.node.index()] + v.output) as usize;
-        // Counting pass, then filling pass.
-        let mut user_start = vec![0u32; n_values as usize + 1];
-        for (_, n) in g.nodes() {
-            for v in &n.inputs {
-                user_start[flat(v) + 1] += 1;
-            }
-        }
         for i in 1..user_start.len() {
             user_start[i] += user_start[i - 1];
         }
