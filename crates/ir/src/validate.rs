@@ -150,6 +150,22 @@ impl<'a> Checker<'a> {
         self.p.push(Problem::new(&self.n.id, kind, msg));
     }
 
+    /// Input `i`, a residual added to the input `x`, has `x`'s type: a different
+    /// element type is a [`ProblemKind::DType`] problem, else a different shape a
+    /// [`ProblemKind::Shape`] one.
+    fn residual_matches(&mut self, i: usize, x: &TensorType) {
+        let r = self.input(i);
+        if r == x {
+            return;
+        }
+        let kind = if r.dtype != x.dtype {
+            ProblemKind::DType
+        } else {
+            ProblemKind::Shape
+        };
+        self.err(kind, format!("residual {r} differs from the input {x}"));
+    }
+
     fn input(&self, i: usize) -> &'a TensorType {
         // Inputs are valid values by construction of `Graph`.
         self.g
@@ -590,13 +606,7 @@ impl<'a> Checker<'a> {
                 self.eps(*eps, *weight_bias);
                 if self.arity(&[3], 2) && self.float_input(0) {
                     let x = self.input(0);
-                    let r = self.input(1);
-                    if r != x {
-                        self.err(
-                            ProblemKind::Shape,
-                            format!("residual {r} differs from the input {x}"),
-                        );
-                    }
+                    self.residual_matches(1, x);
                     if let Some(h) = self.hidden(0) {
                         self.weight(2, h, x.dtype, *weight_bias);
                     }
@@ -775,13 +785,7 @@ impl<'a> Checker<'a> {
         }
         let x = self.input(0);
         if f.residual {
-            let r = self.input(1);
-            if r != x {
-                self.err(
-                    ProblemKind::Shape,
-                    format!("residual {r} differs from the input {x}"),
-                );
-            }
+            self.residual_matches(1, x);
         }
         let w = 1 + usize::from(f.residual);
         let Some(h) = self.hidden(0) else { return };

@@ -1,6 +1,7 @@
 //! Bad input named precisely (issue 20 item 5): unknown attribute keys with the
 //! expected ones, eps in (0, 1), a symbol bound above the IR's limit refused once,
-//! identical problems grouped, number-type errors naming the field.
+//! identical problems grouped, number-type errors naming the field; a residual's type
+//! mismatch labelled by what differs.
 
 use arfuse_ir::{Graph, LoadError, MAX_SYMBOL_VALUE};
 
@@ -214,4 +215,35 @@ fn the_two_tensor_parallel_keys_must_agree() {
         let g = Graph::from_json_str(&with_metadata(ok)).expect(ok);
         assert_eq!(g.recorded_world_size(), recorded, "{ok}");
     }
+}
+
+/// A `fused_add_rms_norm` of `x : bf16[T, 64]` with residual `r` of type `r_type`.
+fn fused_add_with_residual(r_type: &str) -> String {
+    graph(
+        T,
+        &format!(
+            r#"{WEIGHT}, {{"id": "r", "op": "input", "outputs": [{r_type}]}},
+               {{"id": "n", "op": "fused_add_rms_norm", "attrs": {{"eps": 1e-6}},
+                 "inputs": ["x", "r", "w"],
+                 "outputs": [{{"dtype": "bf16", "shape": ["T", 64]}}, {{"dtype": "bf16", "shape": ["T", 64]}}]}}"#
+        ),
+    )
+}
+
+#[test]
+fn a_residual_of_another_dtype_is_a_dtype_problem_and_of_another_shape_a_shape_one() {
+    let e = error(&fused_add_with_residual(
+        r#"{"dtype": "f16", "shape": ["T", 64]}"#,
+    ));
+    assert!(
+        e.contains("n [dtype]: residual f16[T,64] differs from the input bf16[T,64]"),
+        "{e}"
+    );
+    let e = error(&fused_add_with_residual(
+        r#"{"dtype": "bf16", "shape": ["T", 32]}"#,
+    ));
+    assert!(
+        e.contains("n [shape]: residual bf16[T,32] differs from the input bf16[T,64]"),
+        "{e}"
+    );
 }
