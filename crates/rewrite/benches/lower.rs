@@ -370,7 +370,7 @@ fn summary() {
         match options().threads {
             0 => println!(
                 "threads: the default (this machine's {cores} core(s), at most 8); a graph of \
-                 one window (up to 4,096 nodes) is lowered on one"
+                 one window (up to 3,072 nodes) is lowered on one"
             ),
             t => println!("threads: {t} (ARFUSE_BENCH_THREADS)"),
         }

@@ -39,7 +39,7 @@
 //!
 //! [`lower_with`] is these steps, each one function of the module that owns it. Steps
 //! 1 to 3 run window by window (`find`, `window`): a graph larger than
-//! [`LowerOptions::window_nodes`] is cut into consecutive ranges of a quarter of that
+//! [`LowerOptions::window_nodes`] is cut into consecutive ranges of a third of that
 //! many nodes, and each range's all-reduces are decided in an e-graph of the range
 //! and a halo around it (every modeled node up to 16 steps downstream of those
 //! all-reduces and 8 steps upstream, views free), so the e-graph's work and memory
@@ -125,8 +125,11 @@ pub const DEFAULT_NODE_LIMIT: usize = 20 * arfuse_ir::MAX_NODES;
 /// at a time, each deciding 1,024 nodes (see [`LowerOptions::window_nodes`]). Every
 /// graph of the bundled corpus (at most 2,754 nodes) is one window; with cores of 1,024
 /// nodes the halos add about 20% to a dense decomposed stack's e-nodes (10% with
-/// `rms_norm`).
-pub const DEFAULT_WINDOW_NODES: usize = 4096;
+/// `rms_norm`). Graphs of 3,073 to 4,096 nodes are cut, not kept whole, because then
+/// their windows saturate on two threads: the 128-layer decomposed stack (3,854 nodes)
+/// lowered in 3.16 to 3.82 ms against 3.88 to 4.76 ms as one e-graph (eight alternating
+/// runs on this repository's 2-core VM, fastest of 30 lowerings each).
+pub const DEFAULT_WINDOW_NODES: usize = 3072;
 
 /// Options of [`lower_with`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -143,7 +146,7 @@ pub struct LowerOptions {
     /// the work).
     pub node_limit: usize,
     /// The most nodes of a graph one e-graph holds whole. A larger graph's nodes, in
-    /// order, are cut into ranges of a quarter of this many (at least 1; a smaller
+    /// order, are cut into ranges of a third of this many (at least 1; a smaller
     /// e-graph stays in cache), and each range's all-reduces are matched in an e-graph
     /// of the range plus every modeled node up to 16 steps downstream of them and 8
     /// steps upstream (its halo), so the e-graph's work and memory per site do not grow

@@ -16,9 +16,10 @@
 //! A graph that is one window keeps every step on the calling thread. On this
 //! repository's 2-core VM a scoped helper started 80 to 750 us after its spawn and was
 //! joined up to 3 ms after its step ended, while the steps of a pair take 0.2 to 0.7 ms
-//! each on the 128-layer decomposed stack (one window): with pairs that stack lowered
-//! at 18.1 us per site against 18.3 without, and at 25.0 against 20.8 when step 3 was
-//! split in halves as well (interleaved runs, fastest of 8 to 10). On the 4,096-layer
+//! each on the 128-layer decomposed stack (one window under the default `window_nodes`
+//! of 4,096 then): with pairs that stack lowered at 18.1 us per site against 18.3
+//! without, and at 25.0 against 20.8 when step 3 was split in halves as well
+//! (interleaved runs, fastest of 8 to 10). On the 4,096-layer
 //! stack the pairs overlap 11 to 24 ms of validation with 14 to 19 ms of facts, and
 //! 19 to 24 ms of report with 46 to 75 ms of emit and checks, per lowering. There,
 //! with mimalloc, the first helper of a lowering that follows another in the same

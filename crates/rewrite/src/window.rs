@@ -38,8 +38,9 @@ pub(crate) const FORWARD_HALO: u32 = 16;
 /// 4,096-layer decomposed stack (callgrind, a 2 MiB last-level cache, cores of 512 to
 /// 4,096 nodes): cores of 1,024 nodes miss that cache 716 times per site against 1,047
 /// for cores of 4,096, for 7% more instructions; cores of 512 add 18% instructions
-/// and miss about as often (701).
-pub(crate) const CORE_DIVISOR: usize = 4;
+/// and miss about as often (701). With the default `window_nodes` (3,072), cores of
+/// 1,024 nodes.
+pub(crate) const CORE_DIVISOR: usize = 3;
 
 /// Steps upstream of a window's nodes that it reaches past its core. The rules look at
 /// most six ops below a matched op (the decomposed norm's `rsqrt(mean(pow(xf)) + eps)`
