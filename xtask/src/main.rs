@@ -548,16 +548,17 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
     Ok(None)
 }
 
-/// `--world-size`'s value: an integer that fits a target's `world_size` (0 is refused
-/// later, by [`world_size_choice`], with the reason).
+/// `--world-size`'s value: an integer from 1 that fits a target's `world_size`; any
+/// other value is a usage error (exit 2), 0 and -1 alike.
 fn parse_world_size(s: &str) -> std::result::Result<u32, String> {
-    s.parse().map_err(|_| {
-        format!(
+    match s.parse() {
+        Ok(w) if w >= 1 => Ok(w),
+        _ => Err(format!(
             "a world size is the number of ranks in the tensor-parallel group, an integer \
              from 1 to {}",
             u32::MAX
-        )
-    })
+        )),
+    }
 }
 
 /// `--shared-hidden`'s value: an integer count of elements (0 and sizes the policy
@@ -572,12 +573,10 @@ fn parse_shared_hidden(s: &str) -> std::result::Result<u64, String> {
     })
 }
 
-/// The preset `--world-size W` plans for, and the note saying which and what else
-/// has W ranks.
+/// The preset `--world-size W` (or a graph recording tensor-parallel size W) plans
+/// for, and the note saying which and what else has W ranks. W is at least 1: the
+/// flag's parser and the IR's validation of `metadata.tp` refuse 0.
 fn world_size_choice(w: u32) -> Result<(String, String)> {
-    if w == 0 {
-        bail!("--world-size 0: a world size is the number of ranks in the tensor-parallel group, at least 1");
-    }
     let p =
         arfuse::policy::preset_for_world_size(w).with_context(|| format!("--world-size {w}"))?;
     let others: Vec<&str> = arfuse::policy::presets_with_world_size(w)

@@ -541,14 +541,7 @@ fn a_directory_as_out_a_zero_world_size_and_ignored_all_reduce_ops_are_said() {
         String::from_utf8_lossy(&o.stdout)
     );
 
-    let o = lower(&[EXPORTED, "--world-size", "0"]);
-    assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains("--world-size 0: a world size is the number of ranks"),
-        "{}",
-        stderr(&o)
-    );
-    for bad in ["-1", "8.0", "eight", "4294967296"] {
+    for bad in ["0", "-1", "8.0", "eight", "4294967296"] {
         let o = lower(&[EXPORTED, "--world-size", bad]);
         assert_eq!(o.status.code(), Some(2), "{bad}");
         assert!(
