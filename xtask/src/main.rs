@@ -575,7 +575,8 @@ fn parse_shared_hidden(s: &str) -> std::result::Result<u64, String> {
 
 /// The preset `--world-size W` (or a graph recording tensor-parallel size W) plans
 /// for, and the note saying which and what else has W ranks. W is at least 1: the
-/// flag's parser and the IR's validation of `metadata.tp` refuse 0.
+/// flag's parser and the IR's validation of `metadata.tp` and `metadata.world_size`
+/// refuse 0.
 fn world_size_choice(w: u32) -> Result<(String, String)> {
     let p =
         arfuse::policy::preset_for_world_size(w).with_context(|| format!("--world-size {w}"))?;
