@@ -10,17 +10,19 @@ process group is needed). Then, in one run:
   AllReduceFusionPass registers its patterns (`register_replacement(pattern,
   replacement, example_inputs, fwd_only, pass)`; the replacement calls one custom op,
   as vLLM's calls FlashInfer's fused all-reduce) is applied to a fresh copy of the
-  graph; the time of `apply` is taken (best of `--runs` copies, fewer once the copies
-  of a size have taken `--budget` seconds: one `apply` on the 4,096-layer stack takes
-  minutes).
+  graph; the time of `apply` is taken (best of `--runs` copies, fewer once the applies
+  of a size have taken `--budget` seconds, `make_fx` and the copies not counted: one
+  `apply` on the 4,096-layer stack takes minutes, so with the defaults the largest
+  sizes' figures are one apply each, against arfuse's best of many; the table says
+  how many runs each side's figure is the best of).
 - arfuse: the same FX graph is serialized with `tools/export/fx_json.py`
   (docs/fx-graph-format.md) and lowered by the `lower_time` example
   (`cargo run --release --example lower_time`), which imports it once and times
   `arfuse::lower` alone (best of `--arfuse-runs` lowerings in that one process).
 
 Both sides must find every site (the script checks the count); it prints, per size,
-both times per site and the ratio. Times depend on the machine's load: `uptime` is
-printed before and after.
+both times per site and the ratio. Times depend on the machine's load: the load
+average is printed before and after.
 
 Run (CPU torch): `python tools/bench/side_by_side.py
 [--sizes 8,32,128,512,1024,2048,4096] [--runs 3] [--budget 60] [--arfuse-runs 20]`
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -195,12 +198,13 @@ def arfuse_time(gm: torch.fx.GraphModule, runs: int, exe: str):
     try:
         out = subprocess.run(
             [exe, path, "h200-sxm-x8", str(runs)],
-            check=True,
             capture_output=True,
             text=True,
         )
     finally:
         os.unlink(path)
+    if out.returncode != 0:
+        raise SystemExit(f"lower_time failed (exit {out.returncode}): {out.stderr.strip()}")
     res = json.loads(out.stdout.strip().splitlines()[-1])
     return res["best_s"], res["fused"], res["nodes"]
 
@@ -223,29 +227,67 @@ def uptime() -> str:
         return "load average unknown"
 
 
+def positive(text: str) -> int:
+    """A count of 1 or more, for argparse."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not 1 or more")
+    return n
+
+
+def layer_counts(text: str) -> list[int]:
+    """Comma-separated layer counts, each 1 or more, at least one, for argparse."""
+    sizes = [positive(s.strip()) for s in text.split(",") if s.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("no layer count given")
+    return sizes
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds, 0 or more, for argparse."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number, 0 or more")
+    return x
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--sizes", default="8,32,128,512,1024,2048,4096", help="layer counts, comma-separated"
+        "--sizes",
+        type=layer_counts,
+        default="8,32,128,512,1024,2048,4096",
+        help="layer counts, comma-separated, each 1 or more",
     )
-    ap.add_argument("--runs", type=int, default=3, help="inductor: best of this many copies")
     ap.add_argument(
-        "--arfuse-runs", type=int, default=20, help="arfuse: best of this many lowerings"
+        "--runs",
+        type=positive,
+        default=3,
+        help="inductor: best of this many copies (fewer past --budget)",
+    )
+    ap.add_argument(
+        "--arfuse-runs", type=positive, default=20, help="arfuse: best of this many lowerings"
     )
     ap.add_argument(
         "--budget",
-        type=float,
+        type=seconds,
         default=60.0,
         help="seconds of inductor applies per size after which no further copy starts",
     )
     args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",") if s]
+    sizes = args.sizes
     exe = lower_time_exe()
     pm = inductor_pass()
     print(f"# before: {uptime()}; torch {torch.__version__}")
     print(
-        "| layers | sites | FX nodes | IR nodes | inductor us/site (runs) | arfuse us/site "
-        "| ratio |"
+        "| layers | sites | FX nodes | IR nodes | inductor us/site (runs) "
+        "| arfuse us/site (runs) | ratio |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for layers in sizes:
@@ -261,8 +303,8 @@ def main():
             )
         ui, ua = t_ind * 1e6 / sites, t_arf * 1e6 / sites
         print(
-            f"| {layers} | {sites} | {fx_nodes} | {ir_nodes} | {ui:.1f} ({ind_runs}) | {ua:.1f} | "
-            f"{ui / ua:.0f}x |",
+            f"| {layers} | {sites} | {fx_nodes} | {ir_nodes} | {ui:.1f} ({ind_runs}) "
+            f"| {ua:.1f} ({args.arfuse_runs}) | {ui / ua:.0f}x |",
             flush=True,
         )
     print(f"# after: {uptime()}")
