@@ -173,14 +173,14 @@ def inductor_pass() -> PatternMatcherPass:
 def inductor_time(
     gm: torch.fx.GraphModule, pm: PatternMatcherPass, runs: int, budget: float
 ):
-    """The fastest `apply` of up to `runs` fresh copies of `gm`, and how many copies
-    ran: after the first, no further copy starts once the applies so far have taken
-    `budget` seconds in all."""
+    """The fastest `apply` of up to `runs` (1 or more) fresh copies of `gm`, and how
+    many copies ran: after the first, no further copy starts once the applies so far
+    have taken `budget` seconds in all."""
     best = float("inf")
     count = 0
     spent = 0.0
     done = 0
-    while done < max(1, runs) and (done == 0 or spent < budget):
+    while done < runs and (done == 0 or spent < budget):
         g = copy.deepcopy(gm)
         t = time.perf_counter()
         count = pm.apply(g.graph)
