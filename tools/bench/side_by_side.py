@@ -206,7 +206,7 @@ def arfuse_time(gm: torch.fx.GraphModule, runs: int, exe: str):
     if out.returncode != 0:
         raise SystemExit(f"lower_time failed (exit {out.returncode}): {out.stderr.strip()}")
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    return res["best_s"], res["fused"], res["nodes"]
+    return res["best_s"], res["fused"], res["nodes"], res["runs"]
 
 
 def lower_time_exe() -> str:
@@ -219,7 +219,7 @@ def lower_time_exe() -> str:
     return os.path.join(target, "release", "examples", "lower_time")
 
 
-def uptime() -> str:
+def load_average() -> str:
     try:
         with open("/proc/loadavg") as f:
             return "load average " + " ".join(f.read().split()[:3])
@@ -281,21 +281,20 @@ def main():
         help="seconds of inductor applies per size after which no further copy starts",
     )
     args = ap.parse_args()
-    sizes = args.sizes
     exe = lower_time_exe()
     pm = inductor_pass()
-    print(f"# before: {uptime()}; torch {torch.__version__}")
+    print(f"# before: {load_average()}; torch {torch.__version__}")
     print(
         "| layers | sites | FX nodes | IR nodes | inductor us/site (runs) "
         "| arfuse us/site (runs) | ratio |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    for layers in sizes:
+    for layers in args.sizes:
         sites = 2 * layers + 1
         gm = trace(layers)
         fx_nodes = len(gm.graph.nodes)
         t_ind, n_ind, ind_runs = inductor_time(gm, pm, args.runs, args.budget)
-        t_arf, n_arf, ir_nodes = arfuse_time(gm, args.arfuse_runs, exe)
+        t_arf, n_arf, ir_nodes, arf_runs = arfuse_time(gm, args.arfuse_runs, exe)
         if n_ind != sites or n_arf != sites:
             raise SystemExit(
                 f"L={layers}: expected {sites} sites, inductor replaced {n_ind}, "
@@ -304,10 +303,10 @@ def main():
         ui, ua = t_ind * 1e6 / sites, t_arf * 1e6 / sites
         print(
             f"| {layers} | {sites} | {fx_nodes} | {ir_nodes} | {ui:.1f} ({ind_runs}) "
-            f"| {ua:.1f} ({args.arfuse_runs}) | {ui / ua:.0f}x |",
+            f"| {ua:.1f} ({arf_runs}) | {ui / ua:.0f}x |",
             flush=True,
         )
-    print(f"# after: {uptime()}")
+    print(f"# after: {load_average()}")
 
 
 if __name__ == "__main__":
