@@ -4,7 +4,11 @@
 //!
 //! With `t` threads, window `j` (in graph order) is converted, saturated and its sites
 //! chosen by thread `j % t`, thread 0 being the calling one, which takes every window's
-//! answer in window order. The result is the one-thread result, by construction:
+//! answer in window order; a helper's window that the helper has not started when the
+//! calling thread needs it is claimed and run by the calling thread instead
+//! ([`Claims`]), so a helper that starts late or loses its core for a while delays the
+//! lowering by at most the window it is running. The result is the one-thread result,
+//! by construction:
 //! - a window's e-graph is a function of its nodes, the graph's facts and the rules.
 //!   Each thread interns shapes into its own copy of the graph's shape table, so a
 //!   shape derived by a rule may get another id on another thread; ids are compared
@@ -36,6 +40,7 @@ use crate::{LowerError, LowerOptions};
 use arfuse_ir::Graph;
 use arfuse_policy::Target;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, Sender, SyncSender};
 use std::sync::OnceLock;
 
@@ -107,14 +112,42 @@ pub(crate) fn thread_count(requested: usize) -> usize {
     n.min(MAX_THREADS)
 }
 
-/// The thread that converts and saturates window `j` of a lowering on `threads`
-/// threads: round robin, 0 being the calling thread. The calling thread also chooses
+/// The thread whose share window `j` of a lowering on `threads` threads is in: round
+/// robin, 0 being the calling thread (a helper's window runs on the calling thread
+/// when that claims it first, [`Claims`]). The calling thread also chooses
 /// every window's sites, but a helper saturates more slowly: on the 4,096-layer
 /// decomposed stack on 2 threads (this repository's 2-core VM), the calling thread's
 /// half of the windows took 85-90 ms and the helper's half 115-120 ms, so an even
 /// share keeps both busy (giving the helper two windows in three measured no better).
 fn owner(j: usize, threads: usize) -> usize {
     j % threads
+}
+
+/// Which thread runs each helper's windows: for helper `h` (1-based), the first window
+/// of its share (`h`, `h + t`, `h + 2t`, ... on `t` threads) that no thread has claimed
+/// yet. The helper claims its next window before it starts it, and the calling thread
+/// claims a helper's window when it needs its answer; whichever claims first runs it
+/// (one compare-and-swap from `j` to `j + t`), so each window runs once.
+struct Claims(Vec<AtomicUsize>);
+
+impl Claims {
+    /// No window claimed, for `helpers` helpers.
+    fn new(helpers: usize) -> Claims {
+        Claims((1..=helpers).map(AtomicUsize::new).collect())
+    }
+
+    /// The first window of helper `h`'s share not claimed yet.
+    fn next(&self, h: usize) -> usize {
+        self.0[h - 1].load(Ordering::Acquire)
+    }
+
+    /// Claims window `j` of helper `h`'s share on `threads` threads; false when another
+    /// thread claimed it first (or `j` is not the share's next window).
+    fn claim(&self, h: usize, j: usize, threads: usize) -> bool {
+        self.0[h - 1]
+            .compare_exchange(j, j + threads, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
 }
 
 /// What converting and saturating a window needs, shared by every thread.
@@ -231,8 +264,9 @@ impl<'a> Work<'a> {
         // The thread count the helpers work with: the one asked for, or fewer when the
         // system would not start as many threads.
         let count = OnceLock::new();
+        let claims = Claims::new(threads - 1);
         std::thread::scope(|s| {
-            let helpers = self.spawn_helpers(s, threads, &count);
+            let helpers = self.spawn_helpers(s, threads, &count, &claims);
             let threads = helpers.len() + 1;
             let _ = count.set(threads);
             for helper in &helpers {
@@ -250,7 +284,8 @@ impl<'a> Work<'a> {
             let mut classes = Classes::new(self.facts.uses.values());
             for j in 0usize.. {
                 let h = owner(j, threads);
-                if h == 0 {
+                // The calling thread's own window, or a helper's it has not started.
+                if h == 0 || claims.claim(h, j, threads) {
                     if !windows.next(&mut own) {
                         return Ok(());
                     }
@@ -267,12 +302,14 @@ impl<'a> Work<'a> {
 
     /// Starts helpers 1 to `wanted - 1`, or as many of them as the system starts (the
     /// result does not depend on the count: the calling thread does the rest). Each
-    /// waits for its first buffers, then reads the thread count from `count`.
+    /// waits for its first buffers, then reads the thread count from `count`, and runs
+    /// the windows of its share it claims in `claims`.
     fn spawn_helpers<'s>(
         &self,
         s: &'s std::thread::Scope<'s, '_>,
         wanted: usize,
         count: &'s OnceLock<usize>,
+        claims: &'s Claims,
     ) -> Vec<Helper<'a>>
     where
         'a: 's,
@@ -286,7 +323,9 @@ impl<'a> Work<'a> {
             let work = *self;
             let started = std::thread::Builder::new()
                 .name(format!("arfuse-windows-{h}"))
-                .spawn_scoped(s, move || work.helper(h, count, windows, back_rx, done_tx));
+                .spawn_scoped(s, move || {
+                    work.helper(h, count, claims, windows, back_rx, done_tx)
+                });
             if started.is_err() {
                 break;
             }
@@ -364,15 +403,17 @@ impl<'a> Work<'a> {
     }
 
     /// Helper `h` of `t` threads (`count`, read when its first buffers arrive):
-    /// saturates windows `h`, `h + t`, ... under the whole e-node limit and chooses
-    /// their sites ahead ([`Ahead`]), in buffers from `back` (two, which the calling
-    /// thread sends back once it took their window), each sent on `done`. Stops after
-    /// the last of them, after a runner that stopped at a limit (the lowering then
-    /// fails), or when the calling thread stopped listening.
+    /// saturates the windows of its share `h`, `h + t`, ... that it claims first in
+    /// `claims` (the calling thread runs the others) under the whole e-node limit and
+    /// chooses their sites ahead ([`Ahead`]), in buffers from `back` (two, which the
+    /// calling thread sends back once it took their window), each sent on `done`.
+    /// Stops after the last of them, after a runner that stopped at a limit (the
+    /// lowering then fails), or when the calling thread stopped listening.
     fn helper(
         self,
         h: usize,
         count: &OnceLock<usize>,
+        claims: &Claims,
         mut windows: Windows<'a>,
         back: Receiver<Buffers<'a>>,
         done: SyncSender<Done<'a>>,
@@ -389,11 +430,18 @@ impl<'a> Work<'a> {
                 return;
             };
             drop(buffers.spent.take());
-            while owner(j, threads) != h {
-                if !windows.skip() {
-                    return;
+            // The next window of the share no thread has claimed, claimed here.
+            loop {
+                let next = claims.next(h);
+                while j < next {
+                    if !windows.skip() {
+                        return;
+                    }
+                    j += 1;
                 }
-                j += 1;
+                if claims.claim(h, j, threads) {
+                    break;
+                }
             }
             if !windows.next(&mut buffers.window) {
                 return;
@@ -563,12 +611,33 @@ impl<'g, 'o> Chooser<'g, 'o> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Ahead, Chooser};
+    use super::{Ahead, Chooser, Claims};
     use crate::rules::Ran;
     use crate::LowerOptions;
     use arfuse_ir::{DType, Dim, Graph, InputKind, Node, Op, TensorType};
     use arfuse_policy::Target;
     use std::collections::{BTreeMap, BTreeSet};
+
+    /// Each window of a helper's share is claimed once, by the helper or by the
+    /// calling thread, in the share's order.
+    #[test]
+    fn each_window_of_a_share_is_claimed_once_in_order() {
+        // Three threads: helper 1's share is windows 1, 4, 7, ...; helper 2's 2, 5, ...
+        let claims = Claims::new(2);
+        assert_eq!((claims.next(1), claims.next(2)), (1, 2));
+        // Helper 1 claims window 1; the calling thread, needing it, cannot.
+        assert!(claims.claim(1, 1, 3));
+        assert!(!claims.claim(1, 1, 3));
+        // The calling thread claims window 2 before helper 2 starts it; the helper
+        // then finds its next window is 5.
+        assert!(claims.claim(2, 2, 3));
+        assert!(!claims.claim(2, 2, 3));
+        assert_eq!(claims.next(2), 5);
+        // Not the share's next window: no claim.
+        assert!(!claims.claim(1, 7, 3));
+        assert!(claims.claim(1, 4, 3));
+        assert_eq!((claims.next(1), claims.next(2)), (7, 5));
+    }
 
     /// The sites a helper chose ahead are taken only when no node its checks tested
     /// was claimed by an earlier window. (No graph of the corpus or the builders makes

@@ -175,7 +175,10 @@ pub struct LowerOptions {
     /// copying's helper runs beside the report's, so those steps run on three threads
     /// at once (even when this is 2). The helpers are scoped threads of this call
     /// (none outlives it). A window helper works ahead of the calling thread, which
-    /// takes every window's result in order, by at most two windows.
+    /// takes every window's result in order, by at most two windows; a window or a
+    /// step that its helper has not started by the time the calling thread needs it
+    /// (a late start, a helper without a core on a loaded machine) runs on the calling
+    /// thread instead.
     ///
     /// The output, the report and every error do not depend on it (`tests/windows.rs`);
     /// the time and the peak memory do. Each window helper adds up to two windows' e-graphs

@@ -40,8 +40,10 @@ use std::sync::{Mutex, PoisonError};
 
 /// Runs `a` and `b` and returns both results: `a` on a scoped helper thread while `b`
 /// runs on the calling thread when `parallel`; else (or when the system starts no
-/// thread) `b` then `a`, both on the calling thread. A panic of `a` on the helper
-/// resumes on the calling thread once `b` is done.
+/// thread) `b` then `a`, both on the calling thread. When `b` is done before the helper
+/// has started `a` (a helper can start milliseconds late, or not get a core for a
+/// while on a loaded machine), the calling thread runs `a` itself rather than wait. A
+/// panic of `a` on the helper resumes on the calling thread once `b` is done.
 pub(crate) fn both<A, B>(
     parallel: bool,
     a: impl FnOnce() -> A + Send,
@@ -63,35 +65,74 @@ where
             .name("arfuse-pair".into())
             .spawn_scoped(s, || take().map(|a| a()));
         let rb = b();
-        let ra = match helper.map(|h| h.join()) {
-            Ok(Ok(Some(ra))) => ra,
+        // Still in its slot: the helper has not started (or the system did not start
+        // it), and the calling thread is free.
+        if let Some(a) = take() {
+            return (a(), rb);
+        }
+        match helper.map(|h| h.join()) {
+            Ok(Ok(Some(ra))) => (ra, rb),
             Ok(Err(panic)) => std::panic::resume_unwind(panic),
-            // Not started (or, impossibly, started without finding `a`): here.
-            Ok(Ok(None)) | Err(_) => match take() {
-                Some(a) => a(),
-                None => unreachable!("`a` is taken once, by the helper that returned it"),
-            },
-        };
-        (ra, rb)
+            Ok(Ok(None)) | Err(_) => {
+                unreachable!("`a` is taken once, by the helper, which then returns its result")
+            }
+        }
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::both;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
 
     #[test]
     fn both_return_their_results_on_one_thread_and_on_two() {
-        for parallel in [false, true] {
-            let caller = std::thread::current().id();
-            let (a, b) = both(
-                parallel,
-                || (std::thread::current().id() != caller, 6 * 7),
-                || 2 + 2,
+        let caller = std::thread::current().id();
+        let on_helper = || std::thread::current().id() != caller;
+        let (a, b) = both(false, || (on_helper(), 6 * 7), || 2 + 2);
+        assert_eq!((a, b), ((false, 42), 4));
+        // `b` lasts until the helper has run `a` (or 10 s), so the calling thread never
+        // finds `a` unstarted.
+        let ran = AtomicBool::new(false);
+        let (a, b) = both(
+            true,
+            || {
+                let here = on_helper();
+                ran.store(true, Ordering::SeqCst);
+                (here, 6 * 7)
+            },
+            || {
+                let start = Instant::now();
+                while !ran.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(10) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                2 + 2
+            },
+        );
+        assert_eq!((a, b), ((true, 42), 4));
+    }
+
+    #[test]
+    fn a_step_its_helper_has_not_started_runs_on_the_calling_thread() {
+        // With an empty `b`, the calling thread is free microseconds after the spawn,
+        // nearly always before the new thread has started, and then runs `a` itself;
+        // otherwise the helper runs it. Either way the pair returns both results.
+        let caller = std::thread::current().id();
+        let mut on_caller = 0;
+        for i in 0..200u64 {
+            let ((here, a), b) = both(
+                true,
+                || (std::thread::current().id() == caller, i * 3),
+                || i + 1,
             );
-            assert_eq!(a, (parallel, 42));
-            assert_eq!(b, 4);
+            assert_eq!((a, b), (i * 3, i + 1));
+            on_caller += usize::from(here);
         }
+        assert!(
+            on_caller > 0,
+            "the calling thread never ran `a` in 200 pairs"
+        );
     }
 
     #[test]
