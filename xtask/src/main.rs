@@ -1,6 +1,7 @@
 //! `cargo xtask`: the project's commands for people.
 //!
-//! - `cargo xtask lower [GRAPH|DIR] [--target PRESET|FILE | --world-size N] [--out FILE] [--report table|json] [--dot FILE] [--group NAME] [--shared-hidden H] [--all-reduce-op NAME[=GROUP]]`
+//! - `cargo xtask lower [GRAPH|DIR] [--target PRESET|FILE | --world-size N] [--out FILE] [--report table|json] [--sites] [--check | --check-all] [--dot FILE] [--group NAME] [--shared-hidden H] [--all-reduce-op NAME[=GROUP]]`
+//! - `cargo xtask lower --list-targets`
 //! - `cargo xtask test [CARGO TEST ARGS]` (then the Python tests, `python.rs`)
 //! - `cargo xtask gpu-check [--build-only] [-- GPU_CHECK ARGS]`
 //! - `cargo xtask host-check [-- GPU_CHECK ARGS]`

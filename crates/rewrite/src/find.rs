@@ -6,9 +6,10 @@
 //! chosen by thread `j % t`, thread 0 being the calling one, which takes every window's
 //! answer in window order; a helper's window that the helper has not started when the
 //! calling thread needs it is claimed and run by the calling thread instead
-//! ([`Claims`]), so a helper that starts late or loses its core for a while delays the
-//! lowering by at most the window it is running. The result is the one-thread result,
-//! by construction:
+//! ([`Claims`]), so a helper that starts late or loses its core for a while holds up
+//! only the windows it has claimed, not the ones after. (The helpers are scoped
+//! threads: the step still ends only once each has started, found nothing left to
+//! claim, and stopped.) The result is the one-thread result, by construction:
 //! - a window's e-graph is a function of its nodes, the graph's facts and the rules.
 //!   Each thread interns shapes into its own copy of the graph's shape table, so a
 //!   shape derived by a rule may get another id on another thread; ids are compared
@@ -324,7 +325,12 @@ impl<'a> Work<'a> {
             let started = std::thread::Builder::new()
                 .name(format!("arfuse-windows-{h}"))
                 .spawn_scoped(s, move || {
-                    work.helper(h, count, claims, windows, back_rx, done_tx)
+                    // A panic (a bug) stops the helper here: its channel closes, and the
+                    // calling thread, waiting for a window it claimed, returns
+                    // `LowerError::Internal` (or runs its unclaimed windows itself)
+                    // instead of the scope panicking. The panic hook has printed it.
+                    let run = || work.helper(h, count, claims, windows, back_rx, done_tx);
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));
                 });
             if started.is_err() {
                 break;
@@ -418,7 +424,9 @@ impl<'a> Work<'a> {
         back: Receiver<Buffers<'a>>,
         done: SyncSender<Done<'a>>,
     ) {
-        let mut claimed = site::Claimed::logging(self.graph.len());
+        // Allocated for the first window claimed: a helper that finds none left (the
+        // calling thread took them) stops without it.
+        let mut claimed: Option<site::Claimed> = None;
         let mut j = 0;
         let mut threads = None;
         loop {
@@ -456,7 +464,11 @@ impl<'a> Work<'a> {
             } = &mut buffers;
             let result = self.saturate(window, shapes, classes, limit);
             let ahead = match &result {
-                Ok((eg, _)) => Some(self.choose_ahead(window, eg, classes, &mut claimed)),
+                Ok((eg, _)) => {
+                    let claimed =
+                        claimed.get_or_insert_with(|| site::Claimed::logging(self.graph.len()));
+                    Some(self.choose_ahead(window, eg, classes, claimed))
+                }
                 Err(_) => None,
             };
             let stopped = result.is_err();

@@ -178,7 +178,8 @@ pub struct LowerOptions {
     /// takes every window's result in order, by at most two windows; a window or a
     /// step that its helper has not started by the time the calling thread needs it
     /// (a late start, a helper without a core on a loaded machine) runs on the calling
-    /// thread instead.
+    /// thread instead (the call still ends only once every helper has started and
+    /// ended).
     ///
     /// The output, the report and every error do not depend on it (`tests/windows.rs`);
     /// the time and the peak memory do. Each window helper adds up to two windows' e-graphs

@@ -42,8 +42,10 @@ use std::sync::{Mutex, PoisonError};
 /// runs on the calling thread when `parallel`; else (or when the system starts no
 /// thread) `b` then `a`, both on the calling thread. When `b` is done before the helper
 /// has started `a` (a helper can start milliseconds late, or not get a core for a
-/// while on a loaded machine), the calling thread runs `a` itself rather than wait. A
-/// panic of `a` on the helper resumes on the calling thread once `b` is done.
+/// while on a loaded machine), the calling thread runs `a` itself rather than wait for
+/// the helper to run it; the call still returns only once the helper thread has
+/// started, found `a` gone and ended (it is a scoped thread). A panic of `a` on the
+/// helper resumes on the calling thread once `b` is done.
 pub(crate) fn both<A, B>(
     parallel: bool,
     a: impl FnOnce() -> A + Send,
