@@ -562,16 +562,18 @@ fn parse_world_size(s: &str) -> std::result::Result<u32, String> {
     }
 }
 
-/// `--shared-hidden`'s value: an integer count of elements (0 and sizes the policy
-/// refuses are refused by [`check_shared_hidden`], with the reason).
+/// `--shared-hidden`'s value: an integer count of elements, at least 1, as for
+/// `--world-size` (a usage error otherwise); sizes the policy refuses are refused by
+/// [`check_shared_hidden`], with the reason.
 fn parse_shared_hidden(s: &str) -> std::result::Result<u64, String> {
-    s.parse().map_err(|_| {
-        format!(
+    match s.parse() {
+        Ok(h) if h >= 1 => Ok(h),
+        _ => Err(format!(
             "a hidden size is the number of elements of a row of another graph sharing this \
              graph's workspace, an integer from 1 to {}",
             u64::MAX
-        )
-    })
+        )),
+    }
 }
 
 /// The preset `--world-size W` (or a graph recording tensor-parallel size W) plans
@@ -1323,7 +1325,7 @@ mod tests {
     #[test]
     fn shared_hidden_values_are_integers_with_a_reason() {
         assert_eq!(parse_shared_hidden("4096"), Ok(4096));
-        for bad in ["-4096", "4k", ""] {
+        for bad in ["-4096", "4k", "", "0"] {
             let e = parse_shared_hidden(bad).unwrap_err();
             assert!(
                 e.starts_with("a hidden size is the number of elements"),

@@ -181,11 +181,31 @@ fn relowering_a_lowered_graph_does_not_stack_names_or_overwrite_it() {
 }
 
 #[test]
-fn shared_hidden_zero_is_reported_once_for_a_directory() {
+fn shared_hidden_zero_is_a_usage_error_reported_once_for_a_directory() {
+    // As `--world-size 0`: refused while the arguments are read (exit 2), before any
+    // graph.
     let o = lower(&["ir-fixtures/models", "--shared-hidden", "0"]);
-    assert!(!o.status.success());
+    assert_eq!(o.status.code(), Some(2));
     let e = stderr(&o);
-    assert_eq!(e.matches("--shared-hidden 0").count(), 1, "{e}");
+    assert_eq!(
+        e.matches("invalid value '0' for '--shared-hidden").count(),
+        1,
+        "{e}"
+    );
+    assert!(e.contains("an integer from 1 to"), "{e}");
+    assert!(!e.contains("pair(s) failed"), "{e}");
+}
+
+#[test]
+fn a_shared_hidden_size_the_policy_refuses_is_reported_once_for_a_directory() {
+    let o = lower(&["ir-fixtures/models", "--shared-hidden", "1099511627776"]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert_eq!(
+        e.matches("--shared-hidden 1099511627776: ").count(),
+        1,
+        "{e}"
+    );
     assert_eq!(e.lines().count(), 1, "{e}");
     assert!(!e.contains("pair(s) failed"), "{e}");
 }
