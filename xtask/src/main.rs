@@ -549,31 +549,30 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
     Ok(None)
 }
 
-/// `--world-size`'s value: an integer from 1 that fits a target's `world_size`; any
-/// other value is a usage error (exit 2), 0 and -1 alike.
-fn parse_world_size(s: &str) -> std::result::Result<u32, String> {
-    match s.parse() {
-        Ok(w) if w >= 1 => Ok(w),
-        _ => Err(format!(
-            "a world size is the number of ranks in the tensor-parallel group, an integer \
-             from 1 to {}",
-            u32::MAX
-        )),
+/// A flag's count: an integer from 1 to `max`; any other value is a usage error (exit
+/// 2), 0 and -1 alike, whose message says what the count is (`meaning`) and its range.
+fn count_from_one<T>(s: &str, meaning: &str, max: T) -> std::result::Result<T, String>
+where
+    T: std::str::FromStr + PartialOrd + From<u8> + std::fmt::Display,
+{
+    match s.parse::<T>() {
+        Ok(n) if n >= T::from(1) => Ok(n),
+        _ => Err(format!("{meaning}, an integer from 1 to {max}")),
     }
 }
 
-/// `--shared-hidden`'s value: an integer count of elements, at least 1, as for
-/// `--world-size` (a usage error otherwise); sizes the policy refuses are refused by
-/// [`check_shared_hidden`], with the reason.
+/// `--world-size`'s value: an integer from 1 that fits a target's `world_size`.
+fn parse_world_size(s: &str) -> std::result::Result<u32, String> {
+    let meaning = "a world size is the number of ranks in the tensor-parallel group";
+    count_from_one(s, meaning, u32::MAX)
+}
+
+/// `--shared-hidden`'s value: an integer count of elements, at least 1; sizes the
+/// policy refuses are refused by [`check_shared_hidden`], with the reason.
 fn parse_shared_hidden(s: &str) -> std::result::Result<u64, String> {
-    match s.parse() {
-        Ok(h) if h >= 1 => Ok(h),
-        _ => Err(format!(
-            "a hidden size is the number of elements of a row of another graph sharing this \
-             graph's workspace, an integer from 1 to {}",
-            u64::MAX
-        )),
-    }
+    let meaning = "a hidden size is the number of elements of a row of another graph \
+                   sharing this graph's workspace";
+    count_from_one(s, meaning, u64::MAX)
 }
 
 /// The preset `--world-size W` (or a graph recording tensor-parallel size W) plans
