@@ -572,7 +572,9 @@ fn parse_world_size(s: &str) -> std::result::Result<u32, String> {
 fn parse_shared_hidden(s: &str) -> std::result::Result<u64, String> {
     let meaning = "a hidden size is the number of elements of a row of another graph \
                    sharing this graph's workspace";
-    count_from_one(s, meaning, u64::MAX)
+    count_from_one(s, meaning, u64::MAX).map_err(|e| {
+        format!("{e} (a size the fused kernels cannot take is refused next, with the reason)")
+    })
 }
 
 /// The preset `--world-size W` (or a graph recording tensor-parallel size W) plans

@@ -193,6 +193,7 @@ fn shared_hidden_zero_is_a_usage_error_reported_once_for_a_directory() {
         "{e}"
     );
     assert!(e.contains("an integer from 1 to"), "{e}");
+    assert!(e.contains("refused next, with the reason"), "{e}");
     assert!(!e.contains("pair(s) failed"), "{e}");
 }
 
