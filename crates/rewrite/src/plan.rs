@@ -3,11 +3,12 @@
 //! counts the graph can run with, mapped onto the IR's [`FusedPlan`].
 
 use crate::error::LowerError;
-use crate::report::WorkspaceReport;
+use crate::report::{strategy_name, RangeReport, WorkspaceReport};
 use crate::site::Site;
 use arfuse_ir::{DType, DispatchRange, FusedPlan, Graph, Op, TensorType};
 use arfuse_policy::{Plan, Target};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 /// What [`plan_graph`] returns: the policy's decision per (activation dtype, hidden
 /// size), the workspaces planned (their `group` filled in by the report), and the
@@ -141,10 +142,10 @@ pub(crate) struct SiteDecision {
     pub reason: String,
     /// The plan the fused node carries (pattern code filled by the caller).
     pub plan: Option<FusedPlan>,
-    /// Dispatch reasons by range, for the report (the range with its reason).
-    pub range_reasons: Vec<String>,
-    /// The policy's short reason per range (without the range itself).
-    pub range_why: Vec<String>,
+    /// The plan's dispatch as the report states it, with the policy's reason per range
+    /// (empty when not fused): made once per decision, and every site it decides shares
+    /// it ([`crate::SiteReport::dispatch`]).
+    pub dispatch: Arc<[RangeReport]>,
 }
 
 /// What [`decide`] returns: per (dtype, hidden) the site decision, and the
@@ -259,8 +260,7 @@ fn refuse(reason: String) -> SiteDecision {
         fused: false,
         reason,
         plan: None,
-        range_reasons: Vec::new(),
-        range_why: Vec::new(),
+        dispatch: Arc::default(),
     }
 }
 
@@ -315,8 +315,17 @@ fn site(plan: &Plan, h: u64, tmax: Option<u64>) -> SiteDecision {
             workspace: ws.clone(),
             dispatch,
         }),
-        range_reasons: clipped.iter().map(|r| r.to_string()).collect(),
-        range_why: clipped.iter().map(|r| r.reason.clone()).collect(),
+        dispatch: clipped
+            .iter()
+            .map(|r| RangeReport {
+                min_tokens: r.lo,
+                max_tokens: r.hi,
+                strategy: strategy_name(r.strategy).into(),
+                required_bytes: r.required_bytes_max,
+                reason: r.to_string(),
+                short_reason: r.reason.clone(),
+            })
+            .collect(),
     }
 }
 

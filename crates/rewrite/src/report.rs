@@ -10,6 +10,7 @@ use arfuse_policy::Target;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
 /// Everything the report is made of: the outcomes of the pass's steps.
 pub(crate) struct Outcome<'a> {
@@ -180,7 +181,7 @@ fn site_entry(
         backend: None,
         backend_reason: None,
         pattern_code: None,
-        dispatch: Vec::new(),
+        dispatch: Arc::default(),
         workspace_bytes: None,
         reason: None,
         notes,
@@ -230,19 +231,7 @@ fn matched_site(
                 entry.backend = Some(p.backend().to_string());
                 entry.workspace_bytes = Some(p.workspace.total_bytes_per_rank);
                 entry.pattern_code = Some(s.pattern_code());
-                entry.dispatch = p
-                    .dispatch
-                    .iter()
-                    .zip(d.range_reasons.iter().zip(&d.range_why))
-                    .map(|(r, (why, short))| RangeReport {
-                        min_tokens: r.min_tokens,
-                        max_tokens: r.max_tokens,
-                        strategy: strategy_name(r.strategy).into(),
-                        required_bytes: r.required_bytes,
-                        reason: why.clone(),
-                        short_reason: short.clone(),
-                    })
-                    .collect();
+                entry.dispatch = d.dispatch.clone();
             }
         }
         (_, Some(d)) => entry.reason = Some(d.reason.clone()),
@@ -279,7 +268,7 @@ fn output_name(o: FusedOutput) -> &'static str {
     }
 }
 
-fn strategy_name(s: arfuse_ir::Strategy) -> &'static str {
+pub(crate) fn strategy_name(s: arfuse_ir::Strategy) -> &'static str {
     match s {
         arfuse_ir::Strategy::OneShot => "one_shot",
         arfuse_ir::Strategy::TwoShot => "two_shot",
@@ -386,8 +375,10 @@ pub struct SiteReport {
     pub backend_reason: Option<String>,
     /// FlashInfer pattern code, when fused.
     pub pattern_code: Option<u32>,
-    /// Dispatch by token range, when fused.
-    pub dispatch: Vec<RangeReport>,
+    /// Dispatch by token range, when fused (else empty). Every site with the same plan
+    /// (activation dtype and hidden size) shares one list: a report of N such sites
+    /// holds its reasons once, not N times.
+    pub dispatch: Arc<[RangeReport]>,
     /// Workspace bytes per rank (the whole allocation), when fused.
     pub workspace_bytes: Option<u64>,
     /// Why not fused, in words a person can act on.
