@@ -85,7 +85,8 @@ enum Command {
         #[arg(long)]
         group: Option<String>,
         /// Hidden size of another graph sharing this graph's workspace (e.g. a
-        /// speculative-decoding draft); repeatable. The workspace is sized for the widest.
+        /// speculative-decoding draft); repeatable. The workspace is sized for the widest
+        /// the fused kernels can run; a size they cannot run is said in the report's notes.
         #[arg(
             long = "shared-hidden",
             value_name = "H",

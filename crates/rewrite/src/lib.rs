@@ -159,9 +159,11 @@ pub struct LowerOptions {
     pub window_nodes: usize,
     /// Hidden sizes (elements) of other graphs that share this graph's workspace, e.g.
     /// a speculative-decoding draft model: the workspace is sized for the widest of
-    /// them and of this graph's own (domain.md §5), so `max_token_num` is the one the
-    /// shared allocation really has. Default empty (the workspace is this graph's).
-    /// An invalid size is [`LowerError::Policy`].
+    /// them and of this graph's own (domain.md §5) that the fused kernels can run, so
+    /// `max_token_num` is the one the shared allocation really has. A size the kernels
+    /// cannot run (a row that is not a multiple of their 16-byte vectors, for one) never
+    /// uses the workspace: it does not size it, and the report's notes say so. Default
+    /// empty (the workspace is this graph's). An invalid size is [`LowerError::Policy`].
     pub shared_hidden_sizes: Vec<u64>,
     /// The most threads that convert, saturate and choose the sites of the windows of a
     /// graph cut into windows, the calling thread included; 0 (the default): as many as

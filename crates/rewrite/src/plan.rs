@@ -227,6 +227,11 @@ fn decide(
                 .cloned(),
         );
         let ws = plan.workspace.as_ref();
+        notes.extend(unfusable_shared_notes(
+            &t,
+            &shared_sizes,
+            ws.map(|w| w.hidden),
+        )?);
         workspaces.push(WorkspaceReport {
             group: String::new(),
             dtype: dtype.to_string(),
@@ -253,6 +258,35 @@ fn decide(
         }
     }
     Ok((out, workspaces))
+}
+
+/// One note per shared hidden size (`shared`, of other graphs sharing the workspace)
+/// that `target`'s kernels cannot run at its dtype: its all-reduces stay unfused, so it
+/// does not size the workspace (of `ws_hidden` elements, when one is planned); without
+/// the note the report would list it as shared while sizing for a narrower H.
+///
+/// Errors: [`LowerError::Policy`] when a row's byte count overflows (checked before).
+fn unfusable_shared_notes(
+    target: &Target,
+    shared: &[u64],
+    ws_hidden: Option<u64>,
+) -> Result<Vec<String>, LowerError> {
+    let mut notes = Vec::new();
+    for &h in shared {
+        let Some(why) = arfuse_policy::row_unsupported_reason(target.kernels, h, target.dtype)?
+        else {
+            continue;
+        };
+        let sized = match ws_hidden {
+            Some(w) => format!(", which is sized for H = {w}"),
+            None => String::new(),
+        };
+        notes.push(format!(
+            "shared hidden size H = {h} is not fused: {why}; the all-reduces of a graph of \
+             that size stay unfused and do not use the workspace{sized}"
+        ));
+    }
+    Ok(notes)
 }
 
 fn refuse(reason: String) -> SiteDecision {

@@ -164,6 +164,71 @@ fn a_wider_shared_graph_sizes_the_workspace() {
     .is_err());
 }
 
+/// A shared hidden size the fused kernels cannot run (4,100 at bf16: a row of 8,200
+/// bytes, not a multiple of 16) never uses the workspace: the workspace stays sized for
+/// this graph's 4,096, the output is the unshared one, and a note says why; a wider
+/// size they can run (4,104) sizes it, with no such note.
+#[test]
+fn a_shared_size_the_kernels_cannot_run_does_not_size_the_workspace_and_is_said() {
+    let g = Stack {
+        layers: 2,
+        hidden: 4096,
+        ..Stack::default()
+    }
+    .build();
+    let alone = lowered(&g, &h200());
+    let with = |h: u64| {
+        lower_with(
+            &g,
+            &h200(),
+            &LowerOptions::default().with_shared_hidden_sizes(vec![h]),
+        )
+        .unwrap()
+    };
+    let odd = with(4100);
+    let ws = &odd.report.workspaces[0];
+    assert_eq!(ws.hidden, Some(4096));
+    assert_eq!(ws.shared_hidden_sizes, vec![4100]);
+    assert_eq!(ws.max_token_num, 64);
+    assert_eq!(odd.graph.to_json_string(), alone.graph.to_json_string());
+    let said: Vec<&String> = odd
+        .report
+        .notes
+        .iter()
+        .filter(|n| n.starts_with("shared hidden size"))
+        .collect();
+    assert_eq!(
+        said,
+        vec![
+            "shared hidden size H = 4100 is not fused: H = 4100 at bf16 is a row of 8200 \
+             bytes, not a multiple of the kernels' 16-byte vectors; the all-reduces of a \
+             graph of that size stay unfused and do not use the workspace, which is sized \
+             for H = 4096"
+        ]
+    );
+    let text = odd.report.to_string();
+    assert!(
+        text.contains("sized for H = 4,096 (this graph: H = 4,096; shared with H = 4,100)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("note: shared hidden size H = 4,100 is not fused"),
+        "{text}"
+    );
+    let wide = with(4104);
+    assert_eq!(wide.report.workspaces[0].hidden, Some(4104));
+    assert_eq!(wide.report.workspaces[0].max_token_num, 63);
+    assert!(
+        !wide
+            .report
+            .notes
+            .iter()
+            .any(|n| n.starts_with("shared hidden size")),
+        "{:?}",
+        wide.report.notes
+    );
+}
+
 /// A graph without an all-reduce has no layer group: the header says so instead of
 /// naming an empty one.
 #[test]
