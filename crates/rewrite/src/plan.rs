@@ -214,18 +214,18 @@ fn decide(
         all.dedup();
         let plan = arfuse_policy::plan(&t, &all)?;
         // The planner's own notes (size-table entry, capture sizes beyond the engine's
-        // max, PDL, ...) belong in the report; it deduplicates repeats.
-        // The decision and the workspace have their own report lines; skip their notes.
-        notes.extend(
-            plan.notes
-                .iter()
-                .filter(|n| {
-                    !(n.starts_with("fuse with")
-                        || n.starts_with("no fusion")
-                        || n.contains(" workspace (W="))
-                })
-                .cloned(),
-        );
+        // max, PDL, ...) belong in the report, each once: the planner deduplicates its
+        // own repeats, and a note another dtype's plan already gave word for word is
+        // not repeated. The decision and the workspace have their own report lines;
+        // skip their notes.
+        for n in &plan.notes {
+            let own_line = n.starts_with("fuse with")
+                || n.starts_with("no fusion")
+                || n.contains(" workspace (W=");
+            if !own_line && !notes.contains(n) {
+                notes.push(n.clone());
+            }
+        }
         let ws = plan.workspace.as_ref();
         notes.extend(unfusable_shared_notes(
             &t,

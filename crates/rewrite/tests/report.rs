@@ -253,3 +253,43 @@ fn a_graph_without_an_all_reduce_has_no_group() {
     assert!(header.ends_with("all-reduces fused 0 / 0"), "{header}");
     assert_eq!(l.report.group, "");
 }
+
+/// A graph with bf16 and f32 sites is planned once per dtype; a planner note both
+/// plans give word for word is in the report once.
+#[test]
+fn a_note_two_dtypes_plans_share_is_reported_once() {
+    let mut b = B::new();
+    b.sym("T", 8192);
+    let mut outs = Vec::new();
+    for (name, dtype) in [("a", DType::Bf16), ("b", DType::F32)] {
+        let x = b.input(
+            &format!("{name}.x"),
+            ty(dtype, &[s("T"), c(4096)]),
+            arfuse_ir::InputKind::Activation,
+        );
+        let w = b.param(&format!("{name}.w"), ty(dtype, &[c(4096)]));
+        let ar = b.all_reduce(&format!("{name}.ar"), x, "tp", None);
+        outs.push(b.rms_norm(&format!("{name}.norm"), ar, w, 1e-6, 0.0, None));
+    }
+    let g = b.finish(outs);
+    let l = lowered(&g, &h200());
+    let dtypes: Vec<&str> = l
+        .report
+        .workspaces
+        .iter()
+        .map(|w| w.dtype.as_str())
+        .collect();
+    assert_eq!(dtypes.len(), 2, "{dtypes:?}");
+    assert_eq!(l.report.all_reduces_fused, 2);
+    let notes = &l.report.notes;
+    let mut unique = notes.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), notes.len(), "{notes:#?}");
+    // The PDL note is the same for both plans: once.
+    assert_eq!(
+        notes.iter().filter(|n| n.contains("PDL")).count(),
+        1,
+        "{notes:#?}"
+    );
+}
