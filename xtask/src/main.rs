@@ -86,7 +86,8 @@ enum Command {
         group: Option<String>,
         /// Hidden size of another graph sharing this graph's workspace (e.g. a
         /// speculative-decoding draft); repeatable. The workspace is sized for the widest
-        /// the fused kernels can run; a size they cannot run is said in the report's notes.
+        /// the fused kernels can run; a row over their maximum is refused, and a size they
+        /// cannot run is said in the report's notes.
         #[arg(
             long = "shared-hidden",
             value_name = "H",
@@ -574,7 +575,10 @@ fn parse_shared_hidden(s: &str) -> std::result::Result<u64, String> {
     let meaning = "a hidden size is the number of elements of a row of another graph \
                    sharing this graph's workspace";
     count_from_one(s, meaning, u64::MAX).map_err(|e| {
-        format!("{e} (a size the fused kernels cannot take is refused next, with the reason)")
+        format!(
+            "{e} (a size whose row is over the fused kernels' maximum is refused next, with \
+             the reason)"
+        )
     })
 }
 

@@ -162,8 +162,10 @@ pub struct LowerOptions {
     /// them and of this graph's own (domain.md §5) that the fused kernels can run, so
     /// `max_token_num` is the one the shared allocation really has. A size the kernels
     /// cannot run (a row that is not a multiple of their 16-byte vectors, for one) never
-    /// uses the workspace: it does not size it, and the report's notes say so. Default
-    /// empty (the workspace is this graph's). An invalid size is [`LowerError::Policy`].
+    /// uses the workspace, so it does not size it; when a workspace is planned, the
+    /// report's notes say why. Default empty (the workspace is this graph's). An invalid
+    /// size (0, or a row over the kernels' maximum, `arfuse_policy::check_hidden`) is
+    /// [`LowerError::Policy`].
     pub shared_hidden_sizes: Vec<u64>,
     /// The most threads that convert, saturate and choose the sites of the windows of a
     /// graph cut into windows, the calling thread included; 0 (the default): as many as

@@ -214,10 +214,9 @@ fn decide(
         all.dedup();
         let plan = arfuse_policy::plan(&t, &all)?;
         // The planner's own notes (size-table entry, capture sizes beyond the engine's
-        // max, PDL, ...) belong in the report, each once: the planner deduplicates its
-        // own repeats, and a note another dtype's plan already gave word for word is
-        // not repeated. The decision and the workspace have their own report lines;
-        // skip their notes.
+        // max, PDL, ...) belong in the report, each once: a note already there (another
+        // dtype's plan gave it word for word) is not repeated. The decision and the
+        // workspace have their own report lines; skip their notes.
         for n in &plan.notes {
             let own_line = n.starts_with("fuse with")
                 || n.starts_with("no fusion")
@@ -227,11 +226,9 @@ fn decide(
             }
         }
         let ws = plan.workspace.as_ref();
-        notes.extend(unfusable_shared_notes(
-            &t,
-            &shared_sizes,
-            ws.map(|w| w.hidden),
-        )?);
+        if let Some(ws) = ws {
+            notes.extend(unfusable_shared_notes(&t, &shared_sizes, ws.hidden)?);
+        }
         workspaces.push(WorkspaceReport {
             group: String::new(),
             dtype: dtype.to_string(),
@@ -262,14 +259,15 @@ fn decide(
 
 /// One note per shared hidden size (`shared`, of other graphs sharing the workspace)
 /// that `target`'s kernels cannot run at its dtype: its all-reduces stay unfused, so it
-/// does not size the workspace (of `ws_hidden` elements, when one is planned); without
-/// the note the report would list it as shared while sizing for a narrower H.
+/// does not size the workspace planned for that dtype (of `ws_hidden` elements); without
+/// the note the report would list it as shared while sizing for a narrower H. Called only
+/// when a workspace is planned (with none, nothing fuses, for the plan's own reason).
 ///
 /// Errors: [`LowerError::Policy`] when a row's byte count overflows (checked before).
 fn unfusable_shared_notes(
     target: &Target,
     shared: &[u64],
-    ws_hidden: Option<u64>,
+    ws_hidden: u64,
 ) -> Result<Vec<String>, LowerError> {
     let mut notes = Vec::new();
     for &h in shared {
@@ -277,13 +275,11 @@ fn unfusable_shared_notes(
         else {
             continue;
         };
-        let sized = match ws_hidden {
-            Some(w) => format!(", which is sized for H = {w}"),
-            None => String::new(),
-        };
         notes.push(format!(
             "shared hidden size H = {h} is not fused: {why}; the all-reduces of a graph of \
-             that size stay unfused and do not use the workspace{sized}"
+             that size stay unfused and do not use the {} workspace, which is sized for \
+             H = {ws_hidden}",
+            target.dtype
         ));
     }
     Ok(notes)

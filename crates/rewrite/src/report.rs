@@ -462,7 +462,8 @@ pub struct WorkspaceReport {
     pub reason: String,
     /// The hidden size the workspace is sized for: the widest of this graph's and the
     /// shared ones that the fused kernels can run (a size they cannot run never uses the
-    /// workspace; for a shared one, [`Report::notes`] says why).
+    /// workspace; for a shared one, [`Report::notes`] says why). `None` when no workspace
+    /// is planned.
     pub hidden: Option<u64>,
     /// This graph's hidden sizes planned on it (descending).
     pub own_hidden_sizes: Vec<u64>,

@@ -166,8 +166,9 @@ fn a_wider_shared_graph_sizes_the_workspace() {
 
 /// A shared hidden size the fused kernels cannot run (4,100 at bf16: a row of 8,200
 /// bytes, not a multiple of 16) never uses the workspace: the workspace stays sized for
-/// this graph's 4,096, the output is the unshared one, and a note says why; a wider
-/// size they can run (4,104) sizes it, with no such note.
+/// this graph's 4,096, the output is the unshared one, and a note says why (none when
+/// the target plans no workspace); a wider size they can run (4,104) sizes it, with no
+/// such note.
 #[test]
 fn a_shared_size_the_kernels_cannot_run_does_not_size_the_workspace_and_is_said() {
     let g = Stack {
@@ -202,8 +203,8 @@ fn a_shared_size_the_kernels_cannot_run_does_not_size_the_workspace_and_is_said(
         vec![
             "shared hidden size H = 4100 is not fused: H = 4100 at bf16 is a row of 8200 \
              bytes, not a multiple of the kernels' 16-byte vectors; the all-reduces of a \
-             graph of that size stay unfused and do not use the workspace, which is sized \
-             for H = 4096"
+             graph of that size stay unfused and do not use the bf16 workspace, which is \
+             sized for H = 4096"
         ]
     );
     let text = odd.report.to_string();
@@ -214,6 +215,26 @@ fn a_shared_size_the_kernels_cannot_run_does_not_size_the_workspace_and_is_said(
     assert!(
         text.contains("note: shared hidden size H = 4,100 is not fused"),
         "{text}"
+    );
+    // A target that fuses nothing plans no workspace: no such note (the report gives
+    // the plan's own reason).
+    let mut bridged = h200();
+    bridged.interconnect = arfuse_policy::Interconnect::BridgedNvlink;
+    let none = lower_with(
+        &g,
+        &bridged,
+        &LowerOptions::default().with_shared_hidden_sizes(vec![4100]),
+    )
+    .unwrap();
+    assert_eq!(none.report.workspaces[0].hidden, None);
+    assert!(
+        !none
+            .report
+            .notes
+            .iter()
+            .any(|n| n.starts_with("shared hidden size")),
+        "{:?}",
+        none.report.notes
     );
     let wide = with(4104);
     assert_eq!(wide.report.workspaces[0].hidden, Some(4104));

@@ -35,14 +35,9 @@ use super::{get, leaf, rule, union, Rule, Vars};
 use crate::analysis::{all_reduce_in, leaf_of, FxGraph};
 use crate::lang::{FKind, Fx, Leaf, NormAttrs, QKind, PORT_NORM, PORT_RESIDUAL};
 use arfuse_ir::DType;
+use arfuse_policy::{MIN_ROW_BYTES, VECTOR_BYTES};
 use egg::Id;
 use smallvec::SmallVec;
-
-/// Bytes of one kernel vector: a row must be a multiple (domain.md §6).
-pub(crate) const VECTOR_BYTES: u64 = 16;
-/// Fewest bytes of a row: one warp of 16-byte vectors (H >= 256 at 16 bits); smaller
-/// rows gave sub-warp blocks whose warp-shuffle reduction hung (domain.md §6).
-pub(crate) const MIN_ROW_BYTES: u64 = 32 * VECTOR_BYTES;
 
 pub(crate) fn rules() -> Result<Vec<Rule>, String> {
     // One search of the `rms_norm` classes for every form (and for `norm-of-view`,
