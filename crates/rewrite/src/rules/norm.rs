@@ -20,7 +20,7 @@
 //!   A decomposition whose epilogue is neither (a weight of another dtype after the
 //!   rounding to T, or a normalised value rounded to T and widened again before an f32
 //!   weight multiply) is not matched, and the all-reduce it follows is refused with the
-//!   op named ([`FxAnalysis::refuse_at`]).
+//!   op named ([`crate::analysis::FxAnalysis::refuse_at`]).
 
 use super::{rule, union, Rule, Vars};
 use crate::analysis::{all_reduce_in, leaf_of, FxGraph};
