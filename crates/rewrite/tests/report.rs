@@ -5,7 +5,7 @@
 mod common;
 
 use arfuse_ir::DType;
-use arfuse_rewrite::{lower_with, LowerOptions};
+use arfuse_rewrite::{lower_with, LowerOptions, Lowered};
 use common::builder::{c, s, ty, NormForm, Quant, Stack, B};
 use common::{h200, lowered};
 
@@ -96,24 +96,43 @@ fn report_of_a_target_without_fusion() {
     insta::assert_snapshot!("report_no_fusion", l.report.to_string());
 }
 
+/// The dense stack of two layers at H = 4,096 that the shared-workspace tests lower.
+fn two_layers_at_4096() -> arfuse_ir::Graph {
+    Stack {
+        layers: 2,
+        hidden: 4096,
+        ..Stack::default()
+    }
+    .build()
+}
+
+/// `g` lowered for `t` with the workspace shared with graphs of hidden sizes `sizes`.
+fn shared_with(g: &arfuse_ir::Graph, t: &arfuse_policy::Target, sizes: &[u64]) -> Lowered {
+    lower_with(
+        g,
+        t,
+        &LowerOptions::default().with_shared_hidden_sizes(sizes),
+    )
+    .unwrap()
+}
+
+/// The report's notes about shared hidden sizes the kernels cannot run.
+fn shared_size_notes(l: &Lowered) -> Vec<&String> {
+    l.report
+        .notes
+        .iter()
+        .filter(|n| n.starts_with("shared hidden size"))
+        .collect()
+}
+
 /// A speculative-decoding draft wider than the target shares the target's workspace:
 /// the workspace is sized for the draft's H, so max_token_num is smaller than the
 /// target alone would get, and every fused site's plan says so.
 #[test]
 fn a_wider_shared_graph_sizes_the_workspace() {
-    let g = Stack {
-        layers: 2,
-        hidden: 4096,
-        ..Stack::default()
-    }
-    .build();
+    let g = two_layers_at_4096();
     let alone = lowered(&g, &h200());
-    let shared = lower_with(
-        &g,
-        &h200(),
-        &LowerOptions::default().with_shared_hidden_sizes(vec![8192]),
-    )
-    .unwrap();
+    let shared = shared_with(&g, &h200(), &[8192]);
     let (wa, ws) = (&alone.report.workspaces[0], &shared.report.workspaces[0]);
     assert_eq!(wa.hidden, Some(4096));
     assert_eq!(ws.hidden, Some(8192));
@@ -147,12 +166,7 @@ fn a_wider_shared_graph_sizes_the_workspace() {
     );
     assert!(text.contains("max_token_num 32"), "{text}");
     // A narrower shared graph changes nothing.
-    let narrow = lower_with(
-        &g,
-        &h200(),
-        &LowerOptions::default().with_shared_hidden_sizes(vec![2048]),
-    )
-    .unwrap();
+    let narrow = shared_with(&g, &h200(), &[2048]);
     assert_eq!(narrow.graph.to_json_string(), alone.graph.to_json_string());
     assert_eq!(narrow.report.workspaces[0].max_token_num, 64);
     // An invalid shared size is an error, not a silent resize.
@@ -171,33 +185,15 @@ fn a_wider_shared_graph_sizes_the_workspace() {
 /// such note.
 #[test]
 fn a_shared_size_the_kernels_cannot_run_does_not_size_the_workspace_and_is_said() {
-    let g = Stack {
-        layers: 2,
-        hidden: 4096,
-        ..Stack::default()
-    }
-    .build();
+    let g = two_layers_at_4096();
     let alone = lowered(&g, &h200());
-    let with = |h: u64| {
-        lower_with(
-            &g,
-            &h200(),
-            &LowerOptions::default().with_shared_hidden_sizes(vec![h]),
-        )
-        .unwrap()
-    };
-    let odd = with(4100);
+    let odd = shared_with(&g, &h200(), &[4100]);
     let ws = &odd.report.workspaces[0];
     assert_eq!(ws.hidden, Some(4096));
     assert_eq!(ws.shared_hidden_sizes, vec![4100]);
     assert_eq!(ws.max_token_num, 64);
     assert_eq!(odd.graph.to_json_string(), alone.graph.to_json_string());
-    let said: Vec<&String> = odd
-        .report
-        .notes
-        .iter()
-        .filter(|n| n.starts_with("shared hidden size"))
-        .collect();
+    let said = shared_size_notes(&odd);
     assert_eq!(
         said,
         vec![
@@ -220,31 +216,18 @@ fn a_shared_size_the_kernels_cannot_run_does_not_size_the_workspace_and_is_said(
     // the plan's own reason).
     let mut bridged = h200();
     bridged.interconnect = arfuse_policy::Interconnect::BridgedNvlink;
-    let none = lower_with(
-        &g,
-        &bridged,
-        &LowerOptions::default().with_shared_hidden_sizes(vec![4100]),
-    )
-    .unwrap();
+    let none = shared_with(&g, &bridged, &[4100]);
     assert_eq!(none.report.workspaces[0].hidden, None);
     assert!(
-        !none
-            .report
-            .notes
-            .iter()
-            .any(|n| n.starts_with("shared hidden size")),
+        shared_size_notes(&none).is_empty(),
         "{:?}",
         none.report.notes
     );
-    let wide = with(4104);
+    let wide = shared_with(&g, &h200(), &[4104]);
     assert_eq!(wide.report.workspaces[0].hidden, Some(4104));
     assert_eq!(wide.report.workspaces[0].max_token_num, 63);
     assert!(
-        !wide
-            .report
-            .notes
-            .iter()
-            .any(|n| n.starts_with("shared hidden size")),
+        shared_size_notes(&wide).is_empty(),
         "{:?}",
         wide.report.notes
     );
