@@ -247,3 +247,28 @@ fn random_mutations_never_panic() {
         let _ = load_any(&b);
     }
 }
+
+/// A UTF-8 byte order mark before an arfuse graph is skipped, as before torch.export
+/// JSON: the graph loads as without it, and an error in it keeps its own position
+/// (it read "line 1, column 1: expected value", the mark itself).
+#[test]
+fn a_byte_order_mark_before_an_arfuse_graph_is_skipped() {
+    let plain = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../ir-fixtures/models/llama31_8b_tp8.json"
+    ))
+    .unwrap();
+    let with_bom = [b"\xEF\xBB\xBF".as_slice(), &plain].concat();
+    assert_eq!(detect(&with_bom), Format::ArfuseJson);
+    let a = load_any(&plain).unwrap().graph;
+    let b = load_any(&with_bom).unwrap().graph;
+    assert_eq!(b.len(), 518);
+    assert_eq!(a.canonical_text(), b.canonical_text());
+
+    let cut = plain.len() / 2;
+    let plain_err = err(&plain[..cut]).to_string();
+    let bom_err = err(&with_bom[..cut + 3]).to_string();
+    assert!(plain_err.contains("malformed JSON at line"), "{plain_err}");
+    assert!(!bom_err.contains("line 1, column 1:"), "{bom_err}");
+    assert_eq!(bom_err, plain_err);
+}

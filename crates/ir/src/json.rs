@@ -109,7 +109,9 @@ fn check_header(
 }
 
 impl Graph {
-    /// Loads and validates a graph from JSON bytes.
+    /// Loads and validates a graph from JSON bytes. A leading UTF-8 byte order mark is
+    /// skipped (RFC 8259 lets a parser ignore it; editors on Windows write one); the
+    /// line and column of an error then count from after it.
     ///
     /// Errors: [`LoadError::TooLarge`] above [`MAX_INPUT_BYTES`], [`LoadError::Utf8`],
     /// [`LoadError::Json`] with line and column, [`LoadError::Format`] /
@@ -128,8 +130,10 @@ impl Graph {
         Graph::from_json_str(text)
     }
 
-    /// Loads and validates a graph from JSON text. See [`Graph::from_json_slice`].
+    /// Loads and validates a graph from JSON text, a leading byte order mark
+    /// (`U+FEFF`) skipped. See [`Graph::from_json_slice`].
     pub fn from_json_str(text: &str) -> Result<Graph, LoadError> {
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         if text.len() > MAX_INPUT_BYTES {
             return Err(LoadError::TooLarge {
                 size: text.len(),
