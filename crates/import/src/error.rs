@@ -146,13 +146,20 @@ impl ImportError {
     }
 
     pub(crate) fn json(e: serde_json::Error) -> Self {
-        let full = e.to_string();
-        let suffix = format!(" at line {} column {}", e.line(), e.column());
-        let message = full.strip_suffix(&suffix).unwrap_or(&full).to_string();
+        let (line, column, message) = json_parts(&e);
         ImportError::Json {
-            line: e.line(),
-            column: e.column(),
+            line,
+            column,
             message,
         }
     }
+}
+
+/// serde_json's error as (line, column, message): its message without the
+/// " at line L column C" it appends.
+pub(crate) fn json_parts(e: &serde_json::Error) -> (usize, usize, String) {
+    let full = e.to_string();
+    let suffix = format!(" at line {} column {}", e.line(), e.column());
+    let message = full.strip_suffix(&suffix).unwrap_or(&full).to_string();
+    (e.line(), e.column(), message)
 }

@@ -261,17 +261,14 @@ pub(crate) fn check_size(what: &str, size: usize) -> Result<(), ImportError> {
 fn unknown_hint(bytes: &[u8]) -> String {
     let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
     match body.iter().find(|b| !b.is_ascii_whitespace()) {
-        None => "the file is empty".into(),
+        None if bytes.is_empty() => "the file is empty".into(),
+        None => "the file holds no JSON, only whitespace or a UTF-8 byte order mark".into(),
         Some(b'{') => {
             let mut hint = "a JSON object that is neither an arfuse graph (no \"format\": \
                             \"arfuse-graph\") nor a torch.export ExportedProgram (no \
                             \"graph_module\" or \"schema_version\" key)"
                 .to_string();
-            // A truncated or broken file fails the format check first: say so too.
-            // (`IgnoredAny` keeps nothing; serde_json bounds the nesting.)
-            if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(body) {
-                hint.push_str(&format!("; nor is it well-formed JSON: {e}"));
-            }
+            hint.push_str(&not_json_text_hint(bytes, body));
             hint
         }
         Some(_) => {
@@ -280,6 +277,31 @@ fn unknown_hint(bytes: &[u8]) -> String {
                 "expected arfuse graph JSON, torch.export JSON (optionally gzip-compressed) or a .pt2 zip archive; the file starts with bytes {}",
                 head.join(" ")
             )
+        }
+    }
+}
+
+/// Why a file that opens like a JSON object (`body`: `bytes` past a byte order mark) is
+/// not JSON text either, as "; nor ..." (empty when it is): UTF-16 (a NUL byte among
+/// its first bytes), not UTF-8 (the offset of the first bad byte in the file), or not
+/// well-formed (line and column, as the loaders give them). A truncated or broken file
+/// fails the format check first, so this says what else is wrong.
+fn not_json_text_hint(bytes: &[u8], body: &[u8]) -> String {
+    if body.iter().take(DETECT_WINDOW_BYTES).any(|&b| b == 0) {
+        return "; nor is it UTF-8 text: it holds NUL bytes, as UTF-16 text does (save it as \
+                UTF-8)"
+            .into();
+    }
+    if let Err(e) = std::str::from_utf8(body) {
+        let offset = bytes.len() - body.len() + e.valid_up_to();
+        return format!("; nor is it UTF-8 text (invalid byte at offset {offset})");
+    }
+    // `IgnoredAny` keeps nothing; serde_json bounds the nesting.
+    match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+        Ok(_) => String::new(),
+        Err(e) => {
+            let (line, column, message) = error::json_parts(&e);
+            format!("; nor is it well-formed JSON: at line {line}, column {column}: {message}")
         }
     }
 }

@@ -134,8 +134,12 @@ fn size_expression_without_a_range() {
 #[test]
 fn garbage_and_other_formats() {
     for (b, want) in [
-        (&b""[..], "empty"),
-        (b"   \n", "empty"),
+        (&b""[..], "the file is empty"),
+        (
+            b"   \n",
+            "the file holds no JSON, only whitespace or a UTF-8 byte order mark",
+        ),
+        (b"\xEF\xBB\xBF", "the file holds no JSON, only whitespace"),
         (b"\x00\x01\x02garbage", "starts with bytes 00 01 02"),
         (b"[1, 2, 3]", "starts with bytes"),
         (b"{\"hello\": 1}", "neither an arfuse graph"),
@@ -143,11 +147,25 @@ fn garbage_and_other_formats() {
             b"{",
             "neither an arfuse graph (no \"format\": \"arfuse-graph\") nor a torch.export \
              ExportedProgram (no \"graph_module\" or \"schema_version\" key); nor is it \
-             well-formed JSON: EOF while parsing an object at line 1 column 1",
+             well-formed JSON: at line 1, column 1: EOF while parsing an object",
         ),
         (
             b"{\"format\": \"arfuse-graf\", \"nodes\": [",
-            "; nor is it well-formed JSON: EOF while parsing a list at line 1 column 36",
+            "; nor is it well-formed JSON: at line 1, column 36: EOF while parsing a list",
+        ),
+        // serde skips a bad byte in a string it ignores: the UTF-8 check says it.
+        (
+            b"{\"version\": 1, \"nodes\": [\"\xff\xfe\"]}",
+            "; nor is it UTF-8 text (invalid byte at offset 26)",
+        ),
+        // The offset counts the byte order mark.
+        (
+            b"\xEF\xBB\xBF{\"a\": \"\xff\"}",
+            "; nor is it UTF-8 text (invalid byte at offset 10)",
+        ),
+        (
+            b"{\x00\"\x00a\x00\"\x00:\x001\x00}\x00",
+            "; nor is it UTF-8 text: it holds NUL bytes, as UTF-16 text does",
         ),
     ] {
         let e = err(b);
