@@ -54,7 +54,7 @@ fn hostile_files_are_refused_for_the_right_reason() {
             "nvfp4_hidden_not_multiple_of_block.json",
             "not a multiple of the NVFP4 block (16)",
         ),
-        ("eps_nan_literal.json", "malformed JSON"),
+        ("eps_nan_literal.json", "malformed graph JSON"),
         ("eps_nan_string.json", "[attribute]"),
         ("eps_nan_fused_node.json", "[attribute]"),
         (

@@ -24,7 +24,7 @@ pub enum ImportError {
         hint: String,
     },
     /// The arfuse-JSON loader refused the file.
-    #[error("arfuse graph JSON: {0}")]
+    #[error("{}", arfuse_message(.0))]
     Arfuse(LoadError),
     /// The program JSON is not UTF-8.
     #[error("torch.export JSON is not UTF-8 (invalid byte at offset {offset})")]
@@ -152,6 +152,20 @@ impl ImportError {
             column,
             message,
         }
+    }
+}
+
+/// The message of [`ImportError::Arfuse`]: the loader's, after "arfuse graph JSON: ";
+/// a JSON error worded as torch.export's ("... is malformed at line L, column C: ..."),
+/// not "arfuse graph JSON: malformed graph JSON ...".
+fn arfuse_message(e: &LoadError) -> String {
+    match e {
+        LoadError::Json {
+            line,
+            column,
+            message,
+        } => format!("arfuse graph JSON is malformed at line {line}, column {column}: {message}"),
+        other => format!("arfuse graph JSON: {other}"),
     }
 }
 

@@ -191,14 +191,16 @@ pub fn load_any_with(bytes: &[u8], options: &ImportOptions) -> Result<Imported, 
                               arfuse reads one gzip layer around a JSON graph"
                         .into(),
                 }),
-                _ => load_plain(&inner, options),
+                _ => load_plain(&inner, "the decompressed content", options),
             }
         }
-        _ => load_plain(bytes, options),
+        _ => load_plain(bytes, "the file", options),
     }
 }
 
-fn load_plain(bytes: &[u8], options: &ImportOptions) -> Result<Imported, ImportError> {
+/// Loads `bytes` by their detected format; `what` names them in an unknown format's
+/// hint ("the file", or "the decompressed content" of a gzip stream).
+fn load_plain(bytes: &[u8], what: &str, options: &ImportOptions) -> Result<Imported, ImportError> {
     match detect(bytes) {
         Format::ArfuseJson => {
             // Framework all-reduce ops are a torch front-end option: an arfuse graph
@@ -224,7 +226,7 @@ fn load_plain(bytes: &[u8], options: &ImportOptions) -> Result<Imported, ImportE
             torch_export::import_with(bytes, options)
         }
         Format::Gzip | Format::Unknown => Err(ImportError::UnknownFormat {
-            hint: unknown_hint(bytes),
+            hint: unknown_hint(bytes, what),
         }),
     }
 }
@@ -258,43 +260,76 @@ pub(crate) fn check_size(what: &str, size: usize) -> Result<(), ImportError> {
     Ok(())
 }
 
-fn unknown_hint(bytes: &[u8]) -> String {
+/// What bytes of no known format (`what`: "the file", or a gzip stream's "decompressed
+/// content") look like instead: UTF-16 text, nothing but whitespace, a JSON object of
+/// another kind (and why it is not JSON text either), or anything else by its first
+/// bytes.
+fn unknown_hint(bytes: &[u8], what: &str) -> String {
+    if let Some(encoding) = utf16_encoding(bytes) {
+        return format!("{what} is {encoding} text; arfuse reads JSON in UTF-8 (save it as UTF-8)");
+    }
     let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
     match body.iter().find(|b| !b.is_ascii_whitespace()) {
-        None if bytes.is_empty() => "the file is empty".into(),
-        None => "the file holds no JSON, only whitespace or a UTF-8 byte order mark".into(),
+        None if bytes.is_empty() => format!("{what} is empty"),
+        None => format!("{what} holds no JSON, only whitespace or a UTF-8 byte order mark"),
         Some(b'{') => {
             let mut hint = "a JSON object that is neither an arfuse graph (no \"format\": \
                             \"arfuse-graph\") nor a torch.export ExportedProgram (no \
                             \"graph_module\" or \"schema_version\" key)"
                 .to_string();
-            hint.push_str(&not_json_text_hint(bytes, body));
+            hint.push_str(&not_json_text_hint(bytes, body, what));
             hint
         }
         Some(_) => {
-            let head: Vec<String> = body.iter().take(8).map(|b| format!("{b:02x}")).collect();
+            let head: Vec<String> = bytes.iter().take(8).map(|b| format!("{b:02x}")).collect();
             format!(
-                "expected arfuse graph JSON, torch.export JSON (optionally gzip-compressed) or a .pt2 zip archive; the file starts with bytes {}",
+                "expected arfuse graph JSON, torch.export JSON (optionally gzip-compressed) or a .pt2 zip archive; {what} starts with bytes {}",
                 head.join(" ")
             )
         }
     }
 }
 
-/// Why a file that opens like a JSON object (`body`: `bytes` past a byte order mark) is
-/// not JSON text either, as "; nor ..." (empty when it is): UTF-16 (a NUL byte among
-/// its first bytes), not UTF-8 (the offset of the first bad byte in the file), or not
-/// well-formed (line and column, as the loaders give them). A truncated or broken file
-/// fails the format check first, so this says what else is wrong.
-fn not_json_text_hint(bytes: &[u8], body: &[u8]) -> String {
-    if body.iter().take(DETECT_WINDOW_BYTES).any(|&b| b == 0) {
-        return "; nor is it UTF-8 text: it holds NUL bytes, as UTF-16 text does (save it as \
-                UTF-8)"
-            .into();
+/// How many leading bytes [`utf16_encoding`] looks at without a byte order mark.
+const UTF16_PROBE_BYTES: usize = 64;
+
+/// `Some("UTF-16 LE")` or `Some("UTF-16 BE")` when `bytes` look like UTF-16 text: its
+/// byte order mark (`FF FE`, `FE FF`), or, within the first [`UTF16_PROBE_BYTES`], a
+/// NUL byte at every odd offset and none at an even one (LE; ASCII text such as JSON's
+/// punctuation and keys), or the other way round (BE). A UTF-8 file with a stray NUL is
+/// not UTF-16: the JSON parser then names the NUL's position.
+fn utf16_encoding(bytes: &[u8]) -> Option<&'static str> {
+    if bytes.starts_with(b"\xFF\xFE") {
+        return Some("UTF-16 LE");
     }
+    if bytes.starts_with(b"\xFE\xFF") {
+        return Some("UTF-16 BE");
+    }
+    let probe = &bytes[..bytes.len().min(UTF16_PROBE_BYTES) & !1];
+    if probe.is_empty() {
+        return None;
+    }
+    let (even, odd): (Vec<u8>, Vec<u8>) = probe.chunks_exact(2).map(|p| (p[0], p[1])).unzip();
+    let all_nul = |v: &[u8]| v.iter().all(|&b| b == 0);
+    let no_nul = |v: &[u8]| v.iter().all(|&b| b != 0);
+    if all_nul(&odd) && no_nul(&even) {
+        Some("UTF-16 LE")
+    } else if all_nul(&even) && no_nul(&odd) {
+        Some("UTF-16 BE")
+    } else {
+        None
+    }
+}
+
+/// Why bytes that open like a JSON object (`body`: `bytes` past a byte order mark) are
+/// not JSON text either, as "; nor ..." (empty when they are): not UTF-8 (the offset of
+/// the first bad byte in `bytes`, which `what` names), or not well-formed (line and
+/// column, as the loaders give them). A truncated or broken file fails the format check
+/// first, so this says what else is wrong.
+fn not_json_text_hint(bytes: &[u8], body: &[u8], what: &str) -> String {
     if let Err(e) = std::str::from_utf8(body) {
         let offset = bytes.len() - body.len() + e.valid_up_to();
-        return format!("; nor is it UTF-8 text (invalid byte at offset {offset})");
+        return format!("; nor is it UTF-8 text (invalid byte at offset {offset} of {what})");
     }
     // `IgnoredAny` keeps nothing; serde_json bounds the nesting.
     match serde_json::from_slice::<serde::de::IgnoredAny>(body) {

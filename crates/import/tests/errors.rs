@@ -156,25 +156,43 @@ fn garbage_and_other_formats() {
         // serde skips a bad byte in a string it ignores: the UTF-8 check says it.
         (
             b"{\"version\": 1, \"nodes\": [\"\xff\xfe\"]}",
-            "; nor is it UTF-8 text (invalid byte at offset 26)",
+            "; nor is it UTF-8 text (invalid byte at offset 26 of the file)",
         ),
         // The offset counts the byte order mark.
         (
             b"\xEF\xBB\xBF{\"a\": \"\xff\"}",
-            "; nor is it UTF-8 text (invalid byte at offset 10)",
+            "; nor is it UTF-8 text (invalid byte at offset 10 of the file)",
         ),
+        // UTF-16, with its byte order mark or without (ASCII text: every other byte NUL).
         (
             b"{\x00\"\x00a\x00\"\x00:\x001\x00}\x00",
-            "; nor is it UTF-8 text: it holds NUL bytes, as UTF-16 text does",
+            "the file is UTF-16 LE text; arfuse reads JSON in UTF-8",
+        ),
+        (b"\xFF\xFE{\x00}\x00", "the file is UTF-16 LE text"),
+        (
+            b"\x00{\x00\"\x00a\x00\"\x00:\x001\x00}",
+            "the file is UTF-16 BE text",
+        ),
+        (b"\xFE\xFF\x00{\x00}", "the file is UTF-16 BE text"),
+        (b"\n\x00{\x00}\x00", "the file is UTF-16 LE text"),
+        // A stray NUL in UTF-8 is no UTF-16: the parser names its position.
+        (
+            b"{\"hello\": \"\x00world\", \"n\": 1}",
+            "; nor is it well-formed JSON: at line 1, column 11: control character",
+        ),
+        // The bytes shown are the file's, byte order mark included.
+        (
+            b"\xEF\xBB\xBF\xEF\xBB\xBF{}",
+            "the file starts with bytes ef bb bf ef bb bf 7b 7d",
         ),
     ] {
         let e = err(b);
         assert!(matches!(e, ImportError::UnknownFormat { .. }), "{e:?}");
         assert!(e.to_string().contains(want), "{e}");
     }
-    // Well-formed JSON of another kind is not said to be malformed.
+    // Well-formed UTF-8 JSON of another kind is said to be nothing else.
     let e = err(b"{\"hello\": 1}").to_string();
-    assert!(!e.contains("well-formed"), "{e}");
+    assert!(!e.contains("; nor"), "{e}");
     // Looks like torch.export JSON but the structure is wrong.
     let e = err(br#"{"schema_version": {"major": 8, "minor": 20}, "graph_module": 3}"#);
     assert!(matches!(e, ImportError::Json { .. }), "{e:?}");
@@ -277,7 +295,6 @@ fn a_byte_order_mark_before_an_arfuse_graph_is_skipped() {
     ))
     .unwrap();
     let with_bom = [b"\xEF\xBB\xBF".as_slice(), &plain].concat();
-    assert_eq!(detect(&with_bom), Format::ArfuseJson);
     let a = load_any(&plain).unwrap().graph;
     let b = load_any(&with_bom).unwrap().graph;
     assert_eq!(b.len(), 518);
@@ -286,7 +303,33 @@ fn a_byte_order_mark_before_an_arfuse_graph_is_skipped() {
     let cut = plain.len() / 2;
     let plain_err = err(&plain[..cut]).to_string();
     let bom_err = err(&with_bom[..cut + 3]).to_string();
-    assert!(plain_err.contains("malformed JSON at line"), "{plain_err}");
-    assert!(!bom_err.contains("line 1, column 1:"), "{bom_err}");
+    assert!(
+        plain_err.starts_with("arfuse graph JSON is malformed at line "),
+        "{plain_err}"
+    );
     assert_eq!(bom_err, plain_err);
+}
+
+/// A gzip stream's content is named as such in an unknown format's hint, and an
+/// offset in it is an offset of that content.
+#[test]
+fn a_gzip_streams_content_is_named_in_the_hint() {
+    use flate2::{write::GzEncoder, Compression};
+    use std::io::Write;
+    let gz = |b: &[u8]| {
+        let mut e = GzEncoder::new(Vec::new(), Compression::default());
+        e.write_all(b).unwrap();
+        e.finish().unwrap()
+    };
+    assert_eq!(
+        err(&gz(b"")).to_string(),
+        "unknown file format: the decompressed content is empty"
+    );
+    let e = err(&gz(b"{\"caf\xe9\": 1}")).to_string();
+    assert!(
+        e.ends_with(
+            "; nor is it UTF-8 text (invalid byte at offset 5 of the decompressed content)"
+        ),
+        "{e}"
+    );
 }

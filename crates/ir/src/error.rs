@@ -221,7 +221,7 @@ pub enum LoadError {
         limit: usize,
     },
     /// Not valid JSON, or JSON of the wrong structure.
-    #[error("malformed JSON at line {line}, column {column}: {message}")]
+    #[error("malformed graph JSON at line {line}, column {column}: {message}")]
     Json {
         /// 1-based line.
         line: usize,
