@@ -306,15 +306,12 @@ fn utf16_encoding(bytes: &[u8]) -> Option<&'static str> {
         return Some("UTF-16 BE");
     }
     let probe = &bytes[..bytes.len().min(UTF16_PROBE_BYTES) & !1];
+    let pairs = probe.chunks_exact(2);
     if probe.is_empty() {
-        return None;
-    }
-    let (even, odd): (Vec<u8>, Vec<u8>) = probe.chunks_exact(2).map(|p| (p[0], p[1])).unzip();
-    let all_nul = |v: &[u8]| v.iter().all(|&b| b == 0);
-    let no_nul = |v: &[u8]| v.iter().all(|&b| b != 0);
-    if all_nul(&odd) && no_nul(&even) {
+        None
+    } else if pairs.clone().all(|p| p[0] != 0 && p[1] == 0) {
         Some("UTF-16 LE")
-    } else if all_nul(&even) && no_nul(&odd) {
+    } else if pairs.clone().all(|p| p[0] == 0 && p[1] != 0) {
         Some("UTF-16 BE")
     } else {
         None
