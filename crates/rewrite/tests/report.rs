@@ -88,11 +88,16 @@ fn report_groups_refusals_by_reason() {
     insta::assert_snapshot!("report_refusals_grouped", text);
 }
 
-#[test]
-fn report_of_a_target_without_fusion() {
+/// The H200 target with its GPUs on bridged NVLink: the policy fuses nothing there.
+fn h200_bridged() -> arfuse_policy::Target {
     let mut t = h200();
     t.interconnect = arfuse_policy::Interconnect::BridgedNvlink;
-    let l = lowered(&Stack::default().build(), &t);
+    t
+}
+
+#[test]
+fn report_of_a_target_without_fusion() {
+    let l = lowered(&Stack::default().build(), &h200_bridged());
     insta::assert_snapshot!("report_no_fusion", l.report.to_string());
 }
 
@@ -214,9 +219,7 @@ fn a_shared_size_the_kernels_cannot_run_does_not_size_the_workspace_and_is_said(
     );
     // A target that fuses nothing plans no workspace: no such note (the report gives
     // the plan's own reason).
-    let mut bridged = h200();
-    bridged.interconnect = arfuse_policy::Interconnect::BridgedNvlink;
-    let none = shared_with(&g, &bridged, &[4100]);
+    let none = shared_with(&g, &h200_bridged(), &[4100]);
     assert_eq!(none.report.workspaces[0].hidden, None);
     assert!(
         shared_size_notes(&none).is_empty(),
