@@ -261,11 +261,11 @@ pub(crate) fn check_size(what: &str, size: usize) -> Result<(), ImportError> {
 }
 
 /// What bytes of no known format (`what`: "the file", or a gzip stream's "decompressed
-/// content") look like instead: UTF-16 text, nothing but whitespace, a JSON object of
+/// content") look like instead: UTF-16 or UTF-32 text, nothing but whitespace, a JSON object of
 /// another kind (and why it is not JSON text either), or anything else by its first
 /// bytes.
 fn unknown_hint(bytes: &[u8], what: &str) -> String {
-    if let Some(encoding) = utf16_encoding(bytes) {
+    if let Some(encoding) = utf16_or_32_encoding(bytes) {
         return format!("{what} is {encoding} text; arfuse reads JSON in UTF-8 (save it as UTF-8)");
     }
     let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
@@ -290,15 +290,22 @@ fn unknown_hint(bytes: &[u8], what: &str) -> String {
     }
 }
 
-/// How many leading bytes [`utf16_encoding`] looks at without a byte order mark.
+/// How many leading bytes [`utf16_or_32_encoding`] looks at without a byte order mark.
 const UTF16_PROBE_BYTES: usize = 64;
 
-/// `Some("UTF-16 LE")` or `Some("UTF-16 BE")` when `bytes` look like UTF-16 text: its
-/// byte order mark (`FF FE`, `FE FF`), or, within the first [`UTF16_PROBE_BYTES`], a
-/// NUL byte at every odd offset and none at an even one (LE; ASCII text such as JSON's
-/// punctuation and keys), or the other way round (BE). A UTF-8 file with a stray NUL is
-/// not UTF-16: the JSON parser then names the NUL's position.
-fn utf16_encoding(bytes: &[u8]) -> Option<&'static str> {
+/// The encoding's name when `bytes` look like UTF-32 or UTF-16 text: a UTF-32 byte
+/// order mark (`FF FE 00 00`, `00 00 FE FF`; the LE one begins with UTF-16 LE's), a
+/// UTF-16 one (`FF FE`, `FE FF`), or, within the first [`UTF16_PROBE_BYTES`], a NUL
+/// byte at every odd offset and none at an even one (UTF-16 LE; ASCII text such as
+/// JSON's punctuation and keys), or the other way round (BE). A UTF-8 file with a stray
+/// NUL is not UTF-16: the JSON parser then names the NUL's position.
+fn utf16_or_32_encoding(bytes: &[u8]) -> Option<&'static str> {
+    if bytes.starts_with(b"\xFF\xFE\x00\x00") {
+        return Some("UTF-32 LE");
+    }
+    if bytes.starts_with(b"\x00\x00\xFE\xFF") {
+        return Some("UTF-32 BE");
+    }
     if bytes.starts_with(b"\xFF\xFE") {
         return Some("UTF-16 LE");
     }

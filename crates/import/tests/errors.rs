@@ -175,6 +175,15 @@ fn garbage_and_other_formats() {
         ),
         (b"\xFE\xFF\x00{\x00}", "the file is UTF-16 BE text"),
         (b"\n\x00{\x00}\x00", "the file is UTF-16 LE text"),
+        // UTF-32 by its byte order mark (the LE one begins with UTF-16 LE's).
+        (
+            b"\xFF\xFE\x00\x00{\x00\x00\x00}\x00\x00\x00",
+            "the file is UTF-32 LE text; arfuse reads JSON in UTF-8",
+        ),
+        (
+            b"\x00\x00\xFE\xFF\x00\x00\x00{\x00\x00\x00}",
+            "the file is UTF-32 BE text",
+        ),
         // A stray NUL in UTF-8 is no UTF-16: the parser names its position.
         (
             b"{\"hello\": \"\x00world\", \"n\": 1}",
