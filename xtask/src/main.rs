@@ -54,6 +54,7 @@ enum Command {
     Lower {
         /// Graph file or directory. Default: the bundled Llama-3.1-8B TP8 graph on
         /// h200-sxm-x8.
+        #[arg(value_name = "GRAPH|DIR")]
         path: Option<PathBuf>,
         /// Target preset name (see `--list-targets`) or a TOML file. Default: the
         /// presets the graph's `<name>.options.json` lists, else the H200 SXM preset of
@@ -517,6 +518,18 @@ fn graphs_in(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
+/// Why `--out` or `--dot` cannot be used with `jobs`, the (graph, target) pairs of
+/// graph `path` when its options file lists more than one target.
+fn one_target_refusal(path: &Path, jobs: &[(PathBuf, String)]) -> String {
+    let targets: Vec<&str> = jobs.iter().map(|(_, t)| t.as_str()).collect();
+    format!(
+        "--out and --dot take one target; {} is lowered for the {} targets its options file lists ({}): pick one with --target",
+        path.display(),
+        targets.len(),
+        targets.join(", ")
+    )
+}
+
 /// The targets to lower one input for, decided without reading it: `--target` (or
 /// `--world-size`'s preset) when given, else the presets its sibling
 /// `<name>.options.json` lists (the model corpus); `None` when neither decides (the
@@ -726,6 +739,23 @@ fn lower_cmd(
             path.display()
         );
     }
+    let resolved_inputs: Vec<PathBuf> = inputs.iter().map(|i| resolved(i)).collect();
+    if inputs.len() > 1 && (out.is_some() || dot.is_some()) {
+        bail!(
+            "--out and --dot take one input graph; {} holds {} graphs (lower one of its files)",
+            path.display(),
+            inputs.len()
+        );
+    }
+    // Overwriting an input is refused first: it is the problem whatever the targets.
+    for o in out.iter().chain(dot.iter()) {
+        if resolved_inputs.contains(&resolved(o)) {
+            bail!(
+                "{} is an input graph; refusing to overwrite it",
+                o.display()
+            );
+        }
+    }
     let mut jobs: Vec<(PathBuf, String)> = Vec::new();
     // Graphs read to choose their target, kept for the lowering below.
     let mut preloaded: std::collections::BTreeMap<PathBuf, Result<Graph>> = Default::default();
@@ -766,17 +796,13 @@ fn lower_cmd(
         );
     }
     if jobs.len() > 1 && (out.is_some() || dot.is_some()) {
-        bail!(
-            "--out and --dot take one input graph and one target (pass --target); {} (graph, target) pairs given",
-            jobs.len()
-        );
+        bail!("{}", one_target_refusal(&path, &jobs));
     }
     if let (Some(o), Some(d)) = (&out, &dot) {
         if resolved(o) == resolved(d) {
             bail!("--out and --dot name the same file {}", o.display());
         }
     }
-    let resolved_inputs: Vec<PathBuf> = inputs.iter().map(|i| resolved(i)).collect();
     // Every other file the run reads: target files and the graphs' options files.
     let mut read_files: Vec<PathBuf> = jobs
         .iter()
@@ -799,12 +825,6 @@ fn lower_cmd(
     }
     for o in out.iter().chain(dot.iter()) {
         let r = resolved(o);
-        if resolved_inputs.contains(&r) {
-            bail!(
-                "{} is an input graph; refusing to overwrite it",
-                o.display()
-            );
-        }
         if read_files.contains(&r) {
             bail!(
                 "{} is a file this run reads (a target or options file); refusing to overwrite it",

@@ -301,6 +301,50 @@ fn out_never_overwrites_a_file_the_run_reads_and_a_missing_directory_fails_first
 }
 
 #[test]
+fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_first() {
+    let tmp = TempDir::new("out-one");
+    let out = tmp.path("x.lowered.json");
+    // The bundled graph's options file lists several targets.
+    let o = lower(&[LLAMA, "--out", &out]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("--out and --dot take one target")
+            && e.contains("targets its options file lists (h200-sxm-x8, ")
+            && e.contains("pick one with --target"),
+        "{e}"
+    );
+    // A directory of two graphs: refused before either is read.
+    std::fs::copy(root().join(LLAMA), tmp.0.join("a.json")).unwrap();
+    std::fs::copy(root().join(LLAMA), tmp.0.join("b.json")).unwrap();
+    let o = lower(&[tmp.0.to_str().unwrap(), "--dot", &out]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("--out and --dot take one input graph;") && e.contains("holds 2 graphs"),
+        "{e}"
+    );
+    assert!(!e.contains("note:"), "{e}");
+    // --out naming the input, with several targets: the overwrite is what is said.
+    let input = tmp.path("a.json");
+    std::fs::copy(
+        root().join("ir-fixtures/models/llama31_8b_tp8.options.json"),
+        tmp.0.join("a.options.json"),
+    )
+    .unwrap();
+    let before = std::fs::read(&input).unwrap();
+    let o = lower(&[&input, "--out", &input]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("is an input graph; refusing to overwrite it"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&input).unwrap(), before);
+    assert!(!Path::new(&out).exists());
+}
+
+#[test]
 fn a_graph_without_a_tp_size_needs_a_target_or_a_world_size() {
     let tmp = TempDir::new("no-tp");
     let out = tmp.path("e.json");
@@ -445,7 +489,19 @@ fn list_targets_and_help() {
         "{t}"
     );
     let o = lower(&["--help"]);
-    assert!(String::from_utf8_lossy(&o.stdout).contains("Usage: cargo xtask lower "));
+    let help = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        help.contains("Usage: cargo xtask lower [OPTIONS] [GRAPH|DIR]"),
+        "{help}"
+    );
+    // A usage error names the positional argument as the README does.
+    let o = lower(&["--check", "--check-all"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("Usage: cargo xtask lower --check [GRAPH|DIR]"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
