@@ -518,13 +518,14 @@ fn graphs_in(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
-/// Why `--out` or `--dot` cannot be used with `jobs`, the (graph, target) pairs of
-/// graph `path` when its options file lists more than one target.
-fn one_target_refusal(path: &Path, jobs: &[(PathBuf, String)]) -> String {
+/// Why `--out` or `--dot` cannot be used with `jobs`, the (graph, target) pairs of one
+/// graph whose options file lists more than one target.
+fn one_target_refusal(jobs: &[(PathBuf, String)]) -> String {
+    let graph = jobs.first().map(|(g, _)| g.display().to_string());
     let targets: Vec<&str> = jobs.iter().map(|(_, t)| t.as_str()).collect();
     format!(
         "--out and --dot take one target; {} is lowered for the {} targets its options file lists ({}): pick one with --target",
-        path.display(),
+        graph.unwrap_or_default(),
         targets.len(),
         targets.join(", ")
     )
@@ -742,14 +743,15 @@ fn lower_cmd(
     let resolved_inputs: Vec<PathBuf> = inputs.iter().map(|i| resolved(i)).collect();
     if inputs.len() > 1 && (out.is_some() || dot.is_some()) {
         bail!(
-            "--out and --dot take one input graph; {} holds {} graphs (lower one of its files)",
+            "--out and --dot take one input graph; {} holds {} graph files (lower one of them)",
             path.display(),
             inputs.len()
         );
     }
-    // Overwriting an input is refused first: it is the problem whatever the targets.
+    // Overwriting an input is refused before the targets are counted: it is the problem
+    // whatever they are. (A missing input is no input: reading it fails the pair.)
     for o in out.iter().chain(dot.iter()) {
-        if resolved_inputs.contains(&resolved(o)) {
+        if path.exists() && resolved_inputs.contains(&resolved(o)) {
             bail!(
                 "{} is an input graph; refusing to overwrite it",
                 o.display()
@@ -796,7 +798,7 @@ fn lower_cmd(
         );
     }
     if jobs.len() > 1 && (out.is_some() || dot.is_some()) {
-        bail!("{}", one_target_refusal(&path, &jobs));
+        bail!("{}", one_target_refusal(&jobs));
     }
     if let (Some(o), Some(d)) = (&out, &dot) {
         if resolved(o) == resolved(d) {

@@ -321,7 +321,7 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
-        e.contains("--out and --dot take one input graph;") && e.contains("holds 2 graphs"),
+        e.contains("--out and --dot take one input graph;") && e.contains("holds 2 graph files"),
         "{e}"
     );
     assert!(!e.contains("note:"), "{e}");
@@ -341,7 +341,27 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
         "{e}"
     );
     assert_eq!(std::fs::read(&input).unwrap(), before);
-    assert!(!Path::new(&out).exists());
+    // A directory of one graph with several targets: the graph is named.
+    std::fs::remove_file(tmp.0.join("b.json")).unwrap();
+    let o = lower(&[tmp.0.to_str().unwrap(), "--out", &out]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains(&format!(
+            "take one target; {input} is lowered for the 5 targets"
+        )),
+        "{e}"
+    );
+    // A missing input named as --out: the missing file is what is said.
+    let missing = tmp.path("missing.json");
+    let o = lower(&[&missing, "-t", "h200-sxm-x8", "--out", &missing]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains(&format!("reading {missing}")) && !e.contains("refusing to overwrite"),
+        "{e}"
+    );
+    assert!(!Path::new(&missing).exists() && !Path::new(&out).exists());
 }
 
 #[test]

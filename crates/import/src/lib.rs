@@ -262,8 +262,8 @@ pub(crate) fn check_size(what: &str, size: usize) -> Result<(), ImportError> {
 
 /// What bytes of no known format (`what`: "the file", or a gzip stream's "decompressed
 /// content") look like instead: UTF-16 or UTF-32 text, nothing but whitespace, a JSON object of
-/// another kind (and why it is not JSON text either), or anything else by its first
-/// bytes.
+/// another kind, text that begins with `{` but is no JSON (and why), or anything else by
+/// its first bytes.
 fn unknown_hint(bytes: &[u8], what: &str) -> String {
     if let Some(encoding) = utf16_or_32_encoding(bytes) {
         return format!("{what} is {encoding} text; arfuse reads JSON in UTF-8 (save it as UTF-8)");
@@ -272,14 +272,13 @@ fn unknown_hint(bytes: &[u8], what: &str) -> String {
     match body.iter().find(|b| !b.is_ascii_whitespace()) {
         None if bytes.is_empty() => format!("{what} is empty"),
         None => format!("{what} holds no JSON, only whitespace or a UTF-8 byte order mark"),
-        Some(b'{') => {
-            let mut hint = "a JSON object that is neither an arfuse graph (no \"format\": \
-                            \"arfuse-graph\") nor a torch.export ExportedProgram (no \
-                            \"graph_module\" or \"schema_version\" key)"
-                .to_string();
-            hint.push_str(&not_json_text_hint(bytes, body, what));
-            hint
-        }
+        Some(b'{') => match not_json_text(bytes, body, what) {
+            Some(why) => format!("{what} begins with `{{` but is {why}"),
+            None => "a JSON object that is neither an arfuse graph (no \"format\": \
+                     \"arfuse-graph\") nor a torch.export ExportedProgram (no \
+                     \"graph_module\" or \"schema_version\" key)"
+                .to_string(),
+        },
         Some(_) => {
             let head: Vec<String> = bytes.iter().take(8).map(|b| format!("{b:02x}")).collect();
             format!(
@@ -325,22 +324,22 @@ fn utf16_or_32_encoding(bytes: &[u8]) -> Option<&'static str> {
     }
 }
 
-/// Why bytes that open like a JSON object (`body`: `bytes` past a byte order mark) are
-/// not JSON text either, as "; nor ..." (empty when they are): not UTF-8 (the offset of
-/// the first bad byte in `bytes`, which `what` names), or not well-formed (line and
-/// column, as the loaders give them). A truncated or broken file fails the format check
-/// first, so this says what else is wrong.
-fn not_json_text_hint(bytes: &[u8], body: &[u8], what: &str) -> String {
+/// Why `body` (`bytes` without a UTF-8 byte order mark), which begins with `{`, is no
+/// JSON text: not UTF-8 (the offset of the first bad byte in `bytes`, which `what`
+/// names), or not well-formed (line and column, as the loaders give them); `None` when
+/// it is well-formed JSON. A truncated or broken file fails the format check first, so
+/// this says what else is wrong.
+fn not_json_text(bytes: &[u8], body: &[u8], what: &str) -> Option<String> {
     if let Err(e) = std::str::from_utf8(body) {
         let offset = bytes.len() - body.len() + e.valid_up_to();
-        return format!("; nor is it UTF-8 text (invalid byte at offset {offset} of {what})");
+        return Some(format!(
+            "not UTF-8 text (invalid byte at offset {offset} of {what})"
+        ));
     }
     // `IgnoredAny` keeps nothing; serde_json bounds the nesting.
-    match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
-        Ok(_) => String::new(),
-        Err(e) => {
-            let (line, column, message) = error::json_parts(&e);
-            format!("; nor is it well-formed JSON: at line {line}, column {column}: {message}")
-        }
-    }
+    let e = serde_json::from_slice::<serde::de::IgnoredAny>(body).err()?;
+    let (line, column, message) = error::json_parts(&e);
+    Some(format!(
+        "not well-formed JSON: at line {line}, column {column}: {message}"
+    ))
 }

@@ -143,25 +143,32 @@ fn garbage_and_other_formats() {
         (b"\x00\x01\x02garbage", "starts with bytes 00 01 02"),
         (b"[1, 2, 3]", "starts with bytes"),
         (b"{\"hello\": 1}", "neither an arfuse graph"),
+        // Text that only opens like an object is not called one.
         (
             b"{",
-            "neither an arfuse graph (no \"format\": \"arfuse-graph\") nor a torch.export \
-             ExportedProgram (no \"graph_module\" or \"schema_version\" key); nor is it \
-             well-formed JSON: at line 1, column 1: EOF while parsing an object",
+            "unknown file format: the file begins with `{` but is not well-formed JSON: at \
+             line 1, column 1: EOF while parsing an object",
+        ),
+        (
+            b"{not json",
+            "unknown file format: the file begins with `{` but is not well-formed JSON: at \
+             line 1, column 2: key must be a string",
         ),
         (
             b"{\"format\": \"arfuse-graf\", \"nodes\": [",
-            "; nor is it well-formed JSON: at line 1, column 36: EOF while parsing a list",
+            "the file begins with `{` but is not well-formed JSON: at line 1, column 36: EOF \
+             while parsing a list",
         ),
         // serde skips a bad byte in a string it ignores: the UTF-8 check says it.
         (
             b"{\"version\": 1, \"nodes\": [\"\xff\xfe\"]}",
-            "; nor is it UTF-8 text (invalid byte at offset 26 of the file)",
+            "the file begins with `{` but is not UTF-8 text (invalid byte at offset 26 of the \
+             file)",
         ),
         // The offset counts the byte order mark.
         (
             b"\xEF\xBB\xBF{\"a\": \"\xff\"}",
-            "; nor is it UTF-8 text (invalid byte at offset 10 of the file)",
+            "but is not UTF-8 text (invalid byte at offset 10 of the file)",
         ),
         // UTF-16, with its byte order mark or without (ASCII text: every other byte NUL).
         (
@@ -187,7 +194,7 @@ fn garbage_and_other_formats() {
         // A stray NUL in UTF-8 is no UTF-16: the parser names its position.
         (
             b"{\"hello\": \"\x00world\", \"n\": 1}",
-            "; nor is it well-formed JSON: at line 1, column 11: control character",
+            "but is not well-formed JSON: at line 1, column 11: control character",
         ),
         // The bytes shown are the file's, byte order mark included.
         (
@@ -337,7 +344,8 @@ fn a_gzip_streams_content_is_named_in_the_hint() {
     let e = err(&gz(b"{\"caf\xe9\": 1}")).to_string();
     assert!(
         e.ends_with(
-            "; nor is it UTF-8 text (invalid byte at offset 5 of the decompressed content)"
+            "the decompressed content begins with `{` but is not UTF-8 text (invalid byte at \
+             offset 5 of the decompressed content)"
         ),
         "{e}"
     );
