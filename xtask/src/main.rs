@@ -119,8 +119,8 @@ enum Command {
         #[arg(long, conflicts_with = "check")]
         check_all: bool,
         /// List the target presets (GPU, W, nodes, interconnect, the backend each
-        /// resolves to) and exit.
-        #[arg(long)]
+        /// resolves to) and exit; takes no other argument.
+        #[arg(long, exclusive = true)]
         list_targets: bool,
     },
     /// Run every test: install the NVRTC wheel the kernel compile checks need (pip,

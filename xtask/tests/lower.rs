@@ -508,6 +508,15 @@ fn list_targets_and_help() {
         t.contains("rtx-pro-6000-x4") && t.contains("none (no fusion)"),
         "{t}"
     );
+    // With anything else it is a usage error, not the table with the rest ignored.
+    let o = lower(&["--list-targets", "--out", "x.json", "no-such-graph.json"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(o.stdout.is_empty());
+    assert!(
+        stderr(&o).contains("the argument '--list-targets' cannot be used with"),
+        "{}",
+        stderr(&o)
+    );
     let o = lower(&["--help"]);
     let help = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(
