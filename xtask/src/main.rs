@@ -682,6 +682,14 @@ fn has_all_reduce(graph: &Graph) -> bool {
     })
 }
 
+/// The graphs of one run, each with the targets it is lowered for.
+struct Jobs {
+    /// (graph file, target spec) pairs, in order.
+    pairs: Vec<(PathBuf, String)>,
+    /// Graphs read to choose their target, kept for the lowering.
+    preloaded: std::collections::BTreeMap<PathBuf, Result<Graph>>,
+}
+
 #[allow(clippy::too_many_arguments)] // one per CLI option
 fn lower_cmd(
     root: &Path,
@@ -697,6 +705,41 @@ fn lower_cmd(
 ) -> Result<ExitCode> {
     let default_graph = path.is_none();
     let path = path.unwrap_or_else(|| root.join(DEFAULT_GRAPH));
+    let target = given_target(default_graph, target, world_size, &shared_hidden)?;
+    let inputs = graph_files(&path)?;
+    let resolved_inputs: Vec<PathBuf> = inputs.iter().map(|i| resolved(i)).collect();
+    let (out, dot) = (out.as_deref(), dot.as_deref());
+    refuse_outputs_before_reading(&path, &inputs, &resolved_inputs, out, dot)?;
+    let mut jobs = plan_jobs(&inputs, &target, import)?;
+    check_outputs(&jobs.pairs, &inputs, out, dot)?;
+    let out_paths = output_paths(root, &jobs.pairs, &resolved_inputs, out)?;
+    let options = LowerOptions {
+        group,
+        shared_hidden_sizes: shared_hidden,
+        ..LowerOptions::default()
+    };
+    let run = Run {
+        out_is_default: out.is_none(),
+        dot,
+        world_size_given: world_size.is_some(),
+        options: &options,
+        output: &output,
+        import,
+    };
+    run_jobs(&run, &mut jobs, &out_paths)
+}
+
+/// The target every graph of the run is lowered for, when one is given: `--target`, or
+/// `--world-size`'s preset (its choice said in a note), or with no arguments at all the
+/// default target; checked (and `--shared-hidden` too) before any graph is read, so
+/// that a bad one is reported once. `None`: each graph's own (its options file, or the
+/// TP size it records).
+fn given_target(
+    default_graph: bool,
+    target: Option<String>,
+    world_size: Option<u32>,
+    shared_hidden: &[u64],
+) -> Result<Option<String>> {
     // With no arguments: the bundled graph on the default target (not every preset
     // of its options file).
     let target = if default_graph && target.is_none() {
@@ -704,9 +747,7 @@ fn lower_cmd(
     } else {
         target
     };
-    // A bad target, --world-size or --shared-hidden is reported once, before any graph
-    // is read.
-    check_shared_hidden(&shared_hidden)?;
+    check_shared_hidden(shared_hidden)?;
     let target = match world_size {
         Some(w) => {
             let (name, note) = world_size_choice(w)?;
@@ -719,8 +760,14 @@ fn lower_cmd(
         let (t, _) = load_target(t)?;
         arfuse::policy::resolve_backend(&t).context("the target")?;
     }
+    Ok(target)
+}
+
+/// The graph files `path` names: itself, or the graphs of a directory (at least one).
+/// An options file given as the graph is refused, naming its graph.
+fn graph_files(path: &Path) -> Result<Vec<PathBuf>> {
     let inputs = if path.is_dir() {
-        graphs_in(&path)?
+        graphs_in(path)?
     } else {
         let name = path.file_name().map(|n| n.to_string_lossy().to_string());
         if let Some(graph) = name
@@ -732,7 +779,7 @@ fn lower_cmd(
                 path.display()
             );
         }
-        vec![path.clone()]
+        vec![path.to_path_buf()]
     };
     if inputs.is_empty() {
         bail!(
@@ -740,7 +787,20 @@ fn lower_cmd(
             path.display()
         );
     }
-    let resolved_inputs: Vec<PathBuf> = inputs.iter().map(|i| resolved(i)).collect();
+    Ok(inputs)
+}
+
+/// What `--out`/`--dot` cannot name, known before any graph is read: with a directory
+/// of several graph files, anything (they take one graph); an input graph (refused
+/// before the targets are counted: it is the problem whatever they are). A missing
+/// input is no input: reading it fails its pair.
+fn refuse_outputs_before_reading(
+    path: &Path,
+    inputs: &[PathBuf],
+    resolved_inputs: &[PathBuf],
+    out: Option<&Path>,
+    dot: Option<&Path>,
+) -> Result<()> {
     if inputs.len() > 1 && (out.is_some() || dot.is_some()) {
         bail!(
             "--out and --dot take one input graph; {} holds {} graph files (lower one of them)",
@@ -748,8 +808,6 @@ fn lower_cmd(
             inputs.len()
         );
     }
-    // Overwriting an input is refused before the targets are counted: it is the problem
-    // whatever they are. (A missing input is no input: reading it fails the pair.)
     for o in out.iter().chain(dot.iter()) {
         if path.exists() && resolved_inputs.contains(&resolved(o)) {
             bail!(
@@ -758,13 +816,26 @@ fn lower_cmd(
             );
         }
     }
-    let mut jobs: Vec<(PathBuf, String)> = Vec::new();
-    // Graphs read to choose their target, kept for the lowering below.
-    let mut preloaded: std::collections::BTreeMap<PathBuf, Result<Graph>> = Default::default();
+    Ok(())
+}
+
+/// The (graph, target) pairs of the run: each input with the given target, else the
+/// presets its options file lists, else the one its recorded TP size picks (the graph
+/// is read for it, and kept). Every graph that records none is named in one error.
+fn plan_jobs(
+    inputs: &[PathBuf],
+    target: &Option<String>,
+    import: &arfuse::import::ImportOptions,
+) -> Result<Jobs> {
+    let mut jobs = Jobs {
+        pairs: Vec::new(),
+        preloaded: Default::default(),
+    };
     let mut unplannable: Vec<String> = Vec::new();
-    for input in &inputs {
-        if let Some(list) = targets_for(input, &target)? {
-            jobs.extend(list.into_iter().map(|t| (input.clone(), t)));
+    for input in inputs {
+        if let Some(list) = targets_for(input, target)? {
+            jobs.pairs
+                .extend(list.into_iter().map(|t| (input.clone(), t)));
             continue;
         }
         let graph = read_graph(input, import);
@@ -785,8 +856,8 @@ fn lower_cmd(
                 }
             },
         };
-        preloaded.insert(input.clone(), graph);
-        jobs.push((input.clone(), t));
+        jobs.preloaded.insert(input.clone(), graph);
+        jobs.pairs.push((input.clone(), t));
     }
     if !unplannable.is_empty() {
         bail!(
@@ -797,22 +868,34 @@ fn lower_cmd(
             presets_by_world_size()
         );
     }
-    if jobs.len() > 1 && (out.is_some() || dot.is_some()) {
-        bail!("{}", one_target_refusal(&jobs));
+    Ok(jobs)
+}
+
+/// The rest of what `--out`/`--dot` cannot name, once the pairs are known: several
+/// targets, the same file twice, a target or options file the run reads, a directory,
+/// a file in a missing directory (reported now, not after the lowering).
+fn check_outputs(
+    pairs: &[(PathBuf, String)],
+    inputs: &[PathBuf],
+    out: Option<&Path>,
+    dot: Option<&Path>,
+) -> Result<()> {
+    if pairs.len() > 1 && (out.is_some() || dot.is_some()) {
+        bail!("{}", one_target_refusal(pairs));
     }
-    if let (Some(o), Some(d)) = (&out, &dot) {
+    if let (Some(o), Some(d)) = (out, dot) {
         if resolved(o) == resolved(d) {
             bail!("--out and --dot name the same file {}", o.display());
         }
     }
     // Every other file the run reads: target files and the graphs' options files.
-    let mut read_files: Vec<PathBuf> = jobs
+    let mut read_files: Vec<PathBuf> = pairs
         .iter()
         .map(|(_, t)| Path::new(t))
         .filter(|p| p.is_file())
         .map(resolved)
         .collect();
-    for input in &inputs {
+    for input in inputs {
         let name = input
             .file_name()
             .map(|n| n.to_string_lossy().to_string())
@@ -839,7 +922,6 @@ fn lower_cmd(
                 o.display()
             );
         }
-        // A missing directory is reported now, not after the lowering.
         if let Some(dir) = o.parent().filter(|d| !d.as_os_str().is_empty()) {
             if !dir.is_dir() {
                 bail!(
@@ -850,66 +932,87 @@ fn lower_cmd(
             }
         }
     }
-    // Every output path, decided (and checked) before anything is lowered or written.
-    let out_paths: Vec<PathBuf> = jobs
+    Ok(())
+}
+
+/// Every pair's output path, decided (and checked) before anything is lowered or
+/// written: `--out`, else the default (which may be neither an input graph nor shared by
+/// two inputs).
+fn output_paths(
+    root: &Path,
+    pairs: &[(PathBuf, String)],
+    resolved_inputs: &[PathBuf],
+    out: Option<&Path>,
+) -> Result<Vec<PathBuf>> {
+    if let Some(p) = out {
+        return Ok(vec![p.to_path_buf(); pairs.len()]);
+    }
+    let out_paths: Vec<PathBuf> = pairs
         .iter()
-        .map(|(input, t)| match &out {
-            Some(p) => p.clone(),
-            None => default_out(root, input, &target_name(t)),
-        })
+        .map(|(input, t)| default_out(root, input, &target_name(t)))
         .collect();
-    if out.is_none() {
-        let mut seen: std::collections::BTreeMap<PathBuf, &Path> = Default::default();
-        for ((input, t), o) in jobs.iter().zip(&out_paths) {
-            let r = resolved(o);
-            if resolved_inputs.contains(&r) {
+    let mut seen: std::collections::BTreeMap<PathBuf, &Path> = Default::default();
+    for ((input, t), o) in pairs.iter().zip(&out_paths) {
+        let r = resolved(o);
+        if resolved_inputs.contains(&r) {
+            bail!(
+                "the default output for {} on {} is {}, an input graph (it is already \
+                 lowered for this target); refusing to overwrite it: pass --out FILE",
+                input.display(),
+                target_name(t),
+                o.display()
+            );
+        }
+        if let Some(other) = seen.insert(r, input) {
+            if other != input.as_path() {
                 bail!(
-                    "the default output for {} on {} is {}, an input graph (it is already \
-                     lowered for this target); refusing to overwrite it: pass --out FILE",
+                    "{} and {} would both be written to {}; lower them one at a time \
+                     with --out FILE",
+                    other.display(),
                     input.display(),
-                    target_name(t),
                     o.display()
                 );
             }
-            if let Some(other) = seen.insert(r, input) {
-                if other != input.as_path() {
-                    bail!(
-                        "{} and {} would both be written to {}; lower them one at a time \
-                         with --out FILE",
-                        other.display(),
-                        input.display(),
-                        o.display()
-                    );
-                }
-            }
         }
     }
-    let options = LowerOptions {
-        group,
-        shared_hidden_sizes: shared_hidden,
-        ..LowerOptions::default()
-    };
+    Ok(out_paths)
+}
+
+/// What every pair of a run shares.
+struct Run<'a> {
+    /// No `--out`: each pair goes to its default output.
+    out_is_default: bool,
+    dot: Option<&'a Path>,
+    world_size_given: bool,
+    options: &'a LowerOptions,
+    output: &'a Output,
+    import: &'a arfuse::import::ImportOptions,
+}
+
+/// Lowers every pair (a graph read once for its consecutive pairs), writing what
+/// succeeds; prints the JSON report when asked; fails when any pair failed, saying how
+/// many.
+fn run_jobs(run: &Run<'_>, jobs: &mut Jobs, out_paths: &[PathBuf]) -> Result<ExitCode> {
     let mut failed = 0usize;
     let mut json_reports = Vec::new();
     let mut loaded: Option<(PathBuf, Graph)> = None;
-    let report = output.report;
-    for ((input, target_spec), out_path) in jobs.iter().zip(&out_paths) {
+    for ((input, target_spec), out_path) in jobs.pairs.iter().zip(out_paths) {
         let (target, target_name) = load_target(target_spec)?;
         let pair = Pair {
             input,
             target: &target,
             target_name: &target_name,
             out_path,
-            default_out: out.is_none(),
-            dot: dot.as_deref(),
-            world_size_given: world_size.is_some(),
+            default_out: run.out_is_default,
+            dot: run.dot,
+            world_size_given: run.world_size_given,
         };
         let graph = match &loaded {
             Some((p, g)) if p == input => Ok(g),
             _ => {
-                let g = match preloaded.remove(input) {
+                let g = match jobs.preloaded.remove(input) {
                     Some(g) => g,
-                    None => read_graph(input, import),
+                    None => read_graph(input, run.import),
                 };
                 match g {
                     Ok(g) => Ok(&loaded.insert((input.clone(), g)).1),
@@ -920,7 +1023,7 @@ fn lower_cmd(
                 }
             }
         };
-        match graph.and_then(|g| lower_pair(&pair, g, &options, &output)) {
+        match graph.and_then(|g| lower_pair(&pair, g, run.options, run.output)) {
             Ok(Some(json)) => json_reports.push(json),
             Ok(None) => {}
             Err(msg) => {
@@ -935,11 +1038,14 @@ fn lower_cmd(
             }
         }
     }
-    if matches!(report, ReportFormat::Json) {
+    if matches!(run.output.report, ReportFormat::Json) {
         println!("{}", serde_json::to_string_pretty(&json_reports)?);
     }
     if failed > 0 {
-        eprintln!("{failed} of {} (graph, target) pair(s) failed", jobs.len());
+        eprintln!(
+            "{failed} of {} (graph, target) pair(s) failed",
+            jobs.pairs.len()
+        );
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
