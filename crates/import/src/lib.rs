@@ -105,7 +105,8 @@ impl Imported {
 /// when a `"format"` key with the value `"arfuse-graph"` comes before any
 /// `"graph_module"` or `"schema_version"` key within the first
 /// [`DETECT_WINDOW_BYTES`] bytes, and torch.export JSON when one of those keys comes
-/// first. Anything else is [`Format::Unknown`].
+/// first; a key is the string followed by `:` (the same string as a value is none).
+/// Anything else is [`Format::Unknown`].
 pub fn detect(bytes: &[u8]) -> Format {
     if bytes.starts_with(b"PK\x03\x04") || bytes.starts_with(b"PK\x05\x06") {
         return Format::TorchExportPt2;
@@ -125,7 +126,7 @@ pub fn detect(bytes: &[u8]) -> Format {
     let arfuse = find_arfuse_tag(window);
     let torch = [&b"\"graph_module\""[..], b"\"schema_version\""]
         .iter()
-        .filter_map(|k| find(window, k))
+        .filter_map(|k| keys(window, k).next().map(|(at, _)| at))
         .min();
     match (arfuse, torch) {
         (Some(a), Some(t)) if a < t => Format::ArfuseJson,
@@ -138,26 +139,34 @@ pub fn detect(bytes: &[u8]) -> Format {
 /// Position of `"format"`, optional whitespace, `:`, optional whitespace,
 /// `"arfuse-graph"` in `w`.
 fn find_arfuse_tag(w: &[u8]) -> Option<usize> {
-    let key = b"\"format\"";
+    keys(w, b"\"format\"")
+        .find(|&(_, value)| skip_whitespace(w, value).starts_with(b"\"arfuse-graph\""))
+        .map(|(at, _)| at)
+}
+
+/// Where `key` (a JSON string, quotes included) is used as an object key in `w`: each
+/// occurrence followed by optional whitespace and `:`, as (its position, the position
+/// after the `:`). The same string as a value (`["graph_module"]`) is not a key.
+fn keys<'w>(w: &'w [u8], key: &'w [u8]) -> impl Iterator<Item = (usize, usize)> + 'w {
     let mut from = 0;
-    while let Some(p) = find(&w[from..], key) {
-        let at = from + p;
-        let mut i = at + key.len();
-        while i < w.len() && w[i].is_ascii_whitespace() {
-            i += 1;
-        }
-        if i < w.len() && w[i] == b':' {
-            i += 1;
-            while i < w.len() && w[i].is_ascii_whitespace() {
-                i += 1;
-            }
-            if w[i..].starts_with(b"\"arfuse-graph\"") {
-                return Some(at);
+    std::iter::from_fn(move || {
+        while let Some(p) = find(&w[from..], key) {
+            let at = from + p;
+            from = at + key.len();
+            let rest = skip_whitespace(w, from);
+            if rest.first() == Some(&b':') {
+                return Some((at, w.len() - rest.len() + 1));
             }
         }
-        from = at + key.len();
-    }
-    None
+        None
+    })
+}
+
+/// `w` from `i` on, past any ASCII whitespace.
+fn skip_whitespace(w: &[u8], i: usize) -> &[u8] {
+    let rest = w.get(i..).unwrap_or_default();
+    let n = rest.iter().take_while(|b| b.is_ascii_whitespace()).count();
+    &rest[n..]
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
@@ -279,14 +288,39 @@ fn unknown_hint(bytes: &[u8], what: &str) -> String {
                      \"graph_module\" or \"schema_version\" key)"
                 .to_string(),
         },
-        Some(_) => {
+        Some(&first) => {
+            if let Some(kind) = json_kind(first).filter(|_| is_json(body)) {
+                return format!(
+                    "{what} is JSON, but {kind}, not an object: a graph is a JSON object"
+                );
+            }
             let head: Vec<String> = bytes.iter().take(8).map(|b| format!("{b:02x}")).collect();
             format!(
-                "expected arfuse graph JSON, torch.export JSON (optionally gzip-compressed) or a .pt2 zip archive; {what} starts with bytes {}",
+                "expected arfuse graph JSON or torch.export JSON (either may be gzip-compressed), or a .pt2 zip archive; {what} starts with bytes {}",
                 head.join(" ")
             )
         }
     }
+}
+
+/// The kind of JSON value whose text starts with byte `first` ("an array", ...), for
+/// any value but an object.
+fn json_kind(first: u8) -> Option<&'static str> {
+    Some(match first {
+        b'[' => "an array",
+        b'"' => "a string",
+        b'-' | b'0'..=b'9' => "a number",
+        b't' | b'f' => "a boolean",
+        b'n' => "null",
+        _ => return None,
+    })
+}
+
+/// Whether `body` is one well-formed JSON value. `IgnoredAny` keeps nothing, and
+/// serde_json skips an ignored value without recursing (a 5,000-deep array of
+/// `ir-fixtures/hostile/` passes).
+fn is_json(body: &[u8]) -> bool {
+    serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok()
 }
 
 /// How many leading bytes [`utf16_or_32_encoding`] looks at without a byte order mark.
@@ -336,7 +370,7 @@ fn not_json_text(bytes: &[u8], body: &[u8], what: &str) -> Option<String> {
             "not UTF-8 text (invalid byte at offset {offset} of {what})"
         ));
     }
-    // `IgnoredAny` keeps nothing; serde_json bounds the nesting.
+    // `IgnoredAny` keeps nothing and skips nested values without recursing.
     let e = serde_json::from_slice::<serde::de::IgnoredAny>(body).err()?;
     let (line, column, message) = error::json_parts(&e);
     Some(format!(

@@ -25,6 +25,38 @@ fn truncated_file() {
 }
 
 #[test]
+fn detection_reads_keys_not_values() {
+    for (text, want) in [
+        (&b"{\"graph_module\" : {}}"[..], Format::TorchExportJson),
+        (
+            b"{\"x\": 1, \"schema_version\":\n{}}",
+            Format::TorchExportJson,
+        ),
+        (b"{\"a\": [\"graph_module\"]}", Format::Unknown),
+        (b"{\"a\": \"schema_version\"}", Format::Unknown),
+        // The first key decides: a torch.export key named in a value before the tag
+        // does not count.
+        (
+            b"{\"note\": \"graph_module\", \"format\": \"arfuse-graph\"}",
+            Format::ArfuseJson,
+        ),
+        (
+            b"{\"format\": \"other\", \"format\" :\t\"arfuse-graph\"}",
+            Format::ArfuseJson,
+        ),
+        (b"{\"format\"", Format::Unknown),
+        (b"{\"format\":", Format::Unknown),
+        (b"{\"schema_version\"", Format::Unknown),
+        (
+            b"{\"schema_version\": {}, \"format\": \"arfuse-graph\"}",
+            Format::TorchExportJson,
+        ),
+    ] {
+        assert_eq!(detect(text), want, "{}", String::from_utf8_lossy(text));
+    }
+}
+
+#[test]
 fn every_truncation_is_an_error_not_a_panic() {
     let full = export_bytes("qwen3_30b_a3b_L2_tp4");
     let mut at = 0;
@@ -141,8 +173,32 @@ fn garbage_and_other_formats() {
         ),
         (b"\xEF\xBB\xBF", "the file holds no JSON, only whitespace"),
         (b"\x00\x01\x02garbage", "starts with bytes 00 01 02"),
-        (b"[1, 2, 3]", "starts with bytes"),
+        // Well-formed JSON of another kind says which; a value too deep for the parser
+        // is shown by its bytes.
+        (
+            b"[1, 2, 3]",
+            "unknown file format: the file is JSON, but an array, not an object: a graph is a \
+             JSON object",
+        ),
+        (b" null\n", "the file is JSON, but null, not an object"),
+        (
+            b"\"graph\"",
+            "the file is JSON, but a string, not an object",
+        ),
+        (b"-4.5e3", "the file is JSON, but a number, not an object"),
+        (b"true", "the file is JSON, but a boolean, not an object"),
+        (
+            &[b'['; 200],
+            "(either may be gzip-compressed), or a .pt2 zip archive; the file starts with \
+             bytes 5b 5b 5b",
+        ),
+        (b"[1, 2", "the file starts with bytes 5b 31 2c 20 32"),
         (b"{\"hello\": 1}", "neither an arfuse graph"),
+        // A torch.export key as a value is no key.
+        (
+            b"{\"a\": [\"graph_module\"], \"b\": \"schema_version\"}",
+            "a JSON object that is neither an arfuse graph",
+        ),
         // Text that only opens like an object is not called one.
         (
             b"{",
