@@ -51,6 +51,9 @@ enum ReportFormat {
 enum Command {
     /// Lower a graph (arfuse JSON, torch.export JSON or .pt2) or every graph in a
     /// directory for a target, print the report and write the lowered graph.
+    #[command(
+        override_usage = "cargo xtask lower [OPTIONS] [GRAPH|DIR]\n       cargo xtask lower --list-targets"
+    )]
     Lower {
         /// Graph file or directory. Default: the bundled Llama-3.1-8B TP8 graph on
         /// h200-sxm-x8.
@@ -120,7 +123,13 @@ enum Command {
         check_all: bool,
         /// List the target presets (GPU, W, nodes, interconnect, the backend each
         /// resolves to) and exit; takes no other argument.
-        #[arg(long, exclusive = true)]
+        #[arg(
+            long,
+            conflicts_with_all = [
+                "path", "target", "world_size", "out", "report", "dot", "group",
+                "shared_hidden", "all_reduce_ops", "sites", "check", "check_all",
+            ]
+        )]
         list_targets: bool,
     },
     /// Run every test: install the NVRTC wheel the kernel compile checks need (pip,
@@ -539,14 +548,7 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
     if let Some(t) = given {
         return Ok(Some(vec![t.clone()]));
     }
-    let name = input
-        .file_name()
-        .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_default();
-    let options = input.with_file_name(format!(
-        "{}.options.json",
-        graph_stem(&name).unwrap_or(&name)
-    ));
+    let options = options_file_of(input);
     if options.is_file() {
         let text = std::fs::read_to_string(&options)
             .with_context(|| format!("reading {}", options.display()))?;
@@ -709,9 +711,19 @@ fn lower_cmd(
     let inputs = graph_files(&path)?;
     let resolved_inputs: Vec<PathBuf> = inputs.iter().map(|i| resolved(i)).collect();
     let (out, dot) = (out.as_deref(), dot.as_deref());
-    refuse_outputs_before_reading(&path, &inputs, &resolved_inputs, out, dot)?;
+    let outputs: Vec<(&str, &Path)> = [("--out", out), ("--dot", dot)]
+        .into_iter()
+        .filter_map(|(flag, o)| Some((flag, o?)))
+        .collect();
+    refuse_outputs_before_reading(
+        &path,
+        &inputs,
+        &resolved_inputs,
+        target.as_deref(),
+        &outputs,
+    )?;
     let mut jobs = plan_jobs(&inputs, &target, import)?;
-    check_outputs(&jobs.pairs, &inputs, out, dot)?;
+    check_outputs(&jobs.pairs, &outputs)?;
     let out_paths = output_paths(root, &jobs.pairs, &resolved_inputs, out)?;
     let options = LowerOptions {
         group,
@@ -790,33 +802,63 @@ fn graph_files(path: &Path) -> Result<Vec<PathBuf>> {
     Ok(inputs)
 }
 
-/// What `--out`/`--dot` cannot name, known before any graph is read: with a directory
-/// of several graph files, anything (they take one graph); an input graph (refused
-/// before the targets are counted: it is the problem whatever they are). A missing
-/// input is no input: reading it fails its pair.
+/// What `--out`/`--dot` cannot name, known before any graph is read. First a file the
+/// run reads, whatever the targets: an input graph (a missing input is none: reading
+/// it fails its pair), an input's options file, the `--target` file. Then anything,
+/// with a directory of several graphs (they take one graph).
 fn refuse_outputs_before_reading(
     path: &Path,
     inputs: &[PathBuf],
     resolved_inputs: &[PathBuf],
-    out: Option<&Path>,
-    dot: Option<&Path>,
+    target: Option<&str>,
+    outputs: &[(&str, &Path)],
 ) -> Result<()> {
-    if inputs.len() > 1 && (out.is_some() || dot.is_some()) {
-        bail!(
-            "--out and --dot take one input graph; {} holds {} graph files (lower one of them)",
-            path.display(),
-            inputs.len()
-        );
-    }
-    for o in out.iter().chain(dot.iter()) {
-        if path.exists() && resolved_inputs.contains(&resolved(o)) {
+    let mut read_files: Vec<PathBuf> = inputs
+        .iter()
+        .map(|i| options_file_of(i))
+        .chain(target.map(PathBuf::from))
+        .filter(|p| p.is_file())
+        .map(|p| resolved(&p))
+        .collect();
+    read_files.sort();
+    for (flag, o) in outputs {
+        let r = resolved(o);
+        if path.exists() && resolved_inputs.contains(&r) {
             bail!(
-                "{} is an input graph; refusing to overwrite it",
+                "{flag} {} is an input graph; refusing to overwrite it",
+                o.display()
+            );
+        }
+        if read_files.binary_search(&r).is_ok() {
+            bail!(
+                "{flag} {} is a file this run reads (a target or options file); refusing to \
+                 overwrite it",
                 o.display()
             );
         }
     }
+    if inputs.len() > 1 && !outputs.is_empty() {
+        bail!(
+            "--out and --dot take one input graph; {} has {} entries to lower as graphs \
+             (*.json, *.json.gz, *.pt2): lower one of them",
+            path.display(),
+            inputs.len()
+        );
+    }
     Ok(())
+}
+
+/// The options file beside graph `input`: `<name>.options.json`, whether it exists or
+/// not.
+fn options_file_of(input: &Path) -> PathBuf {
+    let name = input
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
+    input.with_file_name(format!(
+        "{}.options.json",
+        graph_stem(&name).unwrap_or(&name)
+    ))
 }
 
 /// The (graph, target) pairs of the run: each input with the given target, else the
@@ -871,61 +913,45 @@ fn plan_jobs(
     Ok(jobs)
 }
 
-/// The rest of what `--out`/`--dot` cannot name, once the pairs are known: several
-/// targets, the same file twice, a target or options file the run reads, a directory,
-/// a file in a missing directory (reported now, not after the lowering).
-fn check_outputs(
-    pairs: &[(PathBuf, String)],
-    inputs: &[PathBuf],
-    out: Option<&Path>,
-    dot: Option<&Path>,
-) -> Result<()> {
-    if pairs.len() > 1 && (out.is_some() || dot.is_some()) {
+/// The rest of what `--out`/`--dot` (`outputs`, each with its flag) cannot name, once
+/// the pairs are known: several targets, the same file twice, a target file an options
+/// file names, a directory, a file in a missing directory (reported now, not after the
+/// lowering).
+fn check_outputs(pairs: &[(PathBuf, String)], outputs: &[(&str, &Path)]) -> Result<()> {
+    if pairs.len() > 1 && !outputs.is_empty() {
         bail!("{}", one_target_refusal(pairs));
     }
-    if let (Some(o), Some(d)) = (out, dot) {
+    if let [(_, o), (_, d)] = outputs {
         if resolved(o) == resolved(d) {
             bail!("--out and --dot name the same file {}", o.display());
         }
     }
-    // Every other file the run reads: target files and the graphs' options files.
-    let mut read_files: Vec<PathBuf> = pairs
+    // A target file an options file names (the other files the run reads are refused
+    // before reading).
+    let target_files: Vec<PathBuf> = pairs
         .iter()
         .map(|(_, t)| Path::new(t))
         .filter(|p| p.is_file())
         .map(resolved)
         .collect();
-    for input in inputs {
-        let name = input
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_default();
-        let options = input.with_file_name(format!(
-            "{}.options.json",
-            graph_stem(&name).unwrap_or(&name)
-        ));
-        if options.is_file() {
-            read_files.push(resolved(&options));
-        }
-    }
-    for o in out.iter().chain(dot.iter()) {
-        let r = resolved(o);
-        if read_files.contains(&r) {
+    for (flag, o) in outputs {
+        if target_files.contains(&resolved(o)) {
             bail!(
-                "{} is a file this run reads (a target or options file); refusing to overwrite it",
+                "{flag} {} is a file this run reads (a target or options file); refusing to \
+                 overwrite it",
                 o.display()
             );
         }
         if o.is_dir() {
             bail!(
-                "{} is a directory; --out and --dot take a file name",
+                "{flag} {} is a directory; it takes a file name",
                 o.display()
             );
         }
         if let Some(dir) = o.parent().filter(|d| !d.as_os_str().is_empty()) {
             if !dir.is_dir() {
                 bail!(
-                    "{}: directory {} does not exist",
+                    "{flag} {}: directory {} does not exist",
                     o.display(),
                     dir.display()
                 );

@@ -292,7 +292,12 @@ fn out_never_overwrites_a_file_the_run_reads_and_a_missing_directory_fails_first
     let missing = tmp.path("nodir/x.json");
     let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", &missing]);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("does not exist"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&format!("--out {missing}: directory "))
+            && stderr(&o).contains("does not exist"),
+        "{}",
+        stderr(&o)
+    );
     assert!(
         o.stdout.is_empty(),
         "{}",
@@ -321,7 +326,8 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
-        e.contains("--out and --dot take one input graph;") && e.contains("holds 2 graph files"),
+        e.contains("--out and --dot take one input graph;")
+            && e.contains("has 2 entries to lower as graphs"),
         "{e}"
     );
     assert!(!e.contains("note:"), "{e}");
@@ -337,10 +343,27 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
-        e.contains("is an input graph; refusing to overwrite it"),
+        e.contains(&format!(
+            "--out {input} is an input graph; refusing to overwrite it"
+        )),
         "{e}"
     );
     assert_eq!(std::fs::read(&input).unwrap(), before);
+    // So is its options file, before the targets it lists are counted; and a graph of
+    // a directory of several.
+    let options = tmp.path("a.options.json");
+    let o = lower(&[&input, "--dot", &options]);
+    let e = stderr(&o);
+    assert!(
+        e.contains(&format!("--dot {options} is a file this run reads")),
+        "{e}"
+    );
+    let o = lower(&[tmp.0.to_str().unwrap(), "--out", &input]);
+    let e = stderr(&o);
+    assert!(
+        e.contains("is an input graph; refusing to overwrite it"),
+        "{e}"
+    );
     // A directory of one graph with several targets: the graph is named.
     std::fs::remove_file(tmp.0.join("b.json")).unwrap();
     let o = lower(&[tmp.0.to_str().unwrap(), "--out", &out]);
@@ -508,15 +531,20 @@ fn list_targets_and_help() {
         t.contains("rtx-pro-6000-x4") && t.contains("none (no fusion)"),
         "{t}"
     );
-    // With anything else it is a usage error, not the table with the rest ignored.
+    // With anything else it is a usage error naming what else was given, not the
+    // table with the rest ignored.
     let o = lower(&["--list-targets", "--out", "x.json", "no-such-graph.json"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(o.stdout.is_empty());
     assert!(
-        stderr(&o).contains("the argument '--list-targets' cannot be used with"),
+        stderr(&o).contains(
+            "the argument '--list-targets' cannot be used with:\n  --out <OUT>\n  [GRAPH|DIR]"
+        ),
         "{}",
         stderr(&o)
     );
+    let o = lower(&["--report", "json", "--list-targets"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let o = lower(&["--help"]);
     let help = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(
@@ -527,7 +555,10 @@ fn list_targets_and_help() {
     let o = lower(&["--check", "--check-all"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(
-        stderr(&o).contains("Usage: cargo xtask lower --check [GRAPH|DIR]"),
+        stderr(&o).contains(
+            "Usage: cargo xtask lower [OPTIONS] [GRAPH|DIR]\n       cargo xtask lower \
+             --list-targets\n"
+        ),
         "{}",
         stderr(&o)
     );
@@ -637,7 +668,7 @@ fn a_directory_as_out_a_zero_world_size_and_ignored_all_reduce_ops_are_said() {
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
-        e.contains("is a directory; --out and --dot take a file name"),
+        e.contains("is a directory; it takes a file name") && e.starts_with("error: --out "),
         "{e}"
     );
     // Refused before lowering: no report was printed.
