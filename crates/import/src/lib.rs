@@ -101,12 +101,12 @@ impl Imported {
 ///
 /// A zip local-file or end-of-archive signature means [`Format::TorchExportPt2`], the
 /// gzip signature (`1f 8b`) [`Format::Gzip`]. A
-/// JSON object (after optional whitespace and UTF-8 byte-order mark) is arfuse JSON
-/// when a `"format"` key with the value `"arfuse-graph"` comes before any
-/// `"graph_module"` or `"schema_version"` key within the first
+/// JSON object (after optional JSON whitespace and UTF-8 byte-order mark) is arfuse
+/// JSON when a top-level `"format"` key with the value `"arfuse-graph"` comes before
+/// any top-level `"graph_module"` or `"schema_version"` key within the first
 /// [`DETECT_WINDOW_BYTES`] bytes, and torch.export JSON when one of those keys comes
-/// first; a key is the string followed by `:` (the same string as a value is none).
-/// Anything else is [`Format::Unknown`].
+/// first (a name as a value, or as a key of a nested object, is no such key). Anything
+/// else is [`Format::Unknown`].
 pub fn detect(bytes: &[u8]) -> Format {
     if bytes.starts_with(b"PK\x03\x04") || bytes.starts_with(b"PK\x05\x06") {
         return Format::TorchExportPt2;
@@ -115,7 +115,7 @@ pub fn detect(bytes: &[u8]) -> Format {
         return Format::Gzip;
     }
     let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
-    let start = body.iter().position(|b| !b.is_ascii_whitespace());
+    let start = body.iter().position(|b| !is_json_space(b));
     let Some(start) = start else {
         return Format::Unknown;
     };
@@ -123,54 +123,74 @@ pub fn detect(bytes: &[u8]) -> Format {
         return Format::Unknown;
     }
     let window = &body[start..body.len().min(start + DETECT_WINDOW_BYTES)];
-    let arfuse = find_arfuse_tag(window);
-    let torch = [&b"\"graph_module\""[..], b"\"schema_version\""]
-        .iter()
-        .filter_map(|k| keys(window, k).next().map(|(at, _)| at))
-        .min();
-    match (arfuse, torch) {
-        (Some(a), Some(t)) if a < t => Format::ArfuseJson,
-        (Some(_), None) => Format::ArfuseJson,
-        (_, Some(_)) => Format::TorchExportJson,
-        (None, None) => Format::Unknown,
+    for (key, value) in top_level_keys(window) {
+        match key {
+            b"\"format\"" if skip_whitespace(window, value).starts_with(b"\"arfuse-graph\"") => {
+                return Format::ArfuseJson
+            }
+            b"\"graph_module\"" | b"\"schema_version\"" => return Format::TorchExportJson,
+            _ => {}
+        }
     }
+    Format::Unknown
 }
 
-/// Position of `"format"`, optional whitespace, `:`, optional whitespace,
-/// `"arfuse-graph"` in `w`.
-fn find_arfuse_tag(w: &[u8]) -> Option<usize> {
-    keys(w, b"\"format\"")
-        .find(|&(_, value)| skip_whitespace(w, value).starts_with(b"\"arfuse-graph\""))
-        .map(|(at, _)| at)
-}
-
-/// Where `key` (a JSON string, quotes included) is used as an object key in `w`: each
-/// occurrence followed by optional whitespace and `:`, as (its position, the position
-/// after the `:`). The same string as a value (`["graph_module"]`) is not a key.
-fn keys<'w>(w: &'w [u8], key: &'w [u8]) -> impl Iterator<Item = (usize, usize)> + 'w {
-    let mut from = 0;
+/// The keys of the object that `w` opens (JSON text from its `{`, perhaps cut short),
+/// in order: each key's text with its quotes, and the position just past its `:`. A
+/// scan of quotes, escapes and brackets, not a parse: strings and nested values are
+/// stepped over, so a key's name as a value (`["graph_module"]`) or as a key of a
+/// nested object is none. Ends at the object's end or at the end of `w`.
+fn top_level_keys(w: &[u8]) -> impl Iterator<Item = (&[u8], usize)> {
+    let mut i = 1;
+    let mut depth = 1u32;
     std::iter::from_fn(move || {
-        while let Some(p) = find(&w[from..], key) {
-            let at = from + p;
-            from = at + key.len();
-            let rest = skip_whitespace(w, from);
-            if rest.first() == Some(&b':') {
-                return Some((at, w.len() - rest.len() + 1));
+        while i < w.len() {
+            match w[i] {
+                b'"' => {
+                    let start = i;
+                    i += 1;
+                    while i < w.len() && w[i] != b'"' {
+                        i += if w[i] == b'\\' { 2 } else { 1 };
+                    }
+                    if i >= w.len() {
+                        return None;
+                    }
+                    i += 1;
+                    let key = &w[start..i];
+                    let rest = skip_whitespace(w, i);
+                    if depth == 1 && rest.first() == Some(&b':') {
+                        i = w.len() - rest.len() + 1;
+                        return Some((key, i));
+                    }
+                }
+                b'{' | b'[' => {
+                    depth += 1;
+                    i += 1;
+                }
+                b'}' | b']' => {
+                    depth -= 1;
+                    i += 1;
+                    if depth == 0 {
+                        i = w.len();
+                    }
+                }
+                _ => i += 1,
             }
         }
         None
     })
 }
 
-/// `w` from `i` on, past any ASCII whitespace.
+/// `w` from `i` on, past any JSON whitespace.
 fn skip_whitespace(w: &[u8], i: usize) -> &[u8] {
     let rest = w.get(i..).unwrap_or_default();
-    let n = rest.iter().take_while(|b| b.is_ascii_whitespace()).count();
+    let n = rest.iter().take_while(|b| is_json_space(b)).count();
     &rest[n..]
 }
 
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
+/// JSON's whitespace (RFC 8259): space, tab, line feed, carriage return.
+fn is_json_space(b: &u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
 }
 
 /// Detects the format of `bytes` and imports it, with [`ImportOptions::default`].
@@ -278,35 +298,35 @@ fn unknown_hint(bytes: &[u8], what: &str) -> String {
         return format!("{what} is {encoding} text; arfuse reads JSON in UTF-8 (save it as UTF-8)");
     }
     let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
-    match body.iter().find(|b| !b.is_ascii_whitespace()) {
-        None if bytes.is_empty() => format!("{what} is empty"),
-        None => format!("{what} holds no JSON, only whitespace or a UTF-8 byte order mark"),
-        Some(b'{') => match not_json_text(bytes, body, what) {
-            Some(why) => format!("{what} begins with `{{` but is {why}"),
-            None => "a JSON object that is neither an arfuse graph (no \"format\": \
-                     \"arfuse-graph\") nor a torch.export ExportedProgram (no \
-                     \"graph_module\" or \"schema_version\" key)"
-                .to_string(),
-        },
-        Some(&first) => {
-            if let Some(kind) = json_kind(first).filter(|_| is_json(body)) {
-                return format!(
-                    "{what} is JSON, but {kind}, not an object: a graph is a JSON object"
-                );
-            }
-            let head: Vec<String> = bytes.iter().take(8).map(|b| format!("{b:02x}")).collect();
-            format!(
-                "expected arfuse graph JSON or torch.export JSON (either may be gzip-compressed), or a .pt2 zip archive; {what} starts with bytes {}",
-                head.join(" ")
-            )
-        }
+    let Some(&first) = body.iter().find(|b| !is_json_space(b)) else {
+        return if bytes.is_empty() {
+            format!("{what} is empty")
+        } else {
+            format!("{what} holds no JSON, only whitespace or a UTF-8 byte order mark")
+        };
+    };
+    let Some(kind) = json_kind(first) else {
+        let head: Vec<String> = bytes.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        return format!(
+            "expected arfuse graph JSON or torch.export JSON (either may be gzip-compressed), or a .pt2 zip archive; {what} starts with bytes {}",
+            head.join(" ")
+        );
+    };
+    match not_json_text(bytes, body, what) {
+        Some(why) => format!("{what} begins with `{}` but is {why}", char::from(first)),
+        None if first == b'{' => "a JSON object that is neither an arfuse graph (no \"format\": \
+                                  \"arfuse-graph\") nor a torch.export ExportedProgram (no \
+                                  \"graph_module\" or \"schema_version\" key)"
+            .to_string(),
+        None => format!("{what} is JSON, but {kind}, not an object: a graph is a JSON object"),
     }
 }
 
-/// The kind of JSON value whose text starts with byte `first` ("an array", ...), for
-/// any value but an object.
+/// The kind of JSON value whose text starts with byte `first` ("an object", "an
+/// array", ...); `None` when no JSON value starts so.
 fn json_kind(first: u8) -> Option<&'static str> {
     Some(match first {
+        b'{' => "an object",
         b'[' => "an array",
         b'"' => "a string",
         b'-' | b'0'..=b'9' => "a number",
@@ -314,13 +334,6 @@ fn json_kind(first: u8) -> Option<&'static str> {
         b'n' => "null",
         _ => return None,
     })
-}
-
-/// Whether `body` is one well-formed JSON value. `IgnoredAny` keeps nothing, and
-/// serde_json skips an ignored value without recursing (a 5,000-deep array of
-/// `ir-fixtures/hostile/` passes).
-fn is_json(body: &[u8]) -> bool {
-    serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok()
 }
 
 /// How many leading bytes [`utf16_or_32_encoding`] looks at without a byte order mark.
@@ -358,8 +371,7 @@ fn utf16_or_32_encoding(bytes: &[u8]) -> Option<&'static str> {
     }
 }
 
-/// Why `body` (`bytes` without a UTF-8 byte order mark), which begins with `{`, is no
-/// JSON text: not UTF-8 (the offset of the first bad byte in `bytes`, which `what`
+/// Why `body` (`bytes` without a UTF-8 byte order mark) is no JSON text: not UTF-8 (the offset of the first bad byte in `bytes`, which `what`
 /// names), or not well-formed (line and column, as the loaders give them); `None` when
 /// it is well-formed JSON. A truncated or broken file fails the format check first, so
 /// this says what else is wrong.
@@ -370,7 +382,8 @@ fn not_json_text(bytes: &[u8], body: &[u8], what: &str) -> Option<String> {
             "not UTF-8 text (invalid byte at offset {offset} of {what})"
         ));
     }
-    // `IgnoredAny` keeps nothing and skips nested values without recursing.
+    // `IgnoredAny` keeps nothing, and serde_json skips an ignored value without
+    // recursing (a 5,000-deep array of `ir-fixtures/hostile/` passes).
     let e = serde_json::from_slice::<serde::de::IgnoredAny>(body).err()?;
     let (line, column, message) = error::json_parts(&e);
     Some(format!(

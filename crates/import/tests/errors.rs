@@ -51,6 +51,27 @@ fn detection_reads_keys_not_values() {
             b"{\"schema_version\": {}, \"format\": \"arfuse-graph\"}",
             Format::TorchExportJson,
         ),
+        // Keys of nested objects, and names inside strings, are not the file's keys.
+        (b"{\"a\": {\"graph_module\": 1}}", Format::Unknown),
+        (
+            b"{\"metadata\": {\"schema_version\": \"1.0\"}, \"nodes\": []}",
+            Format::Unknown,
+        ),
+        (
+            b"{\"a\": [{\"format\": \"arfuse-graph\"}], \"graph_module\": {}}",
+            Format::TorchExportJson,
+        ),
+        (
+            b"{\"n\": \"x\\\"graph_module\\\": 1\", \"format\": \"arfuse-graph\"}",
+            Format::ArfuseJson,
+        ),
+        (
+            b"{\"a\": \"\\\\\", \"graph_module\": 1}",
+            Format::TorchExportJson,
+        ),
+        // Form feed is no JSON whitespace.
+        (b"\x0c{\"format\": \"arfuse-graph\"}", Format::Unknown),
+        (b"\r\n\t {\"format\": \"arfuse-graph\"}", Format::ArfuseJson),
     ] {
         assert_eq!(detect(text), want, "{}", String::from_utf8_lossy(text));
     }
@@ -172,7 +193,6 @@ fn garbage_and_other_formats() {
             "the file holds no JSON, only whitespace or a UTF-8 byte order mark",
         ),
         (b"\xEF\xBB\xBF", "the file holds no JSON, only whitespace"),
-        (b"\x00\x01\x02garbage", "starts with bytes 00 01 02"),
         // Well-formed JSON of another kind says which; a value too deep for the parser
         // is shown by its bytes.
         (
@@ -189,10 +209,29 @@ fn garbage_and_other_formats() {
         (b"true", "the file is JSON, but a boolean, not an object"),
         (
             &[b'['; 200],
-            "(either may be gzip-compressed), or a .pt2 zip archive; the file starts with \
-             bytes 5b 5b 5b",
+            "the file begins with `[` but is not well-formed JSON: at line 1, column 200: EOF",
         ),
-        (b"[1, 2", "the file starts with bytes 5b 31 2c 20 32"),
+        (
+            b"\x00\x01\x02garbage",
+            "expected arfuse graph JSON or torch.export JSON (either may be gzip-compressed), \
+             or a .pt2 zip archive; the file starts with bytes 00 01 02",
+        ),
+        // Malformed or not UTF-8, whatever the kind: the parser's position, or the byte.
+        (
+            b"[1, 2",
+            "unknown file format: the file begins with `[` but is not well-formed JSON: at \
+             line 1, column 5: EOF while parsing a list",
+        ),
+        (
+            b"nul",
+            "the file begins with `n` but is not well-formed JSON: at line 1",
+        ),
+        (
+            b"[\"a\xff\"]",
+            "the file begins with `[` but is not UTF-8 text (invalid byte at offset 3 of the \
+             file)",
+        ),
+        (b"\x0c[1]", "the file starts with bytes 0c 5b 31 5d"),
         (b"{\"hello\": 1}", "neither an arfuse graph"),
         // A torch.export key as a value is no key.
         (
