@@ -82,7 +82,7 @@ enum Command {
         /// Report format.
         #[arg(long, value_enum, default_value = "table")]
         report: ReportFormat,
-        /// Also write the lowered graph as Graphviz DOT (one input only).
+        /// Also write the lowered graph as Graphviz DOT (one graph and target only).
         #[arg(long)]
         dot: Option<PathBuf>,
         /// The layers' tensor-parallel process group (default: inferred from the graph).
@@ -456,8 +456,10 @@ fn read_graph(path: &Path, import: &arfuse::import::ImportOptions) -> Result<Gra
 }
 
 /// Writes every `(path, contents)` through temporary files in the target directories,
-/// renaming them into place only once all were written: a failure leaves no partial
-/// file and never touches an existing one.
+/// renaming them into place only once all were written: a failure to write leaves no
+/// partial file and never touches an existing one ("nothing written"). A rename that
+/// fails after others (rare: the destinations are checked before lowering,
+/// [`check_outputs`]) leaves those in place, and the error names them.
 fn write_all_atomic(files: &[(&Path, String)]) -> Result<()> {
     let mut temps: Vec<(PathBuf, &Path)> = Vec::new();
     let mut result = Ok(());
@@ -472,15 +474,30 @@ fn write_all_atomic(files: &[(&Path, String)]) -> Result<()> {
             .unwrap_or_default();
         let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
         if let Err(e) = std::fs::write(&tmp, contents) {
-            result = Err(anyhow::Error::new(e).context(format!("writing {}", path.display())));
+            result = Err(anyhow::anyhow!(
+                "writing {}: {e} (nothing written)",
+                path.display()
+            ));
             break;
         }
         temps.push((tmp, path));
     }
     if result.is_ok() {
-        for (tmp, path) in &temps {
+        for (k, (tmp, path)) in temps.iter().enumerate() {
             if let Err(e) = std::fs::rename(tmp, path) {
-                result = Err(anyhow::Error::new(e).context(format!("writing {}", path.display())));
+                let done: Vec<String> = temps[..k]
+                    .iter()
+                    .map(|(_, p)| p.display().to_string())
+                    .collect();
+                let written = if done.is_empty() {
+                    "nothing written".to_string()
+                } else {
+                    format!("{} written before it", done.join(", "))
+                };
+                result = Err(anyhow::anyhow!(
+                    "writing {}: {e} ({written})",
+                    path.display()
+                ));
                 break;
             }
         }
@@ -527,13 +544,14 @@ fn graphs_in(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
-/// Why `--out` or `--dot` cannot be used with `jobs`, the (graph, target) pairs of one
-/// graph whose options file lists more than one target.
-fn one_target_refusal(jobs: &[(PathBuf, String)]) -> String {
+/// Why `--out` or `--dot` (`outputs`) cannot be used with `jobs`, the (graph, target)
+/// pairs of one graph whose options file lists more than one target.
+fn one_target_refusal(jobs: &[(PathBuf, String)], outputs: &[(&str, &Path)]) -> String {
     let graph = jobs.first().map(|(g, _)| g.display().to_string());
     let targets: Vec<&str> = jobs.iter().map(|(_, t)| t.as_str()).collect();
     format!(
-        "--out and --dot take one target; {} is lowered for the {} targets its options file lists ({}): pick one with --target",
+        "{} one target; {} is lowered for the {} targets its options file lists ({}): pick one with --target",
+        flags_take(outputs),
         graph.unwrap_or_default(),
         targets.len(),
         targets.join(", ")
@@ -778,16 +796,25 @@ fn given_target(
 /// The graph files `path` names: itself, or the graphs of a directory (at least one).
 /// An options file given as the graph is refused, naming its graph.
 fn graph_files(path: &Path) -> Result<Vec<PathBuf>> {
+    if !path.exists() {
+        bail!("{} does not exist", path.display());
+    }
     let inputs = if path.is_dir() {
         graphs_in(path)?
     } else {
         let name = path.file_name().map(|n| n.to_string_lossy().to_string());
-        if let Some(graph) = name
+        if let Some(stem) = name
             .as_deref()
             .and_then(|n| n.strip_suffix(".options.json"))
         {
+            // The graph it belongs to: the first of these that exists, else `.json`.
+            let graph = [".json", ".json.gz", ".pt2"]
+                .map(|ext| format!("{stem}{ext}"))
+                .into_iter()
+                .find(|g| path.with_file_name(g).is_file())
+                .unwrap_or_else(|| format!("{stem}.json"));
             bail!(
-                "{} is an options file (the targets of `{graph}.json`), not a graph; lower `{graph}.json`",
+                "{} is an options file (the targets of `{graph}`), not a graph; lower `{graph}`",
                 path.display()
             );
         }
@@ -802,10 +829,13 @@ fn graph_files(path: &Path) -> Result<Vec<PathBuf>> {
     Ok(inputs)
 }
 
-/// What `--out`/`--dot` cannot name, known before any graph is read. First a file the
-/// run reads, whatever the targets: an input graph (a missing input is none: reading
-/// it fails its pair), an input's options file, the `--target` file. Then anything,
-/// with a directory of several graphs (they take one graph).
+/// What `--out`/`--dot` (`outputs`, each with its flag) cannot name, known before any
+/// graph is read, in this order: a file of the run's inputs, whatever the targets (an
+/// input graph, a missing input being none; the options file of an input, read or not:
+/// it is data; the `--target` file); a path that is no file to write
+/// ([`check_output_path`]);
+/// the same file for both; anything, with a directory of several graphs (they take one
+/// graph).
 fn refuse_outputs_before_reading(
     path: &Path,
     inputs: &[PathBuf],
@@ -813,14 +843,15 @@ fn refuse_outputs_before_reading(
     target: Option<&str>,
     outputs: &[(&str, &Path)],
 ) -> Result<()> {
-    let mut read_files: Vec<PathBuf> = inputs
+    // (file, what it is), for the files besides the inputs.
+    let mut kept: Vec<(PathBuf, &str)> = inputs
         .iter()
-        .map(|i| options_file_of(i))
-        .chain(target.map(PathBuf::from))
-        .filter(|p| p.is_file())
-        .map(|p| resolved(&p))
+        .map(|i| (options_file_of(i), "the options file of an input graph"))
+        .chain(target.map(|t| (PathBuf::from(t), "the --target file")))
+        .filter(|(p, _)| p.is_file())
+        .map(|(p, what)| (resolved(&p), what))
         .collect();
-    read_files.sort();
+    kept.sort();
     for (flag, o) in outputs {
         let r = resolved(o);
         if path.exists() && resolved_inputs.contains(&r) {
@@ -829,21 +860,74 @@ fn refuse_outputs_before_reading(
                 o.display()
             );
         }
-        if read_files.binary_search(&r).is_ok() {
-            bail!(
-                "{flag} {} is a file this run reads (a target or options file); refusing to \
-                 overwrite it",
-                o.display()
-            );
+        if let Some((_, what)) = kept.iter().find(|(p, _)| *p == r) {
+            bail!("{flag} {} is {what}; refusing to overwrite it", o.display());
+        }
+    }
+    for (flag, o) in outputs {
+        check_output_path(flag, o)?;
+    }
+    if let [(_, o), (_, d)] = outputs {
+        if resolved(o) == resolved(d) {
+            bail!("--out and --dot name the same file {}", o.display());
         }
     }
     if inputs.len() > 1 && !outputs.is_empty() {
         bail!(
-            "--out and --dot take one input graph; {} has {} entries to lower as graphs \
-             (*.json, *.json.gz, *.pt2): lower one of them",
+            "{} one input graph; {} has {} entries to lower as graphs (*.json, *.json.gz, \
+             *.pt2): lower one of them",
+            flags_take(outputs),
             path.display(),
             inputs.len()
         );
+    }
+    Ok(())
+}
+
+/// "--out takes", "--dot takes" or "--out and --dot take": the flags of `outputs`.
+fn flags_take(outputs: &[(&str, &Path)]) -> String {
+    match outputs {
+        [(flag, _)] => format!("{flag} takes"),
+        _ => "--out and --dot take".to_string(),
+    }
+}
+
+/// That output `o` of flag `flag` names a file arfuse can write by renaming a new file
+/// over it: not a directory (nor a name ending in `/`), in a directory that exists, and
+/// not something other than a regular file (a device such as `/dev/null`, a FIFO, a
+/// socket), which the rename would replace. Checked before anything is lowered.
+fn check_output_path(flag: &str, o: &Path) -> Result<()> {
+    let text = o.as_os_str().to_string_lossy();
+    if o.is_dir() || text.ends_with('/') || o.file_name().is_none() {
+        bail!(
+            "{flag} {} names a directory; it takes a file name",
+            o.display()
+        );
+    }
+    if let Some(dir) = o.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            bail!(
+                "{flag} {}: directory {} does not exist",
+                o.display(),
+                dir.display()
+            );
+        }
+        if !dir.is_dir() {
+            bail!(
+                "{flag} {}: {} is not a directory",
+                o.display(),
+                dir.display()
+            );
+        }
+    }
+    if let Ok(m) = std::fs::metadata(o) {
+        if !m.is_file() {
+            bail!(
+                "{flag} {} is not a regular file (a device, FIFO or socket): arfuse writes by \
+                 renaming a new file over its output, which would replace it; give a file name",
+                o.display()
+            );
+        }
     }
     Ok(())
 }
@@ -914,20 +998,9 @@ fn plan_jobs(
 }
 
 /// The rest of what `--out`/`--dot` (`outputs`, each with its flag) cannot name, once
-/// the pairs are known: several targets, the same file twice, a target file an options
-/// file names, a directory, a file in a missing directory (reported now, not after the
-/// lowering).
+/// the pairs are known: a target file an options file names (refused first, as the
+/// files of [`refuse_outputs_before_reading`]), and anything, with several targets.
 fn check_outputs(pairs: &[(PathBuf, String)], outputs: &[(&str, &Path)]) -> Result<()> {
-    if pairs.len() > 1 && !outputs.is_empty() {
-        bail!("{}", one_target_refusal(pairs));
-    }
-    if let [(_, o), (_, d)] = outputs {
-        if resolved(o) == resolved(d) {
-            bail!("--out and --dot name the same file {}", o.display());
-        }
-    }
-    // A target file an options file names (the other files the run reads are refused
-    // before reading).
     let target_files: Vec<PathBuf> = pairs
         .iter()
         .map(|(_, t)| Path::new(t))
@@ -937,26 +1010,13 @@ fn check_outputs(pairs: &[(PathBuf, String)], outputs: &[(&str, &Path)]) -> Resu
     for (flag, o) in outputs {
         if target_files.contains(&resolved(o)) {
             bail!(
-                "{flag} {} is a file this run reads (a target or options file); refusing to \
-                 overwrite it",
+                "{flag} {} is a target file an options file lists; refusing to overwrite it",
                 o.display()
             );
         }
-        if o.is_dir() {
-            bail!(
-                "{flag} {} is a directory; it takes a file name",
-                o.display()
-            );
-        }
-        if let Some(dir) = o.parent().filter(|d| !d.as_os_str().is_empty()) {
-            if !dir.is_dir() {
-                bail!(
-                    "{flag} {}: directory {} does not exist",
-                    o.display(),
-                    dir.display()
-                );
-            }
-        }
+    }
+    if pairs.len() > 1 && !outputs.is_empty() {
+        bail!("{}", one_target_refusal(pairs, outputs));
     }
     Ok(())
 }
@@ -1181,7 +1241,7 @@ fn lower_pair(
     if let Some(d) = pair.dot {
         files.push((d, lowered.graph.to_dot()));
     }
-    write_all_atomic(&files).map_err(|e| format!("{e:#} (nothing written)"))?;
+    write_all_atomic(&files).map_err(|e| format!("{e:#}"))?;
     print_report(pair, graph, &lowered, output, elapsed);
     if let (Some(c), ReportFormat::Table) = (&check, &output.report) {
         println!("{}", c.summary);

@@ -274,7 +274,9 @@ fn out_never_overwrites_a_file_the_run_reads_and_a_missing_directory_fails_first
     let o = lower(&[LLAMA, "--target", &target, "--out", &target]);
     assert!(!o.status.success());
     assert!(
-        stderr(&o).contains("a file this run reads"),
+        stderr(&o).contains(&format!(
+            "--out {target} is the --target file; refusing to overwrite it"
+        )),
         "{}",
         stderr(&o)
     );
@@ -285,8 +287,14 @@ fn out_never_overwrites_a_file_the_run_reads_and_a_missing_directory_fails_first
     );
     let options = "ir-fixtures/models/llama31_8b_tp8.options.json";
     let before = std::fs::read(root().join(options)).unwrap();
+    // The options file is data even when --target means it is not read.
     let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", options]);
     assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("is the options file of an input graph"),
+        "{}",
+        stderr(&o)
+    );
     assert_eq!(std::fs::read(root().join(options)).unwrap(), before);
     // A missing output directory: refused before lowering, so no report on stdout.
     let missing = tmp.path("nodir/x.json");
@@ -314,7 +322,7 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
-        e.contains("--out and --dot take one target")
+        e.contains("--out takes one target")
             && e.contains("targets its options file lists (h200-sxm-x8, ")
             && e.contains("pick one with --target"),
         "{e}"
@@ -326,7 +334,7 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
-        e.contains("--out and --dot take one input graph;")
+        e.contains("--dot takes one input graph;")
             && e.contains("has 2 entries to lower as graphs"),
         "{e}"
     );
@@ -355,7 +363,9 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     let o = lower(&[&input, "--dot", &options]);
     let e = stderr(&o);
     assert!(
-        e.contains(&format!("--dot {options} is a file this run reads")),
+        e.contains(&format!(
+            "--dot {options} is the options file of an input graph; refusing to overwrite it"
+        )),
         "{e}"
     );
     let o = lower(&[tmp.0.to_str().unwrap(), "--out", &input]);
@@ -371,20 +381,53 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     let e = stderr(&o);
     assert!(
         e.contains(&format!(
-            "take one target; {input} is lowered for the 5 targets"
+            "--out takes one target; {input} is lowered for the 5 targets"
         )),
         "{e}"
     );
-    // A missing input named as --out: the missing file is what is said.
+    // A missing input is said first: before --out names it, before its options file's
+    // targets are counted, before --out's missing directory.
     let missing = tmp.path("missing.json");
-    let o = lower(&[&missing, "-t", "h200-sxm-x8", "--out", &missing]);
-    assert!(!o.status.success());
-    let e = stderr(&o);
-    assert!(
-        e.contains(&format!("reading {missing}")) && !e.contains("refusing to overwrite"),
-        "{e}"
-    );
+    std::fs::copy(
+        root().join("ir-fixtures/models/llama31_8b_tp8.options.json"),
+        tmp.0.join("missing.options.json"),
+    )
+    .unwrap();
+    let nodir = tmp.path("nodir/x.json");
+    for args in [
+        vec![missing.as_str(), "-t", "h200-sxm-x8", "--out", &missing],
+        vec![missing.as_str(), "--out", &out],
+        vec![missing.as_str(), "--out", &nodir],
+    ] {
+        let o = lower(&args);
+        assert_eq!(o.status.code(), Some(1));
+        let e = stderr(&o);
+        assert_eq!(e, format!("error: {missing} does not exist\n"), "{args:?}");
+    }
     assert!(!Path::new(&missing).exists() && !Path::new(&out).exists());
+    // What the rename would replace or cannot write, refused before lowering: a
+    // device, a name ending in `/`, a file as its directory.
+    for (bad, why) in [
+        (
+            "/dev/null".to_string(),
+            "is not a regular file (a device, FIFO or socket)",
+        ),
+        (
+            tmp.path("nofile/"),
+            "names a directory; it takes a file name",
+        ),
+        (format!("{input}/x.json"), "is not a directory"),
+    ] {
+        let o = lower(&[LLAMA, "-t", "h200-sxm-x8", "--dot", &bad]);
+        assert_eq!(o.status.code(), Some(1));
+        let e = stderr(&o);
+        assert!(
+            e.starts_with(&format!("error: --dot {bad}")) && e.contains(why),
+            "{e}"
+        );
+        assert!(o.stdout.is_empty());
+    }
+    assert!(!tmp.0.join("nofile").exists());
 }
 
 #[test]
@@ -668,7 +711,7 @@ fn a_directory_as_out_a_zero_world_size_and_ignored_all_reduce_ops_are_said() {
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
-        e.contains("is a directory; it takes a file name") && e.starts_with("error: --out "),
+        e.contains("names a directory; it takes a file name") && e.starts_with("error: --out "),
         "{e}"
     );
     // Refused before lowering: no report was printed.
