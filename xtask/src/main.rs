@@ -459,7 +459,7 @@ fn read_graph(path: &Path, import: &arfuse::import::ImportOptions) -> Result<Gra
 /// renaming them into place only once all were written: a failure to write leaves no
 /// partial file and never touches an existing one ("nothing written"). A rename that
 /// fails after others (rare: the destinations are checked before lowering,
-/// [`check_outputs`]) leaves those in place, and the error names them.
+/// [`check_output_path`]) leaves those in place, and the error names them.
 fn write_all_atomic(files: &[(&Path, String)]) -> Result<()> {
     let mut temps: Vec<(PathBuf, &Path)> = Vec::new();
     let mut result = Ok(());
@@ -831,11 +831,10 @@ fn graph_files(path: &Path) -> Result<Vec<PathBuf>> {
 
 /// What `--out`/`--dot` (`outputs`, each with its flag) cannot name, known before any
 /// graph is read, in this order: a file of the run's inputs, whatever the targets (an
-/// input graph, a missing input being none; the options file of an input, read or not:
-/// it is data; the `--target` file); a path that is no file to write
-/// ([`check_output_path`]);
-/// the same file for both; anything, with a directory of several graphs (they take one
-/// graph).
+/// input graph; the options file of an input, read or not: it is data; the `--target`
+/// file); a path that is no file to write ([`check_output_path`]); the same file for
+/// both; anything, with a directory of several graphs (they take one graph). `path`
+/// exists ([`graph_files`]).
 fn refuse_outputs_before_reading(
     path: &Path,
     inputs: &[PathBuf],
@@ -844,17 +843,16 @@ fn refuse_outputs_before_reading(
     outputs: &[(&str, &Path)],
 ) -> Result<()> {
     // (file, what it is), for the files besides the inputs.
-    let mut kept: Vec<(PathBuf, &str)> = inputs
+    let kept: Vec<(PathBuf, &str)> = inputs
         .iter()
         .map(|i| (options_file_of(i), "the options file of an input graph"))
         .chain(target.map(|t| (PathBuf::from(t), "the --target file")))
         .filter(|(p, _)| p.is_file())
         .map(|(p, what)| (resolved(&p), what))
         .collect();
-    kept.sort();
     for (flag, o) in outputs {
         let r = resolved(o);
-        if path.exists() && resolved_inputs.contains(&r) {
+        if resolved_inputs.contains(&r) {
             bail!(
                 "{flag} {} is an input graph; refusing to overwrite it",
                 o.display()
