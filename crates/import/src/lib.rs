@@ -290,9 +290,10 @@ pub(crate) fn check_size(what: &str, size: usize) -> Result<(), ImportError> {
 }
 
 /// What bytes of no known format (`what`: "the file", or a gzip stream's "decompressed
-/// content") look like instead: UTF-16 or UTF-32 text, nothing but whitespace, a JSON object of
-/// another kind, text that begins with `{` but is no JSON (and why), or anything else by
-/// its first bytes.
+/// content") look like instead: UTF-16 or UTF-32 text; nothing but whitespace; text
+/// that begins like a JSON value but is malformed or not UTF-8 (and where); JSON of
+/// another kind (an object that is no graph, or a value that is no object); or anything
+/// else, by its first bytes.
 fn unknown_hint(bytes: &[u8], what: &str) -> String {
     if let Some(encoding) = utf16_or_32_encoding(bytes) {
         return format!("{what} is {encoding} text; arfuse reads JSON in UTF-8 (save it as UTF-8)");
@@ -371,10 +372,11 @@ fn utf16_or_32_encoding(bytes: &[u8]) -> Option<&'static str> {
     }
 }
 
-/// Why `body` (`bytes` without a UTF-8 byte order mark) is no JSON text: not UTF-8 (the offset of the first bad byte in `bytes`, which `what`
-/// names), or not well-formed (line and column, as the loaders give them); `None` when
-/// it is well-formed JSON. A truncated or broken file fails the format check first, so
-/// this says what else is wrong.
+/// Why `body` (`bytes` without a UTF-8 byte order mark) is no JSON text: not UTF-8 (the
+/// offset of the first bad byte in `bytes`, which `what` names), or not well-formed
+/// (line and column, as the loaders give them); `None` when it is well-formed JSON. A
+/// truncated or broken file fails the format check first, so this says what else is
+/// wrong.
 fn not_json_text(bytes: &[u8], body: &[u8], what: &str) -> Option<String> {
     if let Err(e) = std::str::from_utf8(body) {
         let offset = bytes.len() - body.len() + e.valid_up_to();
