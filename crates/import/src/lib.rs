@@ -39,9 +39,6 @@ use std::collections::{BTreeMap, BTreeSet};
 /// JSON loader; a two-layer export is under 0.5 MiB and a 126-layer one about 30 MiB.
 pub const MAX_FILE_BYTES: usize = arfuse_ir::MAX_INPUT_BYTES;
 
-/// How many leading bytes [`detect`] looks at to tell the two JSON formats apart.
-pub const DETECT_WINDOW_BYTES: usize = 64 * 1024;
-
 /// The format of a graph file, as [`detect`] sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Format {
@@ -103,9 +100,11 @@ impl Imported {
 /// gzip signature (`1f 8b`) [`Format::Gzip`]. A
 /// JSON object (after optional JSON whitespace and UTF-8 byte-order mark) is arfuse
 /// JSON when a top-level `"format"` key with the value `"arfuse-graph"` comes before
-/// any top-level `"graph_module"` or `"schema_version"` key within the first
-/// [`DETECT_WINDOW_BYTES`] bytes, and torch.export JSON when one of those keys comes
-/// first (a name as a value, or as a key of a nested object, is no such key). Anything
+/// any top-level `"graph_module"` or `"schema_version"` key, and torch.export JSON when
+/// one of those keys comes first (a name as a value, or as a key of a nested object, is
+/// no such key). The keys are found by a scan of quotes, escapes and brackets that
+/// stops at the first one that decides (for the writers' files, the first key), not by
+/// a parse; a key spelled with an escape (`"form\u0061t"`) is not recognised. Anything
 /// else is [`Format::Unknown`].
 pub fn detect(bytes: &[u8]) -> Format {
     if bytes.starts_with(b"PK\x03\x04") || bytes.starts_with(b"PK\x05\x06") {
@@ -122,10 +121,10 @@ pub fn detect(bytes: &[u8]) -> Format {
     if body[start] != b'{' {
         return Format::Unknown;
     }
-    let window = &body[start..body.len().min(start + DETECT_WINDOW_BYTES)];
-    for (key, value) in top_level_keys(window) {
+    let object = &body[start..];
+    for (key, value) in top_level_keys(object) {
         match key {
-            b"\"format\"" if skip_whitespace(window, value).starts_with(b"\"arfuse-graph\"") => {
+            b"\"format\"" if skip_whitespace(object, value).starts_with(b"\"arfuse-graph\"") => {
                 return Format::ArfuseJson
             }
             b"\"graph_module\"" | b"\"schema_version\"" => return Format::TorchExportJson,
@@ -263,12 +262,13 @@ fn load_plain(bytes: &[u8], what: &str, options: &ImportOptions) -> Result<Impor
 /// The gzip signature.
 const GZIP_MAGIC: &[u8] = b"\x1f\x8b";
 
-/// The content of a gzip stream, read up to [`MAX_FILE_BYTES`] + 1 bytes so that a
-/// small file that inflates without bound is refused, not held in memory.
+/// The content of a gzip stream (every member of it, as `gzip -d` reads `cat a.gz
+/// b.gz`), read up to [`MAX_FILE_BYTES`] + 1 bytes so that a small file that inflates
+/// without bound is refused, not held in memory.
 fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, ImportError> {
     use std::io::Read;
     let mut out = Vec::new();
-    flate2::read::GzDecoder::new(bytes)
+    flate2::read::MultiGzDecoder::new(bytes)
         .take(MAX_FILE_BYTES as u64 + 1)
         .read_to_end(&mut out)
         .map_err(|e| ImportError::Gzip {
@@ -315,10 +315,11 @@ fn unknown_hint(bytes: &[u8], what: &str) -> String {
     };
     match not_json_text(bytes, body, what) {
         Some(why) => format!("{what} begins with `{}` but is {why}", char::from(first)),
-        None if first == b'{' => "a JSON object that is neither an arfuse graph (no \"format\": \
-                                  \"arfuse-graph\") nor a torch.export ExportedProgram (no \
-                                  \"graph_module\" or \"schema_version\" key)"
-            .to_string(),
+        None if first == b'{' => format!(
+            "{what} is a JSON object that is neither an arfuse graph (no \"format\": \
+             \"arfuse-graph\" key) nor a torch.export ExportedProgram (no \"graph_module\" or \
+             \"schema_version\" key)"
+        ),
         None => format!("{what} is JSON, but {kind}, not an object: a graph is a JSON object"),
     }
 }

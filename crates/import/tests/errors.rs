@@ -232,7 +232,12 @@ fn garbage_and_other_formats() {
              file)",
         ),
         (b"\x0c[1]", "the file starts with bytes 0c 5b 31 5d"),
-        (b"{\"hello\": 1}", "neither an arfuse graph"),
+        (
+            b"{\"hello\": 1}",
+            "unknown file format: the file is a JSON object that is neither an arfuse graph \
+             (no \"format\": \"arfuse-graph\" key) nor a torch.export ExportedProgram (no \
+             \"graph_module\" or \"schema_version\" key)",
+        ),
         // A torch.export key as a value is no key.
         (
             b"{\"a\": [\"graph_module\"], \"b\": \"schema_version\"}",
@@ -419,6 +424,42 @@ fn a_byte_order_mark_before_an_arfuse_graph_is_skipped() {
         "{plain_err}"
     );
     assert_eq!(bom_err, plain_err);
+}
+
+/// A graph whose "format" key comes last, after its nodes, loads; and a gzip file of
+/// two members (`cat a.gz b.gz`) is read whole, as `gzip -d` reads it.
+#[test]
+fn a_late_format_key_and_a_multi_member_gzip_load() {
+    use flate2::{write::GzEncoder, Compression};
+    use std::io::Write;
+    let plain = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../ir-fixtures/models/llama31_8b_tp8.json"
+    ))
+    .unwrap();
+    let want = load_any(&plain).unwrap().graph.canonical_text();
+    // The format tag moved from the first key to the last.
+    let text = String::from_utf8(plain.clone()).unwrap();
+    let tag = "\"format\": \"arfuse-graph\",";
+    assert_eq!(text.matches(tag).count(), 1);
+    let body = text.replacen(tag, "", 1);
+    let end = body.rfind('}').unwrap();
+    let late = format!("{}, \"format\": \"arfuse-graph\"}}", &body[..end]);
+    assert!(late.find("\"format\"").unwrap() > 100_000);
+    assert_eq!(detect(late.as_bytes()), Format::ArfuseJson);
+    let g = load_any(late.as_bytes()).unwrap().graph;
+    assert_eq!(g.canonical_text(), want);
+    let gz = |b: &[u8]| {
+        let mut e = GzEncoder::new(Vec::new(), Compression::default());
+        e.write_all(b).unwrap();
+        e.finish().unwrap()
+    };
+    let (a, b) = plain.split_at(plain.len() / 3);
+    let two = [gz(a), gz(b)].concat();
+    assert_eq!(load_any(&two).unwrap().graph.canonical_text(), want);
+    // Bytes after the last member are no gzip member: a corrupt stream.
+    let e = err(&[two.as_slice(), b"garbage"].concat());
+    assert!(matches!(e, ImportError::Gzip { .. }), "{e:?}");
 }
 
 /// A gzip stream's content is named as such in an unknown format's hint, and an
