@@ -463,7 +463,7 @@ fn read_graph(path: &Path, import: &arfuse::import::ImportOptions) -> Result<Gra
 fn write_all_atomic(files: &[(&Path, String)]) -> Result<()> {
     let mut temps: Vec<(PathBuf, &Path)> = Vec::new();
     let mut result = Ok(());
-    for (path, contents) in files {
+    for (k, (path, contents)) in files.iter().enumerate() {
         let dir = match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
             _ => PathBuf::from("."),
@@ -472,7 +472,7 @@ fn write_all_atomic(files: &[(&Path, String)]) -> Result<()> {
             .file_name()
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default();
-        let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
+        let tmp = dir.join(format!(".{name}.tmp{}.{k}", std::process::id()));
         if let Err(e) = std::fs::write(&tmp, contents) {
             result = Err(anyhow::anyhow!(
                 "writing {}: {e} (nothing written)",
@@ -523,6 +523,19 @@ fn resolved(p: &Path) -> PathBuf {
     }
 }
 
+/// Where a file written to `p` by rename lands: `p` with its directory resolved but not
+/// its last component (a symlink there is replaced, not written through).
+fn destination(p: &Path) -> PathBuf {
+    let dir = match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    match (std::fs::canonicalize(dir), p.file_name()) {
+        (Ok(d), Some(n)) => d.join(n),
+        _ => p.to_path_buf(),
+    }
+}
+
 /// Graph files in a directory: `*.json`, `*.json.gz` and `*.pt2`, not option files,
 /// sorted. An entry with such a name that is no regular file (a directory, a broken
 /// link) is listed too: reading it fails, so it is a failed pair, not skipped unsaid.
@@ -561,7 +574,8 @@ fn one_target_refusal(jobs: &[(PathBuf, String)], outputs: &[(&str, &Path)]) -> 
 /// The targets to lower one input for, decided without reading it: `--target` (or
 /// `--world-size`'s preset) when given, else the presets its sibling
 /// `<name>.options.json` lists (the model corpus); `None` when neither decides (the
-/// graph itself must be read: [`target_from_graph`]).
+/// graph itself must be read: [`target_from_graph`]). Errors: an options file that
+/// cannot be read or parsed, or whose `targets` is not a list of strings.
 fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String>>> {
     if let Some(t) = given {
         return Ok(Some(vec![t.clone()]));
@@ -572,12 +586,25 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
             .with_context(|| format!("reading {}", options.display()))?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .with_context(|| format!("parsing {}", options.display()))?;
-        let list: Vec<String> = v["targets"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|t| t.as_str().map(str::to_string))
-            .collect();
+        let list = match v.get("targets") {
+            None => Vec::new(),
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .map(|t| t.as_str().map(str::to_string))
+                .collect::<Option<Vec<String>>>()
+                .with_context(|| {
+                    format!(
+                        "{}: \"targets\" holds a value that is not a string; it lists \
+                         preset names or target files",
+                        options.display()
+                    )
+                })?,
+            Some(other) => bail!(
+                "{}: \"targets\" is {other}, not a list; it lists preset names or target \
+                 files, e.g. [\"h200-sxm-x8\"]",
+                options.display()
+            ),
+        };
         if !list.is_empty() {
             return Ok(Some(list));
         }
@@ -733,16 +760,21 @@ fn lower_cmd(
         .into_iter()
         .filter_map(|(flag, o)| Some((flag, o?)))
         .collect();
+    let listed = inputs
+        .iter()
+        .map(|i| targets_for(i, &target))
+        .collect::<Result<Vec<_>>>()?;
     refuse_outputs_before_reading(
         &path,
         &inputs,
         &resolved_inputs,
+        &listed,
         target.as_deref(),
         &outputs,
     )?;
-    let mut jobs = plan_jobs(&inputs, &target, import)?;
+    let mut jobs = plan_jobs(&inputs, listed, import)?;
     check_outputs(&jobs.pairs, &outputs)?;
-    let out_paths = output_paths(root, &jobs.pairs, &resolved_inputs, out)?;
+    let out_paths = output_paths(root, &jobs.pairs, &resolved_inputs, out, dot)?;
     let options = LowerOptions {
         group,
         shared_hidden_sizes: shared_hidden,
@@ -831,25 +863,39 @@ fn graph_files(path: &Path) -> Result<Vec<PathBuf>> {
 
 /// What `--out`/`--dot` (`outputs`, each with its flag) cannot name, known before any
 /// graph is read, in this order: a file of the run's inputs, whatever the targets (an
-/// input graph; the options file of an input, read or not: it is data; the `--target`
-/// file); a path that is no file to write ([`check_output_path`]); the same file for
-/// both; anything, with a directory of several graphs (they take one graph). `path`
-/// exists ([`graph_files`]).
+/// input graph; the options file of an input, existing or not, read or not: it is data;
+/// the `--target` file, or a target file an options file lists: `listed`, each input's
+/// [`targets_for`]); a path that is no file to write ([`check_output_path`]); the same
+/// file for both; anything, with a directory of several graphs (they take one graph).
+/// `path` exists ([`graph_files`]).
 fn refuse_outputs_before_reading(
     path: &Path,
     inputs: &[PathBuf],
     resolved_inputs: &[PathBuf],
+    listed: &[Option<Vec<String>>],
     target: Option<&str>,
     outputs: &[(&str, &Path)],
 ) -> Result<()> {
-    // (file, what it is), for the files besides the inputs.
-    let kept: Vec<(PathBuf, &str)> = inputs
-        .iter()
-        .map(|i| (options_file_of(i), "the options file of an input graph"))
-        .chain(target.map(|t| (PathBuf::from(t), "the --target file")))
-        .filter(|(p, _)| p.is_file())
-        .map(|(p, what)| (resolved(&p), what))
-        .collect();
+    // (file, what it is), for the files besides the inputs: an options file whether it
+    // exists or not (`--out` must not create one either), a target file when it exists.
+    let mut kept: Vec<(PathBuf, &str)> = Vec::new();
+    for (input, targets) in inputs.iter().zip(listed) {
+        kept.push((
+            resolved(&options_file_of(input)),
+            "the options file of an input graph",
+        ));
+        let files = targets
+            .iter()
+            .flatten()
+            .map(Path::new)
+            .filter(|t| t.is_file());
+        if target.is_none() {
+            kept.extend(files.map(|t| (resolved(t), "a target file an options file lists")));
+        }
+    }
+    if let Some(t) = target.map(Path::new).filter(|t| t.is_file()) {
+        kept.push((resolved(t), "the --target file"));
+    }
     for (flag, o) in outputs {
         let r = resolved(o);
         if resolved_inputs.contains(&r) {
@@ -866,7 +912,7 @@ fn refuse_outputs_before_reading(
         check_output_path(flag, o)?;
     }
     if let [(_, o), (_, d)] = outputs {
-        if resolved(o) == resolved(d) {
+        if destination(o) == destination(d) {
             bail!("--out and --dot name the same file {}", o.display());
         }
     }
@@ -891,64 +937,83 @@ fn flags_take(outputs: &[(&str, &Path)]) -> String {
 }
 
 /// That output `o` of flag `flag` names a file arfuse can write by renaming a new file
-/// over it: not a directory (nor a name ending in `/`), in a directory that exists, and
-/// not something other than a regular file (a device such as `/dev/null`, a FIFO, a
-/// socket), which the rename would replace. Checked before anything is lowered.
+/// over it ([`why_unwritable`]). Checked before anything is lowered.
 fn check_output_path(flag: &str, o: &Path) -> Result<()> {
-    let text = o.as_os_str().to_string_lossy();
-    if o.is_dir() || text.ends_with('/') || o.file_name().is_none() {
-        bail!(
-            "{flag} {} names a directory; it takes a file name",
-            o.display()
-        );
+    match why_unwritable(o, false) {
+        Some(why) => bail!("{flag} {}{why}", o.display()),
+        None => Ok(()),
     }
-    if let Some(dir) = o.parent().filter(|d| !d.as_os_str().is_empty()) {
-        if !dir.exists() {
-            bail!(
-                "{flag} {}: directory {} does not exist",
-                o.display(),
-                dir.display()
-            );
-        }
-        if !dir.is_dir() {
-            bail!(
-                "{flag} {}: {} is not a directory",
-                o.display(),
-                dir.display()
-            );
-        }
-    }
-    if let Ok(m) = std::fs::metadata(o) {
-        if !m.is_file() {
-            bail!(
-                "{flag} {} is not a regular file (a device, FIFO or socket): arfuse writes by \
-                 renaming a new file over its output, which would replace it; give a file name",
-                o.display()
-            );
-        }
-    }
-    Ok(())
 }
 
-/// The options file beside graph `input`: `<name>.options.json`, whether it exists or
-/// not.
+/// That a default output `o` is a file arfuse can write by renaming a new file over it,
+/// its directory made when missing ([`why_unwritable`]).
+fn check_default_out(o: &Path) -> Result<()> {
+    match why_unwritable(o, true) {
+        Some(why) => bail!("the default output {}{why}; pass --out FILE", o.display()),
+        None => Ok(()),
+    }
+}
+
+/// Why no file can be renamed to `o`, as the end of a sentence about it: it is a
+/// directory, or ends in `/`, `/.` or `/..`; the nearest of its ancestors that exists is
+/// not a directory; its directory does not exist (unless `dir_may_be_made`); it is
+/// something other than a regular file (a device such as `/dev/null`, a FIFO, a socket),
+/// which the rename would replace. `None` when none of these holds. (A symlink at `o`
+/// is replaced by the file, not written through.)
+fn why_unwritable(o: &Path, dir_may_be_made: bool) -> Option<String> {
+    let text = o.as_os_str().to_string_lossy();
+    let names_dir = [".", ".."].contains(&text.as_ref())
+        || ["/", "/.", "/.."].iter().any(|end| text.ends_with(end))
+        || o.file_name().is_none()
+        || o.is_dir();
+    if names_dir {
+        return Some(" names a directory; it takes a file name".into());
+    }
+    let dir = match o.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if let Some(a) = dir
+        .ancestors()
+        .find(|a| a.as_os_str().is_empty() || a.exists())
+    {
+        if !a.as_os_str().is_empty() && !a.is_dir() {
+            return Some(format!(": {} is not a directory", a.display()));
+        }
+    }
+    if !dir.exists() && !dir_may_be_made {
+        return Some(format!(": directory {} does not exist", dir.display()));
+    }
+    match std::fs::metadata(o) {
+        Ok(m) if !m.is_file() => Some(
+            " is not a regular file (a device, FIFO or socket): arfuse writes by renaming a \
+             new file over its output, which would replace it; give a file name"
+                .into(),
+        ),
+        _ => None,
+    }
+}
+
+/// The options file beside graph `input`: `<name>.options.json`, `<name>` its file name
+/// less `.json`, `.json.gz` or `.pt2`, whether the options file exists or not.
 fn options_file_of(input: &Path) -> PathBuf {
     let name = input
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_default();
-    input.with_file_name(format!(
-        "{}.options.json",
-        graph_stem(&name).unwrap_or(&name)
-    ))
+    let stem = graph_stem(&name)
+        .or_else(|| name.strip_suffix(".pt2"))
+        .unwrap_or(&name);
+    input.with_file_name(format!("{stem}.options.json"))
 }
 
-/// The (graph, target) pairs of the run: each input with the given target, else the
-/// presets its options file lists, else the one its recorded TP size picks (the graph
-/// is read for it, and kept). Every graph that records none is named in one error.
+/// The (graph, target) pairs of the run: each input with its targets decided without
+/// reading it (`listed`, [`targets_for`]: the given target, or the presets its options
+/// file lists), else the one its recorded TP size picks (the graph is read for it, and
+/// kept). Every graph that records none is named in one error.
 fn plan_jobs(
     inputs: &[PathBuf],
-    target: &Option<String>,
+    listed: Vec<Option<Vec<String>>>,
     import: &arfuse::import::ImportOptions,
 ) -> Result<Jobs> {
     let mut jobs = Jobs {
@@ -956,8 +1021,8 @@ fn plan_jobs(
         preloaded: Default::default(),
     };
     let mut unplannable: Vec<String> = Vec::new();
-    for input in inputs {
-        if let Some(list) = targets_for(input, target)? {
+    for (input, list) in inputs.iter().zip(listed) {
+        if let Some(list) = list {
             jobs.pairs
                 .extend(list.into_iter().map(|t| (input.clone(), t)));
             continue;
@@ -995,24 +1060,9 @@ fn plan_jobs(
     Ok(jobs)
 }
 
-/// The rest of what `--out`/`--dot` (`outputs`, each with its flag) cannot name, once
-/// the pairs are known: a target file an options file names (refused first, as the
-/// files of [`refuse_outputs_before_reading`]), and anything, with several targets.
+/// What `--out`/`--dot` (`outputs`) cannot be given with, once the pairs are known:
+/// several targets for one graph.
 fn check_outputs(pairs: &[(PathBuf, String)], outputs: &[(&str, &Path)]) -> Result<()> {
-    let target_files: Vec<PathBuf> = pairs
-        .iter()
-        .map(|(_, t)| Path::new(t))
-        .filter(|p| p.is_file())
-        .map(resolved)
-        .collect();
-    for (flag, o) in outputs {
-        if target_files.contains(&resolved(o)) {
-            bail!(
-                "{flag} {} is a target file an options file lists; refusing to overwrite it",
-                o.display()
-            );
-        }
-    }
     if pairs.len() > 1 && !outputs.is_empty() {
         bail!("{}", one_target_refusal(pairs, outputs));
     }
@@ -1020,13 +1070,15 @@ fn check_outputs(pairs: &[(PathBuf, String)], outputs: &[(&str, &Path)]) -> Resu
 }
 
 /// Every pair's output path, decided (and checked) before anything is lowered or
-/// written: `--out`, else the default (which may be neither an input graph nor shared by
-/// two inputs).
+/// written: `--out`, else the default, which may be neither an input graph, nor shared
+/// by two inputs, nor `--dot`'s file, nor a path no file can be renamed to
+/// ([`check_default_out`]).
 fn output_paths(
     root: &Path,
     pairs: &[(PathBuf, String)],
     resolved_inputs: &[PathBuf],
     out: Option<&Path>,
+    dot: Option<&Path>,
 ) -> Result<Vec<PathBuf>> {
     if let Some(p) = out {
         return Ok(vec![p.to_path_buf(); pairs.len()]);
@@ -1035,6 +1087,16 @@ fn output_paths(
         .iter()
         .map(|(input, t)| default_out(root, input, &target_name(t)))
         .collect();
+    for o in &out_paths {
+        if dot.is_some_and(|d| destination(d) == destination(o)) {
+            bail!(
+                "--dot {} is where the lowered graph goes by default; give --dot another \
+                 file (or --out one)",
+                o.display()
+            );
+        }
+        check_default_out(o)?;
+    }
     let mut seen: std::collections::BTreeMap<PathBuf, &Path> = Default::default();
     for ((input, t), o) in pairs.iter().zip(&out_paths) {
         let r = resolved(o);

@@ -428,6 +428,43 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
         assert!(o.stdout.is_empty());
     }
     assert!(!tmp.0.join("nofile").exists());
+    // `--dot` at the default output, an options file that does not exist yet, and a
+    // trailing `/.`: refused before lowering too.
+    let default_out = root().join("target/arfuse/llama31_8b_tp8.h200-sxm-x8.lowered.json");
+    let default_out = default_out.to_string_lossy().into_owned();
+    let fresh = tmp.path("fresh.json");
+    std::fs::copy(root().join(LLAMA), &fresh).unwrap();
+    let its_options = tmp.path("fresh.options.json");
+    for (args, why) in [
+        (
+            vec![LLAMA, "-t", "h200-sxm-x8", "--dot", &default_out],
+            "is where the lowered graph goes by default",
+        ),
+        (
+            vec![&fresh, "-t", "h200-sxm-x8", "--out", &its_options],
+            "is the options file of an input graph",
+        ),
+        (
+            vec![LLAMA, "-t", "h200-sxm-x8", "--out", "nofile/."],
+            "names a directory",
+        ),
+    ] {
+        let o = lower(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        assert!(stderr(&o).contains(why), "{}", stderr(&o));
+        assert!(o.stdout.is_empty());
+    }
+    assert!(!Path::new(&its_options).exists());
+    // An options file whose targets are not a list of strings is an error naming it.
+    std::fs::write(&its_options, r#"{"targets": "h200-sxm-x8"}"#).unwrap();
+    let o = lower(&[&fresh, "--out", &out]);
+    assert!(
+        stderr(&o).contains(&format!(
+            "{its_options}: \"targets\" is \"h200-sxm-x8\", not a list"
+        )),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
