@@ -338,7 +338,7 @@ fn target_name(spec: &str) -> String {
 
 fn load_target(spec: &str) -> Result<(Target, String)> {
     if Path::new(spec).is_dir() {
-        bail!("--target {spec} is a directory; give a preset name (--list-targets) or a TOML target file");
+        bail!("target {spec} is a directory; give a preset name (--list-targets) or a TOML target file");
     }
     if is_target_file(spec) {
         let p = Path::new(spec);
@@ -575,7 +575,8 @@ fn one_target_refusal(jobs: &[(PathBuf, String)], outputs: &[(&str, &Path)]) -> 
 /// `--world-size`'s preset) when given, else the presets its sibling
 /// `<name>.options.json` lists (the model corpus); `None` when neither decides (the
 /// graph itself must be read: [`target_from_graph`]). Errors: an options file that
-/// cannot be read or parsed, or whose `targets` is not a list of strings.
+/// cannot be read or parsed, is not a JSON object, or whose `targets` is not a list of
+/// strings.
 fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String>>> {
     if let Some(t) = given {
         return Ok(Some(vec![t.clone()]));
@@ -586,19 +587,28 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
             .with_context(|| format!("reading {}", options.display()))?;
         let v: serde_json::Value = serde_json::from_str(&text)
             .with_context(|| format!("parsing {}", options.display()))?;
+        if !v.is_object() {
+            bail!(
+                "{} is not a JSON object; an options file is one, with a \"targets\" list",
+                options.display()
+            );
+        }
         let list = match v.get("targets") {
             None => Vec::new(),
-            Some(serde_json::Value::Array(a)) => a
-                .iter()
-                .map(|t| t.as_str().map(str::to_string))
-                .collect::<Option<Vec<String>>>()
-                .with_context(|| {
-                    format!(
-                        "{}: \"targets\" holds a value that is not a string; it lists \
-                         preset names or target files",
-                        options.display()
-                    )
-                })?,
+            Some(serde_json::Value::Array(a)) => {
+                let mut list = Vec::with_capacity(a.len());
+                for (k, t) in a.iter().enumerate() {
+                    let Some(t) = t.as_str() else {
+                        bail!(
+                            "{}: \"targets\"[{k}] is {t}, not a string; the list holds \
+                             preset names or target files",
+                            options.display()
+                        );
+                    };
+                    list.push(t.to_string());
+                }
+                list
+            }
             Some(other) => bail!(
                 "{}: \"targets\" is {other}, not a list; it lists preset names or target \
                  files, e.g. [\"h200-sxm-x8\"]",
@@ -752,26 +762,31 @@ fn lower_cmd(
 ) -> Result<ExitCode> {
     let default_graph = path.is_none();
     let path = path.unwrap_or_else(|| root.join(DEFAULT_GRAPH));
-    let target = given_target(default_graph, target, world_size, &shared_hidden)?;
     let inputs = graph_files(&path)?;
+    let target = given_target(default_graph, target, world_size, &shared_hidden)?;
     let resolved_inputs: Vec<PathBuf> = inputs.iter().map(|i| resolved(i)).collect();
     let (out, dot) = (out.as_deref(), dot.as_deref());
     let outputs: Vec<(&str, &Path)> = [("--out", out), ("--dot", dot)]
         .into_iter()
         .filter_map(|(flag, o)| Some((flag, o?)))
         .collect();
+    refuse_outputs_before_reading(&inputs, &resolved_inputs, target.as_deref(), &outputs)?;
     let listed = inputs
         .iter()
         .map(|i| targets_for(i, &target))
         .collect::<Result<Vec<_>>>()?;
-    refuse_outputs_before_reading(
-        &path,
-        &inputs,
-        &resolved_inputs,
-        &listed,
-        target.as_deref(),
-        &outputs,
-    )?;
+    if target.is_none() {
+        check_listed_targets(&inputs, &listed, &outputs)?;
+    }
+    if inputs.len() > 1 && !outputs.is_empty() {
+        bail!(
+            "{} one input graph; {} has {} entries to lower as graphs (*.json, *.json.gz, \
+             *.pt2): lower one of them",
+            flags_take(&outputs),
+            path.display(),
+            inputs.len()
+        );
+    }
     let mut jobs = plan_jobs(&inputs, listed, import)?;
     check_outputs(&jobs.pairs, &outputs)?;
     let out_paths = output_paths(root, &jobs.pairs, &resolved_inputs, out, dot)?;
@@ -862,51 +877,39 @@ fn graph_files(path: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// What `--out`/`--dot` (`outputs`, each with its flag) cannot name, known before any
-/// graph is read, in this order: a file of the run's inputs, whatever the targets (an
-/// input graph; the options file of an input, existing or not, read or not: it is data;
-/// the `--target` file, or a target file an options file lists: `listed`, each input's
-/// [`targets_for`]); a path that is no file to write ([`check_output_path`]); the same
-/// file for both; anything, with a directory of several graphs (they take one graph).
-/// `path` exists ([`graph_files`]).
+/// file of the run is read, in this order: an input graph (as given or through a
+/// symlink), an options file (any `*.options.json`: the targets of a graph, which a
+/// directory run would skip as a graph; an input's options file, existing or not), the
+/// `--target` file; a path that is no file to write ([`check_output_path`]); the same
+/// file for both.
 fn refuse_outputs_before_reading(
-    path: &Path,
     inputs: &[PathBuf],
     resolved_inputs: &[PathBuf],
-    listed: &[Option<Vec<String>>],
     target: Option<&str>,
     outputs: &[(&str, &Path)],
 ) -> Result<()> {
-    // (file, what it is), for the files besides the inputs: an options file whether it
-    // exists or not (`--out` must not create one either), a target file when it exists.
-    let mut kept: Vec<(PathBuf, &str)> = Vec::new();
-    for (input, targets) in inputs.iter().zip(listed) {
-        kept.push((
-            resolved(&options_file_of(input)),
-            "the options file of an input graph",
-        ));
-        let files = targets
-            .iter()
-            .flatten()
-            .map(Path::new)
-            .filter(|t| t.is_file());
-        if target.is_none() {
-            kept.extend(files.map(|t| (resolved(t), "a target file an options file lists")));
-        }
-    }
-    if let Some(t) = target.map(Path::new).filter(|t| t.is_file()) {
-        kept.push((resolved(t), "the --target file"));
-    }
+    // An input's options file, by the input as given and as resolved.
+    let options_files: Vec<PathBuf> = inputs
+        .iter()
+        .chain(resolved_inputs)
+        .map(|i| resolved(&options_file_of(i)))
+        .collect();
+    let target_file = target.map(Path::new).filter(|t| t.is_file()).map(resolved);
     for (flag, o) in outputs {
         let r = resolved(o);
-        if resolved_inputs.contains(&r) {
-            bail!(
-                "{flag} {} is an input graph; refusing to overwrite it",
-                o.display()
-            );
-        }
-        if let Some((_, what)) = kept.iter().find(|(p, _)| *p == r) {
-            bail!("{flag} {} is {what}; refusing to overwrite it", o.display());
-        }
+        let options_name = o
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().ends_with(".options.json"));
+        let why = if resolved_inputs.contains(&r) {
+            "is an input graph"
+        } else if options_name || options_files.contains(&r) {
+            "is an options file (the targets of a graph)"
+        } else if target_file.as_ref() == Some(&r) {
+            "is the --target file"
+        } else {
+            continue;
+        };
+        bail!("{flag} {} {why}; refusing to overwrite it", o.display());
     }
     for (flag, o) in outputs {
         check_output_path(flag, o)?;
@@ -916,14 +919,40 @@ fn refuse_outputs_before_reading(
             bail!("--out and --dot name the same file {}", o.display());
         }
     }
-    if inputs.len() > 1 && !outputs.is_empty() {
-        bail!(
-            "{} one input graph; {} has {} entries to lower as graphs (*.json, *.json.gz, \
-             *.pt2): lower one of them",
-            flags_take(outputs),
-            path.display(),
-            inputs.len()
-        );
+    Ok(())
+}
+
+/// Every target the inputs' options files list (`listed`, [`targets_for`], when no
+/// target is given), loaded and checked as `--target` is before any graph is read; an
+/// error names the options file. And `--out`/`--dot` (`outputs`) may not name one of
+/// these target files.
+fn check_listed_targets(
+    inputs: &[PathBuf],
+    listed: &[Option<Vec<String>>],
+    outputs: &[(&str, &Path)],
+) -> Result<()> {
+    let mut checked: std::collections::BTreeSet<&str> = Default::default();
+    for (input, targets) in inputs.iter().zip(listed) {
+        for t in targets.iter().flatten() {
+            if !checked.insert(t) {
+                continue;
+            }
+            let options = options_file_of(input);
+            let (loaded, _) =
+                load_target(t).with_context(|| format!("{}: target {t:?}", options.display()))?;
+            arfuse::policy::resolve_backend(&loaded)
+                .with_context(|| format!("{}: target {t:?}", options.display()))?;
+            let file = Path::new(t);
+            for (flag, o) in outputs {
+                if file.is_file() && resolved(o) == resolved(file) {
+                    bail!(
+                        "{flag} {} is a target file {} lists; refusing to overwrite it",
+                        o.display(),
+                        options.display()
+                    );
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -955,8 +984,9 @@ fn check_default_out(o: &Path) -> Result<()> {
 }
 
 /// Why no file can be renamed to `o`, as the end of a sentence about it: it is a
-/// directory, or ends in `/`, `/.` or `/..`; the nearest of its ancestors that exists is
-/// not a directory; its directory does not exist (unless `dir_may_be_made`); it is
+/// directory, or ends in `/`, `/.` or `/..`; the nearest of its ancestors that is there
+/// is not a directory (a file, a broken symlink); its directory does not exist (unless
+/// `dir_may_be_made`); it is
 /// something other than a regular file (a device such as `/dev/null`, a FIFO, a socket),
 /// which the rename would replace. `None` when none of these holds. (A symlink at `o`
 /// is replaced by the file, not written through.)
@@ -973,10 +1003,12 @@ fn why_unwritable(o: &Path, dir_may_be_made: bool) -> Option<String> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    if let Some(a) = dir
-        .ancestors()
-        .find(|a| a.as_os_str().is_empty() || a.exists())
-    {
+    // The nearest ancestor there is: a directory, not a file or a broken symlink.
+    let there = |a: &Path| a.as_os_str().is_empty() || std::fs::symlink_metadata(a).is_ok();
+    if let Some(a) = dir.ancestors().find(|a| there(a)) {
+        if !a.as_os_str().is_empty() && !a.exists() {
+            return Some(format!(": {} is a broken symlink", a.display()));
+        }
         if !a.as_os_str().is_empty() && !a.is_dir() {
             return Some(format!(": {} is not a directory", a.display()));
         }
@@ -1143,33 +1175,39 @@ fn run_jobs(run: &Run<'_>, jobs: &mut Jobs, out_paths: &[PathBuf]) -> Result<Exi
     let mut json_reports = Vec::new();
     let mut loaded: Option<(PathBuf, Graph)> = None;
     for ((input, target_spec), out_path) in jobs.pairs.iter().zip(out_paths) {
-        let (target, target_name) = load_target(target_spec)?;
-        let pair = Pair {
-            input,
-            target: &target,
-            target_name: &target_name,
-            out_path,
-            default_out: run.out_is_default,
-            dot: run.dot,
-            world_size_given: run.world_size_given,
-        };
-        let graph = match &loaded {
-            Some((p, g)) if p == input => Ok(g),
-            _ => {
-                let g = match jobs.preloaded.remove(input) {
-                    Some(g) => g,
-                    None => read_graph(input, run.import),
+        // Every target was loaded once before lowering; one that fails now (a file
+        // changed meanwhile) fails its pair.
+        let outcome = load_target(target_spec)
+            .map_err(|e| format!("{e:#}"))
+            .and_then(|(target, target_name)| {
+                let pair = Pair {
+                    input,
+                    target: &target,
+                    target_name: &target_name,
+                    out_path,
+                    default_out: run.out_is_default,
+                    dot: run.dot,
+                    world_size_given: run.world_size_given,
                 };
-                match g {
-                    Ok(g) => Ok(&loaded.insert((input.clone(), g)).1),
-                    Err(e) => {
-                        loaded = None;
-                        Err(format!("{e:#}"))
+                let graph = match &loaded {
+                    Some((p, g)) if p == input => Ok(g),
+                    _ => {
+                        let g = match jobs.preloaded.remove(input) {
+                            Some(g) => g,
+                            None => read_graph(input, run.import),
+                        };
+                        match g {
+                            Ok(g) => Ok(&loaded.insert((input.clone(), g)).1),
+                            Err(e) => {
+                                loaded = None;
+                                Err(format!("{e:#}"))
+                            }
+                        }
                     }
-                }
-            }
-        };
-        match graph.and_then(|g| lower_pair(&pair, g, run.options, run.output)) {
+                };
+                graph.and_then(|g| lower_pair(&pair, g, run.options, run.output))
+            });
+        match outcome {
             Ok(Some(json)) => json_reports.push(json),
             Ok(None) => {}
             Err(msg) => {
@@ -1178,7 +1216,7 @@ fn run_jobs(run: &Run<'_>, jobs: &mut Jobs, out_paths: &[PathBuf]) -> Result<Exi
                 // A failed pair is in the JSON report too, with its error.
                 json_reports.push(serde_json::json!({
                     "input": input.display().to_string(),
-                    "target": target_name,
+                    "target": target_name(target_spec),
                     "error": msg,
                 }));
             }

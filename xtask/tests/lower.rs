@@ -291,7 +291,7 @@ fn out_never_overwrites_a_file_the_run_reads_and_a_missing_directory_fails_first
     let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", options]);
     assert!(!o.status.success());
     assert!(
-        stderr(&o).contains("is the options file of an input graph"),
+        stderr(&o).contains("is an options file (the targets of a graph)"),
         "{}",
         stderr(&o)
     );
@@ -364,7 +364,7 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     let e = stderr(&o);
     assert!(
         e.contains(&format!(
-            "--dot {options} is the options file of an input graph; refusing to overwrite it"
+            "--dot {options} is an options file (the targets of a graph); refusing to overwrite it"
         )),
         "{e}"
     );
@@ -442,7 +442,7 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
         ),
         (
             vec![&fresh, "-t", "h200-sxm-x8", "--out", &its_options],
-            "is the options file of an input graph",
+            "is an options file (the targets of a graph)",
         ),
         (
             vec![LLAMA, "-t", "h200-sxm-x8", "--out", "nofile/."],
@@ -465,6 +465,62 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
         "{}",
         stderr(&o)
     );
+}
+
+/// An options file is checked before any graph is lowered: its form, and every target
+/// it lists, loaded as `--target` is; an error names the file. No output may be named
+/// like an options file, and an output under a broken symlink is refused first too.
+#[test]
+fn options_files_and_their_targets_are_checked_before_lowering() {
+    let tmp = TempDir::new("options");
+    let graph = tmp.path("g.json");
+    std::fs::copy(root().join(LLAMA), &graph).unwrap();
+    let options = tmp.path("g.options.json");
+    let out = tmp.path("o.json");
+    for (text, want) in [
+        (
+            r#"{"targets": ["h200-sxm-x8", "bogus-x9"]}"#,
+            format!("error: {options}: target \"bogus-x9\": unknown preset `bogus-x9`"),
+        ),
+        (
+            r#"{"targets": ["h200-sxm-x8", 7]}"#,
+            format!("error: {options}: \"targets\"[1] is 7, not a string"),
+        ),
+        (
+            r#"["h200-sxm-x8"]"#,
+            format!("error: {options} is not a JSON object"),
+        ),
+    ] {
+        std::fs::write(&options, text).unwrap();
+        let o = lower(&[&graph]);
+        assert_eq!(o.status.code(), Some(1), "{text}");
+        let e = stderr(&o);
+        assert!(e.starts_with(&want), "{e}");
+        assert!(!e.contains("wrote "), "{e}");
+    }
+    // Any name of an options file, a graph's or not, is no output.
+    let other = tmp.path("other.options.json");
+    let o = lower(&[&graph, "-t", "h200-sxm-x8", "--out", &other]);
+    assert!(
+        stderr(&o).contains("is an options file (the targets of a graph)"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!Path::new(&other).exists());
+    // A directory behind a broken symlink.
+    let link = tmp.0.join("gone");
+    std::os::unix::fs::symlink(tmp.0.join("nowhere"), &link).unwrap();
+    let under = tmp.path("gone/x.json");
+    let o = lower(&[&graph, "-t", "h200-sxm-x8", "--out", &under]);
+    assert!(
+        stderr(&o).contains(&format!(
+            "--out {under}: {} is a broken symlink",
+            link.display()
+        )),
+        "{}",
+        stderr(&o)
+    );
+    assert!(o.stdout.is_empty() && !Path::new(&out).exists());
 }
 
 #[test]

@@ -262,20 +262,42 @@ fn load_plain(bytes: &[u8], what: &str, options: &ImportOptions) -> Result<Impor
 /// The gzip signature.
 const GZIP_MAGIC: &[u8] = b"\x1f\x8b";
 
-/// The content of a gzip stream (every member of it, as `gzip -d` reads `cat a.gz
-/// b.gz`), read up to [`MAX_FILE_BYTES`] + 1 bytes so that a small file that inflates
-/// without bound is refused, not held in memory.
+/// The content of a gzip stream: every member of it, as `gzip -d` reads `cat a.gz
+/// b.gz`, then only zero bytes (padding, as `gzip -d` accepts) or nothing. Read up to
+/// [`MAX_FILE_BYTES`] + 1 bytes, so that a small file that inflates without bound is
+/// refused, not held in memory.
+///
+/// Errors: [`ImportError::Gzip`] for a corrupt member, or other bytes after the last
+/// member (their offset said); [`ImportError::TooLarge`].
 fn gunzip(bytes: &[u8]) -> Result<Vec<u8>, ImportError> {
     use std::io::Read;
+    let limit = MAX_FILE_BYTES as u64 + 1;
     let mut out = Vec::new();
-    flate2::read::MultiGzDecoder::new(bytes)
-        .take(MAX_FILE_BYTES as u64 + 1)
-        .read_to_end(&mut out)
-        .map_err(|e| ImportError::Gzip {
-            message: e.to_string(),
-        })?;
-    check_size("the decompressed file (read so far)", out.len())?;
-    Ok(out)
+    let mut rest = bytes;
+    loop {
+        let mut member = flate2::bufread::GzDecoder::new(rest);
+        (&mut member)
+            .take(limit - out.len() as u64)
+            .read_to_end(&mut out)
+            .map_err(|e| ImportError::Gzip {
+                message: e.to_string(),
+            })?;
+        check_size("the decompressed file (read so far)", out.len())?;
+        rest = member.into_inner();
+        if rest.iter().all(|&b| b == 0) {
+            return Ok(out);
+        }
+        if !rest.starts_with(GZIP_MAGIC) {
+            return Err(ImportError::Gzip {
+                message: format!(
+                    "{} bytes after the gzip stream (from offset {}) are neither another gzip \
+                     member nor zero padding",
+                    rest.len(),
+                    bytes.len() - rest.len()
+                ),
+            });
+        }
+    }
 }
 
 pub(crate) fn check_size(what: &str, size: usize) -> Result<(), ImportError> {

@@ -427,7 +427,8 @@ fn a_byte_order_mark_before_an_arfuse_graph_is_skipped() {
 }
 
 /// A graph whose "format" key comes last, after its nodes, loads; and a gzip file of
-/// two members (`cat a.gz b.gz`) is read whole, as `gzip -d` reads it.
+/// two members (`cat a.gz b.gz`), perhaps zero-padded, is read whole, as `gzip -d`
+/// reads it.
 #[test]
 fn a_late_format_key_and_a_multi_member_gzip_load() {
     use flate2::{write::GzEncoder, Compression};
@@ -457,9 +458,20 @@ fn a_late_format_key_and_a_multi_member_gzip_load() {
     let (a, b) = plain.split_at(plain.len() / 3);
     let two = [gz(a), gz(b)].concat();
     assert_eq!(load_any(&two).unwrap().graph.canonical_text(), want);
-    // Bytes after the last member are no gzip member: a corrupt stream.
+    // Zero padding after the last member is read past, as `gzip -d` does; other bytes
+    // are an error naming their offset.
+    let padded = [two.as_slice(), &[0u8; 1024]].concat();
+    assert_eq!(load_any(&padded).unwrap().graph.canonical_text(), want);
     let e = err(&[two.as_slice(), b"garbage"].concat());
     assert!(matches!(e, ImportError::Gzip { .. }), "{e:?}");
+    assert!(
+        e.to_string().contains(&format!(
+            "7 bytes after the gzip stream (from offset {}) are neither another gzip member \
+             nor zero padding",
+            two.len()
+        )),
+        "{e}"
+    );
 }
 
 /// A gzip stream's content is named as such in an unknown format's hint, and an
