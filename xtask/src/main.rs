@@ -778,15 +778,7 @@ fn lower_cmd(
     if target.is_none() {
         check_listed_targets(&inputs, &listed, &outputs)?;
     }
-    if inputs.len() > 1 && !outputs.is_empty() {
-        bail!(
-            "{} one input graph; {} has {} entries to lower as graphs (*.json, *.json.gz, \
-             *.pt2): lower one of them",
-            flags_take(&outputs),
-            path.display(),
-            inputs.len()
-        );
-    }
+    refuse_several_graphs(&path, &inputs, &outputs)?;
     let mut jobs = plan_jobs(&inputs, listed, import)?;
     check_outputs(&jobs.pairs, &outputs)?;
     let out_paths = output_paths(root, &jobs.pairs, &resolved_inputs, out, dot)?;
@@ -953,6 +945,21 @@ fn check_listed_targets(
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// `--out`/`--dot` (`outputs`) take one graph: refused for a directory `path` of
+/// several (`inputs`), before any of them is read.
+fn refuse_several_graphs(path: &Path, inputs: &[PathBuf], outputs: &[(&str, &Path)]) -> Result<()> {
+    if inputs.len() > 1 && !outputs.is_empty() {
+        bail!(
+            "{} one input graph; {} has {} entries to lower as graphs (*.json, *.json.gz, \
+             *.pt2): lower one of them",
+            flags_take(outputs),
+            path.display(),
+            inputs.len()
+        );
     }
     Ok(())
 }
