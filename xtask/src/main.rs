@@ -605,7 +605,10 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
                             options.display()
                         );
                     };
-                    list.push(t.to_string());
+                    // A target listed twice is lowered once.
+                    if !list.iter().any(|l| l == t) {
+                        list.push(t.to_string());
+                    }
                 }
                 list
             }
@@ -1110,8 +1113,8 @@ fn check_outputs(pairs: &[(PathBuf, String)], outputs: &[(&str, &Path)]) -> Resu
 
 /// Every pair's output path, decided (and checked) before anything is lowered or
 /// written: `--out`, else the default, which may be neither an input graph, nor shared
-/// by two inputs, nor `--dot`'s file, nor a path no file can be renamed to
-/// ([`check_default_out`]).
+/// by two pairs (two inputs, or two targets of one name), nor `--dot`'s file, nor a
+/// path no file can be renamed to ([`check_default_out`]).
 fn output_paths(
     root: &Path,
     pairs: &[(PathBuf, String)],
@@ -1136,7 +1139,7 @@ fn output_paths(
         }
         check_default_out(o)?;
     }
-    let mut seen: std::collections::BTreeMap<PathBuf, &Path> = Default::default();
+    let mut seen: std::collections::BTreeMap<PathBuf, (&Path, &str)> = Default::default();
     for ((input, t), o) in pairs.iter().zip(&out_paths) {
         let r = resolved(o);
         if resolved_inputs.contains(&r) {
@@ -1148,16 +1151,23 @@ fn output_paths(
                 o.display()
             );
         }
-        if let Some(other) = seen.insert(r, input) {
-            if other != input.as_path() {
+        if let Some((other, other_t)) = seen.insert(r, (input, t)) {
+            if other == input.as_path() {
                 bail!(
-                    "{} and {} would both be written to {}; lower them one at a time \
-                     with --out FILE",
-                    other.display(),
+                    "{} on {other_t} and on {t} would both be written to {} (the targets \
+                     share the name {}); lower them one at a time with --out FILE",
                     input.display(),
-                    o.display()
+                    o.display(),
+                    target_name(t)
                 );
             }
+            bail!(
+                "{} and {} would both be written to {}; lower them one at a time with \
+                 --out FILE",
+                other.display(),
+                input.display(),
+                o.display()
+            );
         }
     }
     Ok(out_paths)

@@ -498,6 +498,30 @@ fn options_files_and_their_targets_are_checked_before_lowering() {
         assert!(e.starts_with(&want), "{e}");
         assert!(!e.contains("wrote "), "{e}");
     }
+    // Two targets of one name would share the default output: refused before either is
+    // lowered. A target listed twice is lowered once.
+    let (ta, tb) = (tmp.0.join("a"), tmp.0.join("b"));
+    for d in [&ta, &tb] {
+        std::fs::create_dir_all(d).unwrap();
+        std::fs::copy(root().join(EXAMPLE_TARGET), d.join("x.toml")).unwrap();
+    }
+    let (xa, xb) = (ta.join("x.toml"), tb.join("x.toml"));
+    let (xa, xb) = (xa.to_string_lossy(), xb.to_string_lossy());
+    std::fs::write(&options, format!(r#"{{"targets": ["{xa}", "{xb}"]}}"#)).unwrap();
+    let o = lower(&[&graph]);
+    let e = stderr(&o);
+    assert!(
+        e.contains(&format!(
+            "{graph} on {xa} and on {xb} would both be written to"
+        )) && e.contains("(the targets share the name x)"),
+        "{e}"
+    );
+    assert!(!e.contains("wrote "), "{e}");
+    std::fs::write(&options, format!(r#"{{"targets": ["{xa}", "{xa}"]}}"#)).unwrap();
+    let o = lower(&[&graph, "--out", &out]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stderr(&o).matches("wrote ").count(), 1, "{}", stderr(&o));
+    std::fs::remove_file(&out).unwrap();
     // Any name of an options file, a graph's or not, is no output.
     let other = tmp.path("other.options.json");
     let o = lower(&[&graph, "-t", "h200-sxm-x8", "--out", &other]);
