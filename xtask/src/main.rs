@@ -508,19 +508,10 @@ fn write_all_atomic(files: &[(&Path, String)]) -> Result<()> {
     result
 }
 
-/// The path with its directory resolved (symlinks, `..`), for comparing destinations.
+/// The path resolved (symlinks, `..`; the last component too when it exists), for
+/// comparing files: the same file however it is named.
 fn resolved(p: &Path) -> PathBuf {
-    if let Ok(c) = std::fs::canonicalize(p) {
-        return c;
-    }
-    let dir = match p.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    match (std::fs::canonicalize(dir), p.file_name()) {
-        (Ok(d), Some(n)) => d.join(n),
-        _ => p.to_path_buf(),
-    }
+    std::fs::canonicalize(p).unwrap_or_else(|_| destination(p))
 }
 
 /// Where a file written to `p` by rename lands: `p` with its directory resolved but not
