@@ -193,8 +193,7 @@ fn garbage_and_other_formats() {
             "the file holds no JSON, only whitespace or a UTF-8 byte order mark",
         ),
         (b"\xEF\xBB\xBF", "the file holds no JSON, only whitespace"),
-        // Well-formed JSON of another kind says which; a value too deep for the parser
-        // is shown by its bytes.
+        // Well-formed JSON of another kind says which kind it is.
         (
             b"[1, 2, 3]",
             "unknown file format: the file is JSON, but an array, not an object: a graph is a \
@@ -207,6 +206,7 @@ fn garbage_and_other_formats() {
         ),
         (b"-4.5e3", "the file is JSON, but a number, not an object"),
         (b"true", "the file is JSON, but a boolean, not an object"),
+        // 200 arrays opened and never closed.
         (
             &[b'['; 200],
             "the file begins with `[` but is not well-formed JSON: at line 1, column 200: EOF",
