@@ -430,6 +430,9 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     assert!(!tmp.0.join("nofile").exists());
     // `--dot` at the default output, an options file that does not exist yet, and a
     // trailing `/.`: refused before lowering too.
+    // (Its directory must exist for `--dot`, as it does once anything was lowered: a
+    // clean checkout has none.)
+    std::fs::create_dir_all(root().join("target/arfuse")).unwrap();
     let default_out = root().join("target/arfuse/llama31_8b_tp8.h200-sxm-x8.lowered.json");
     let default_out = default_out.to_string_lossy().into_owned();
     let fresh = tmp.path("fresh.json");
