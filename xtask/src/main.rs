@@ -352,10 +352,15 @@ fn load_target(spec: &str) -> Result<(Target, String)> {
     Ok((t, target_name(spec)))
 }
 
-/// A JSON graph file's name without `.json` or `.json.gz`.
+/// The endings of a graph file's name: arfuse or torch.export JSON, perhaps gzipped, or
+/// a `.pt2` archive (longest first, so that `.json.gz` is not read as `.gz`).
+const GRAPH_EXTENSIONS: [&str; 3] = [".json.gz", ".json", ".pt2"];
+
+/// A graph file's name without its ending ([`GRAPH_EXTENSIONS`]).
 fn graph_stem(name: &str) -> Option<&str> {
-    name.strip_suffix(".json.gz")
-        .or_else(|| name.strip_suffix(".json"))
+    GRAPH_EXTENSIONS
+        .iter()
+        .find_map(|ext| name.strip_suffix(ext))
 }
 
 /// Where the lowered graph goes without `--out`:
@@ -370,9 +375,7 @@ fn default_out(root: &Path, input: &Path, target_name: &str) -> PathBuf {
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_default();
-    let mut stem = graph_stem(&name)
-        .or_else(|| name.strip_suffix(".pt2"))
-        .unwrap_or(&name);
+    let mut stem = graph_stem(&name).unwrap_or(&name);
     if let Some(s) = stem.strip_suffix(".lowered") {
         stem = s
             .strip_suffix(target_name)
@@ -538,9 +541,7 @@ fn graphs_in(dir: &Path) -> Result<Vec<PathBuf>> {
             .file_name()
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_default();
-        let json = name.ends_with(".json") || name.ends_with(".json.gz");
-        let is_graph = (json && !name.ends_with(".options.json")) || name.ends_with(".pt2");
-        if is_graph {
+        if graph_stem(&name).is_some() && !name.ends_with(".options.json") {
             out.push(p);
         }
     }
@@ -841,7 +842,7 @@ fn graph_files(path: &Path) -> Result<Vec<PathBuf>> {
             .and_then(|n| n.strip_suffix(".options.json"))
         {
             // The graph it belongs to: the first of these that exists, else `.json`.
-            let graph = [".json", ".json.gz", ".pt2"]
+            let graph = GRAPH_EXTENSIONS
                 .map(|ext| format!("{stem}{ext}"))
                 .into_iter()
                 .find(|g| path.with_file_name(g).is_file())
@@ -919,11 +920,11 @@ fn check_listed_targets(
 ) -> Result<()> {
     let mut checked: std::collections::BTreeSet<&str> = Default::default();
     for (input, targets) in inputs.iter().zip(listed) {
+        let options = options_file_of(input);
         for t in targets.iter().flatten() {
             if !checked.insert(t) {
                 continue;
             }
-            let options = options_file_of(input);
             let (loaded, _) =
                 load_target(t).with_context(|| format!("{}: target {t:?}", options.display()))?;
             arfuse::policy::resolve_backend(&loaded)
@@ -987,10 +988,9 @@ fn check_default_out(o: &Path) -> Result<()> {
 /// Why no file can be renamed to `o`, as the end of a sentence about it: it is a
 /// directory, or ends in `/`, `/.` or `/..`; the nearest of its ancestors that is there
 /// is not a directory (a file, a broken symlink); its directory does not exist (unless
-/// `dir_may_be_made`); it is
-/// something other than a regular file (a device such as `/dev/null`, a FIFO, a socket),
-/// which the rename would replace. `None` when none of these holds. (A symlink at `o`
-/// is replaced by the file, not written through.)
+/// `dir_may_be_made`); it is something other than a regular file (a device such as
+/// `/dev/null`, a FIFO, a socket), which the rename would replace. `None` when none of
+/// these holds. (A symlink at `o` is replaced by the file, not written through.)
 fn why_unwritable(o: &Path, dir_may_be_made: bool) -> Option<String> {
     let text = o.as_os_str().to_string_lossy();
     let names_dir = [".", ".."].contains(&text.as_ref())
@@ -1004,13 +1004,17 @@ fn why_unwritable(o: &Path, dir_may_be_made: bool) -> Option<String> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    // The nearest ancestor there is: a directory, not a file or a broken symlink.
-    let there = |a: &Path| a.as_os_str().is_empty() || std::fs::symlink_metadata(a).is_ok();
-    if let Some(a) = dir.ancestors().find(|a| there(a)) {
-        if !a.as_os_str().is_empty() && !a.exists() {
+    // The nearest ancestor there is (a relative path's is the current directory when
+    // none is): a directory, not a file or a broken symlink.
+    let there = dir
+        .ancestors()
+        .filter(|a| !a.as_os_str().is_empty())
+        .find(|a| std::fs::symlink_metadata(a).is_ok());
+    if let Some(a) = there {
+        if !a.exists() {
             return Some(format!(": {} is a broken symlink", a.display()));
         }
-        if !a.as_os_str().is_empty() && !a.is_dir() {
+        if !a.is_dir() {
             return Some(format!(": {} is not a directory", a.display()));
         }
     }
@@ -1034,9 +1038,7 @@ fn options_file_of(input: &Path) -> PathBuf {
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_default();
-    let stem = graph_stem(&name)
-        .or_else(|| name.strip_suffix(".pt2"))
-        .unwrap_or(&name);
+    let stem = graph_stem(&name).unwrap_or(&name);
     input.with_file_name(format!("{stem}.options.json"))
 }
 
