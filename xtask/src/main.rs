@@ -567,8 +567,8 @@ fn one_target_refusal(jobs: &[(PathBuf, String)], outputs: &[(&str, &Path)]) -> 
 /// `--world-size`'s preset) when given, else the presets its sibling
 /// `<name>.options.json` lists (the model corpus); `None` when neither decides (the
 /// graph itself must be read: [`target_from_graph`]). Errors: an options file that
-/// cannot be read or parsed, is not a JSON object, or whose `targets` is not a list of
-/// strings.
+/// cannot be read or parsed, is not a JSON object, or whose `targets` is not a
+/// non-empty list of strings.
 fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String>>> {
     if let Some(t) = given {
         return Ok(Some(vec![t.clone()]));
@@ -586,7 +586,8 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
             );
         }
         let list = match v.get("targets") {
-            None => Vec::new(),
+            // Other options only: the graph decides.
+            None => return Ok(None),
             Some(serde_json::Value::Array(a)) => {
                 let mut list = Vec::with_capacity(a.len());
                 for (k, t) in a.iter().enumerate() {
@@ -602,6 +603,14 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
                         list.push(t.to_string());
                     }
                 }
+                if list.is_empty() {
+                    bail!(
+                        "{}: \"targets\" is an empty list; list the preset names or \
+                         target files to lower for, e.g. [\"h200-sxm-x8\"], or leave the \
+                         key out",
+                        options.display()
+                    );
+                }
                 list
             }
             Some(other) => bail!(
@@ -610,9 +619,7 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
                 options.display()
             ),
         };
-        if !list.is_empty() {
-            return Ok(Some(list));
-        }
+        return Ok(Some(list));
     }
     Ok(None)
 }
@@ -1064,8 +1071,8 @@ fn plan_jobs(
         }
         let graph = read_graph(input, import);
         let t = match &graph {
-            // The read error is reported with the pair's other failures; the target does
-            // not matter.
+            // The read error is reported with the pair's other failures, with no target
+            // (`run_jobs`); this one only stands in for it.
             Err(_) => DEFAULT_TARGET.to_string(),
             Ok(g) => match target_from_graph(g) {
                 Ok((t, note)) => {
@@ -1185,6 +1192,9 @@ fn run_jobs(run: &Run<'_>, jobs: &mut Jobs, out_paths: &[PathBuf]) -> Result<Exi
     let mut json_reports = Vec::new();
     let mut loaded: Option<(PathBuf, Graph)> = None;
     for ((input, target_spec), out_path) in jobs.pairs.iter().zip(out_paths) {
+        // A graph read to choose its target and found unreadable has no target: its
+        // pair's target spec is a placeholder.
+        let target_chosen = !matches!(jobs.preloaded.get(input), Some(Err(_)));
         // Every target was loaded once before lowering; one that fails now (a file
         // changed meanwhile) fails its pair.
         let outcome = load_target(target_spec)
@@ -1226,7 +1236,7 @@ fn run_jobs(run: &Run<'_>, jobs: &mut Jobs, out_paths: &[PathBuf]) -> Result<Exi
                 // A failed pair is in the JSON report too, with its error.
                 json_reports.push(serde_json::json!({
                     "input": input.display().to_string(),
-                    "target": target_name(target_spec),
+                    "target": target_chosen.then(|| target_name(target_spec)),
                     "error": msg,
                 }));
             }

@@ -493,6 +493,10 @@ fn options_files_and_their_targets_are_checked_before_lowering() {
             r#"["h200-sxm-x8"]"#,
             format!("error: {options} is not a JSON object"),
         ),
+        (
+            r#"{"targets": [], "notes": "x"}"#,
+            format!("error: {options}: \"targets\" is an empty list"),
+        ),
     ] {
         std::fs::write(&options, text).unwrap();
         let o = lower(&[&graph]);
@@ -520,6 +524,13 @@ fn options_files_and_their_targets_are_checked_before_lowering() {
         "{e}"
     );
     assert!(!e.contains("wrote "), "{e}");
+    // Without `targets`, the graph's recorded TP size decides (8: h200-sxm-x8).
+    std::fs::write(&options, r#"{"notes": "no targets here"}"#).unwrap();
+    let o = lower(&[&graph, "--out", &out, "--report", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v[0]["target"], "h200-sxm-x8");
+    std::fs::remove_file(&out).unwrap();
     std::fs::write(&options, format!(r#"{{"targets": ["{xa}", "{xa}"]}}"#)).unwrap();
     let o = lower(&[&graph, "--out", &out]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -658,6 +669,39 @@ fn a_failed_pair_is_in_the_json_report_with_its_error() {
         "{err}"
     );
     assert!(entry.get("report").is_none());
+    // A graph that cannot be read to choose its target fails with no target, next to
+    // a graph its options file gives one.
+    let dir = tmp.0.join("dir");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("broken.json"), "{not json").unwrap();
+    std::fs::write(dir.join("listed.json"), "[]").unwrap();
+    std::fs::write(
+        dir.join("listed.options.json"),
+        r#"{"targets": ["h100-sxm-x8"]}"#,
+    )
+    .unwrap();
+    let o = lower(&[&dir.to_string_lossy(), "--report", "json"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("2 of 2 (graph, target) pair(s) failed"),
+        "{}",
+        stderr(&o)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let by_input = |name: &str| {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["input"].as_str().unwrap().ends_with(name))
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(by_input("broken.json")["target"], serde_json::Value::Null);
+    assert_eq!(by_input("listed.json")["target"], "h100-sxm-x8");
+    assert!(by_input("broken.json")["error"]
+        .as_str()
+        .unwrap()
+        .contains("broken.json"));
 }
 
 #[test]
