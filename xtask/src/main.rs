@@ -996,8 +996,8 @@ fn check_default_out(o: &Path) -> Result<()> {
 /// directory, or ends in `/`, `/.` or `/..`; the nearest of its ancestors that is there
 /// is not a directory (a file, a broken symlink); its directory does not exist (unless
 /// `dir_may_be_made`); it is something other than a regular file (a device such as
-/// `/dev/null`, a FIFO, a socket), which the rename would replace. `None` when none of
-/// these holds. (A symlink at `o` is replaced by the file, not written through.)
+/// `/dev/null`, a FIFO, a socket), which the rename would replace; no file can be made
+/// in its directory ([`probe_new_file`]). `None` when none of these holds. (A symlink at `o` is replaced by the file, not written through.)
 fn why_unwritable(o: &Path, dir_may_be_made: bool) -> Option<String> {
     let text = o.as_os_str().to_string_lossy();
     let names_dir = [".", ".."].contains(&text.as_ref())
@@ -1028,14 +1028,40 @@ fn why_unwritable(o: &Path, dir_may_be_made: bool) -> Option<String> {
     if !dir.exists() && !dir_may_be_made {
         return Some(format!(": directory {} does not exist", dir.display()));
     }
-    match std::fs::metadata(o) {
-        Ok(m) if !m.is_file() => Some(
-            " is not a regular file (a device, FIFO or socket): arfuse writes by renaming a \
-             new file over its output, which would replace it; give a file name"
-                .into(),
-        ),
-        _ => None,
+    if let Ok(m) = std::fs::metadata(o) {
+        if !m.is_file() {
+            return Some(
+                " is not a regular file (a device, FIFO or socket): arfuse writes by \
+                 renaming a new file over its output, which would replace it; give a file \
+                 name"
+                    .into(),
+            );
+        }
     }
+    if dir.is_dir() {
+        if let Err(e) = probe_new_file(dir, o) {
+            return Some(format!(": no file can be made in {}: {e}", dir.display()));
+        }
+    }
+    None
+}
+
+/// Makes and removes an empty file in `dir` beside `o`, as the write's temporary file
+/// will be ([`write_all_atomic`]): a directory arfuse may not write to (permissions, a
+/// read-only file system, `/sys`) fails here, before lowering, not after.
+fn probe_new_file(dir: &Path, o: &Path) -> std::io::Result<()> {
+    let name = o
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
+    let probe = dir.join(format!(".{name}.probe{}", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)?;
+    // A probe that cannot be removed is only an empty hidden file; the write goes on.
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
 }
 
 /// The options file beside graph `input`: `<name>.options.json`, `<name>` its file name

@@ -406,12 +406,14 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     }
     assert!(!Path::new(&missing).exists() && !Path::new(&out).exists());
     // What the rename would replace or cannot write, refused before lowering: a
-    // device, a name ending in `/`, a file as its directory.
+    // device, a name ending in `/`, a file as its directory, a directory no file can
+    // be made in (`/sys`, even for root).
     for (bad, why) in [
         (
             "/dev/null".to_string(),
             "is not a regular file (a device, FIFO or socket)",
         ),
+        ("/sys/x.dot".to_string(), "no file can be made in /sys: "),
         (
             tmp.path("nofile/"),
             "names a directory; it takes a file name",
