@@ -997,7 +997,8 @@ fn check_default_out(o: &Path) -> Result<()> {
 /// is not a directory (a file, a broken symlink); its directory does not exist (unless
 /// `dir_may_be_made`); it is something other than a regular file (a device such as
 /// `/dev/null`, a FIFO, a socket), which the rename would replace; no file can be made
-/// in its directory ([`probe_new_file`]). `None` when none of these holds. (A symlink at `o` is replaced by the file, not written through.)
+/// in its directory ([`probe_new_file`]). `None` when none of these holds. (A symlink
+/// at `o` is replaced by the file, not written through.)
 fn why_unwritable(o: &Path, dir_may_be_made: bool) -> Option<String> {
     let text = o.as_os_str().to_string_lossy();
     let names_dir = [".", ".."].contains(&text.as_ref())
