@@ -460,55 +460,61 @@ fn read_graph(path: &Path, import: &arfuse::import::ImportOptions) -> Result<Gra
 
 /// Writes every `(path, contents)` through temporary files in the target directories,
 /// renaming them into place only once all were written: a failure to write leaves no
-/// partial file and never touches an existing one ("nothing written"). A rename that
-/// fails after others (rare: the destinations are checked before lowering,
-/// [`check_output_path`]) leaves those in place, and the error names them.
+/// partial file and never touches an existing one ("nothing written"). The temporary
+/// files are made exclusively under random names ([`new_file_in`]) and removed when
+/// anything fails. A rename that fails after others (rare: the destinations are
+/// checked before lowering, [`check_output_path`]) leaves those in place, and the error
+/// names them.
 fn write_all_atomic(files: &[(&Path, String)]) -> Result<()> {
-    let mut temps: Vec<(PathBuf, &Path)> = Vec::new();
-    let mut result = Ok(());
-    for (k, (path, contents)) in files.iter().enumerate() {
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_default();
-        let tmp = dir.join(format!(".{name}.tmp{}.{k}", std::process::id()));
-        if let Err(e) = std::fs::write(&tmp, contents) {
-            result = Err(anyhow::anyhow!(
-                "writing {}: {e} (nothing written)",
-                path.display()
-            ));
-            break;
-        }
-        temps.push((tmp, path));
-    }
-    if result.is_ok() {
-        for (k, (tmp, path)) in temps.iter().enumerate() {
-            if let Err(e) = std::fs::rename(tmp, path) {
-                let done: Vec<String> = temps[..k]
-                    .iter()
-                    .map(|(_, p)| p.display().to_string())
-                    .collect();
-                let written = if done.is_empty() {
-                    "nothing written".to_string()
-                } else {
-                    format!("{} written before it", done.join(", "))
-                };
-                result = Err(anyhow::anyhow!(
-                    "writing {}: {e} ({written})",
-                    path.display()
-                ));
-                break;
-            }
+    use std::io::Write;
+    let mut temps = Vec::with_capacity(files.len());
+    for (path, contents) in files {
+        let written = new_file_in(dir_of(path)).and_then(|mut tmp| {
+            tmp.as_file_mut().write_all(contents.as_bytes())?;
+            Ok(tmp)
+        });
+        match written {
+            Ok(tmp) => temps.push((tmp, *path)),
+            // The temporary files made so far are removed as `temps` is dropped.
+            Err(e) => bail!("writing {}: {e} (nothing written)", path.display()),
         }
     }
-    for (tmp, _) in &temps {
-        let _ = std::fs::remove_file(tmp);
+    let mut done: Vec<String> = Vec::new();
+    for (tmp, path) in temps {
+        if let Err(e) = tmp.persist(path) {
+            // `e.file`, the temporary file, is removed as it is dropped here.
+            let written = if done.is_empty() {
+                "nothing written".to_string()
+            } else {
+                format!("{} written before it", done.join(", "))
+            };
+            bail!("writing {}: {} ({written})", path.display(), e.error);
+        }
+        done.push(path.display().to_string());
     }
-    result
+    Ok(())
+}
+
+/// The directory a file `p` is written in: its parent, `.` for a bare name.
+fn dir_of(p: &Path) -> &Path {
+    match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    }
+}
+
+/// A new empty file in `dir`, made exclusively (never through a symlink or over a file
+/// there) under a random hidden name, with the mode a plain write gets (0o666 less the
+/// umask); removed when dropped unless renamed into place first.
+fn new_file_in(dir: &Path) -> std::io::Result<tempfile::NamedTempFile> {
+    let mut b = tempfile::Builder::new();
+    b.prefix(".arfuse-").suffix(".tmp");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        b.permissions(std::fs::Permissions::from_mode(0o666));
+    }
+    b.tempfile_in(dir)
 }
 
 /// The path resolved (symlinks, `..`; the last component too when it exists), for
@@ -520,11 +526,7 @@ fn resolved(p: &Path) -> PathBuf {
 /// Where a file written to `p` by rename lands: `p` with its directory resolved but not
 /// its last component (a symlink there is replaced, not written through).
 fn destination(p: &Path) -> PathBuf {
-    let dir = match p.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    match (std::fs::canonicalize(dir), p.file_name()) {
+    match (std::fs::canonicalize(dir_of(p)), p.file_name()) {
         (Ok(d), Some(n)) => d.join(n),
         _ => p.to_path_buf(),
     }
@@ -574,9 +576,7 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
         return Ok(Some(vec![t.clone()]));
     }
     let options = options_file_of(input);
-    if options.is_file() {
-        let text = std::fs::read_to_string(&options)
-            .with_context(|| format!("reading {}", options.display()))?;
+    if let Some(text) = read_options_file(&options)? {
         let v: serde_json::Value = serde_json::from_str(&text)
             .with_context(|| format!("parsing {}", options.display()))?;
         if !v.is_object() {
@@ -590,6 +590,7 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
             None => return Ok(None),
             Some(serde_json::Value::Array(a)) => {
                 let mut list = Vec::with_capacity(a.len());
+                let mut seen = std::collections::BTreeSet::new();
                 for (k, t) in a.iter().enumerate() {
                     let Some(t) = t.as_str() else {
                         bail!(
@@ -599,7 +600,7 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
                         );
                     };
                     // A target listed twice is lowered once.
-                    if !list.iter().any(|l| l == t) {
+                    if seen.insert(t) {
                         list.push(t.to_string());
                     }
                 }
@@ -622,6 +623,48 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
         return Ok(Some(list));
     }
     Ok(None)
+}
+
+/// The most bytes an options file may hold: the bundled ones hold about 1 KiB.
+const MAX_OPTIONS_BYTES: u64 = 1 << 20;
+
+/// The text of options file `path`, `None` when there is none. Errors, naming the file:
+/// something else is there (a directory, a FIFO, a device, a broken symlink), it cannot
+/// be read, it is over [`MAX_OPTIONS_BYTES`], or it is not UTF-8.
+fn read_options_file(path: &Path) -> Result<Option<String>> {
+    use std::io::Read;
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => bail!("reading {}: {e}", path.display()),
+        Ok(_) => {}
+    }
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => {}
+        Ok(_) => bail!(
+            "{} is not a regular file; an options file is a JSON object with a \"targets\" \
+             list",
+            path.display()
+        ),
+        Err(e) => bail!("reading {}: {e} (a broken symlink?)", path.display()),
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_OPTIONS_BYTES + 1).read_to_end(&mut bytes))
+        .with_context(|| format!("reading {}", path.display()))?;
+    if bytes.len() as u64 > MAX_OPTIONS_BYTES {
+        bail!(
+            "{} is over {MAX_OPTIONS_BYTES} bytes, too large for an options file",
+            path.display()
+        );
+    }
+    match String::from_utf8(bytes) {
+        Ok(text) => Ok(Some(text)),
+        Err(e) => bail!(
+            "{} is not UTF-8 text (invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ),
+    }
 }
 
 /// A flag's count: an integer from 1 to `max`; any other value is a usage error (exit
@@ -749,6 +792,15 @@ struct Jobs {
     preloaded: std::collections::BTreeMap<PathBuf, Result<Graph>>,
 }
 
+impl Jobs {
+    /// Whether `input` was read to choose its target and could not be: its one pair
+    /// fails with the read error, no target chosen (its target spec only stands in),
+    /// and writes nothing.
+    fn unreadable(&self, input: &Path) -> bool {
+        matches!(self.preloaded.get(input), Some(Err(_)))
+    }
+}
+
 #[allow(clippy::too_many_arguments)] // one per CLI option
 fn lower_cmd(
     root: &Path,
@@ -783,7 +835,7 @@ fn lower_cmd(
     refuse_several_graphs(&path, &inputs, &outputs)?;
     let mut jobs = plan_jobs(&inputs, listed, import)?;
     check_outputs(&jobs.pairs, &outputs)?;
-    let out_paths = output_paths(root, &jobs.pairs, &resolved_inputs, out, dot)?;
+    let out_paths = output_paths(root, &jobs, &resolved_inputs, out, dot)?;
     let options = LowerOptions {
         group,
         shared_hidden_sizes: shared_hidden,
@@ -997,7 +1049,8 @@ fn check_default_out(o: &Path) -> Result<()> {
 /// is not a directory (a file, a broken symlink); its directory does not exist (unless
 /// `dir_may_be_made`); it is something other than a regular file (a device such as
 /// `/dev/null`, a FIFO, a socket), which the rename would replace; no file can be made
-/// in its directory ([`probe_new_file`]). `None` when none of these holds. (A symlink
+/// and removed in its directory, or in the nearest ancestor there when the directory
+/// is still to be made ([`probe_new_file`]). `None` when none of these holds. (A symlink
 /// at `o` is replaced by the file, not written through.)
 fn why_unwritable(o: &Path, dir_may_be_made: bool) -> Option<String> {
     let text = o.as_os_str().to_string_lossy();
@@ -1008,10 +1061,7 @@ fn why_unwritable(o: &Path, dir_may_be_made: bool) -> Option<String> {
     if names_dir {
         return Some(" names a directory; it takes a file name".into());
     }
-    let dir = match o.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
+    let dir = dir_of(o);
     // The nearest ancestor there is (a relative path's is the current directory when
     // none is): a directory, not a file or a broken symlink.
     let there = dir
@@ -1039,30 +1089,24 @@ fn why_unwritable(o: &Path, dir_may_be_made: bool) -> Option<String> {
             );
         }
     }
-    if dir.is_dir() {
-        if let Err(e) = probe_new_file(dir, o) {
-            return Some(format!(": no file can be made in {}: {e}", dir.display()));
-        }
+    // Where the write makes its temporary file: the directory, or, for one still to be
+    // made, the nearest ancestor there, where it will be made.
+    // (Past the checks above, `there` is a directory.)
+    let probed = there.unwrap_or(Path::new("."));
+    match probe_new_file(probed) {
+        Err(e) => Some(format!(
+            ": no file can be made and removed in {}: {e}",
+            probed.display()
+        )),
+        Ok(()) => None,
     }
-    None
 }
 
-/// Makes and removes an empty file in `dir` beside `o`, as the write's temporary file
-/// will be ([`write_all_atomic`]): a directory arfuse may not write to (permissions, a
-/// read-only file system, `/sys`) fails here, before lowering, not after.
-fn probe_new_file(dir: &Path, o: &Path) -> std::io::Result<()> {
-    let name = o
-        .file_name()
-        .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_default();
-    let probe = dir.join(format!(".{name}.probe{}", std::process::id()));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&probe)?;
-    // A probe that cannot be removed is only an empty hidden file; the write goes on.
-    let _ = std::fs::remove_file(&probe);
-    Ok(())
+/// Makes and removes an empty file in `dir`, as the write's temporary file will be
+/// ([`new_file_in`]): a directory arfuse may not write to (permissions, a read-only file
+/// system, `/sys`, an append-only directory) fails here, before lowering, not after.
+fn probe_new_file(dir: &Path) -> std::io::Result<()> {
+    new_file_in(dir)?.close()
 }
 
 /// The options file beside graph `input`: `<name>.options.json`, `<name>` its file name
@@ -1141,14 +1185,17 @@ fn check_outputs(pairs: &[(PathBuf, String)], outputs: &[(&str, &Path)]) -> Resu
 /// Every pair's output path, decided (and checked) before anything is lowered or
 /// written: `--out`, else the default, which may be neither an input graph, nor shared
 /// by two pairs (two inputs, or two targets of one name), nor `--dot`'s file, nor a
-/// path no file can be renamed to ([`check_default_out`]).
+/// path no file can be renamed to ([`check_default_out`]). The path of an unreadable
+/// graph's pair ([`Jobs::unreadable`]) is not checked: it has no target, and nothing
+/// is written there.
 fn output_paths(
     root: &Path,
-    pairs: &[(PathBuf, String)],
+    jobs: &Jobs,
     resolved_inputs: &[PathBuf],
     out: Option<&Path>,
     dot: Option<&Path>,
 ) -> Result<Vec<PathBuf>> {
+    let pairs = &jobs.pairs;
     if let Some(p) = out {
         return Ok(vec![p.to_path_buf(); pairs.len()]);
     }
@@ -1156,7 +1203,13 @@ fn output_paths(
         .iter()
         .map(|(input, t)| default_out(root, input, &target_name(t)))
         .collect();
-    for o in &out_paths {
+    let checked = || {
+        pairs
+            .iter()
+            .zip(&out_paths)
+            .filter(|((input, _), _)| !jobs.unreadable(input))
+    };
+    for (_, o) in checked() {
         if dot.is_some_and(|d| destination(d) == destination(o)) {
             bail!(
                 "--dot {} is where the lowered graph goes by default; give --dot another \
@@ -1167,7 +1220,7 @@ fn output_paths(
         check_default_out(o)?;
     }
     let mut seen: std::collections::BTreeMap<PathBuf, (&Path, &str)> = Default::default();
-    for ((input, t), o) in pairs.iter().zip(&out_paths) {
+    for ((input, t), o) in checked() {
         let r = resolved(o);
         if resolved_inputs.contains(&r) {
             bail!(
@@ -1221,7 +1274,7 @@ fn run_jobs(run: &Run<'_>, jobs: &mut Jobs, out_paths: &[PathBuf]) -> Result<Exi
     for ((input, target_spec), out_path) in jobs.pairs.iter().zip(out_paths) {
         // A graph read to choose its target and found unreadable has no target: its
         // pair's target spec is a placeholder.
-        let target_chosen = !matches!(jobs.preloaded.get(input), Some(Err(_)));
+        let target_chosen = !jobs.unreadable(input);
         // Every target was loaded once before lowering; one that fails now (a file
         // changed meanwhile) fails its pair.
         let outcome = load_target(target_spec)

@@ -413,7 +413,10 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
             "/dev/null".to_string(),
             "is not a regular file (a device, FIFO or socket)",
         ),
-        ("/sys/x.dot".to_string(), "no file can be made in /sys: "),
+        (
+            "/sys/x.dot".to_string(),
+            "no file can be made and removed in /sys: ",
+        ),
         (
             tmp.path("nofile/"),
             "names a directory; it takes a file name",
@@ -526,6 +529,41 @@ fn options_files_and_their_targets_are_checked_before_lowering() {
         "{e}"
     );
     assert!(!e.contains("wrote "), "{e}");
+    // Something other than a file, a file too large or not UTF-8: an error naming it,
+    // never ignored.
+    std::fs::remove_file(&options).unwrap();
+    std::fs::create_dir(&options).unwrap();
+    let o = lower(&[&graph]);
+    assert!(
+        stderr(&o).starts_with(&format!("error: {options} is not a regular file")),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::remove_dir(&options).unwrap();
+    std::os::unix::fs::symlink(tmp.0.join("nowhere"), &options).unwrap();
+    let o = lower(&[&graph]);
+    assert!(
+        stderr(&o).starts_with(&format!("error: reading {options}: ")),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::remove_file(&options).unwrap();
+    for (bytes, want) in [
+        (vec![b' '; (1 << 20) + 1], "is over 1048576 bytes"),
+        (
+            b"{\"targets\": [\"\xff\"]}".to_vec(),
+            "is not UTF-8 text (invalid byte at offset 14)",
+        ),
+    ] {
+        std::fs::write(&options, bytes).unwrap();
+        let o = lower(&[&graph]);
+        assert!(
+            stderr(&o).starts_with(&format!("error: {options} {want}")),
+            "{}",
+            stderr(&o)
+        );
+        assert!(o.stdout.is_empty());
+    }
     // Without `targets`, the graph's recorded TP size decides (8: h200-sxm-x8).
     std::fs::write(&options, r#"{"notes": "no targets here"}"#).unwrap();
     let o = lower(&[&graph, "--out", &out, "--report", "json"]);
@@ -704,6 +742,37 @@ fn a_failed_pair_is_in_the_json_report_with_its_error() {
         .as_str()
         .unwrap()
         .contains("broken.json"));
+    // Unreadable graphs have no default output to share: `x.json` and `x.pt2` are two
+    // failed pairs, not a refusal of the run, and the readable graph beside them is
+    // lowered (to its default output, removed after).
+    let dir = tmp.0.join("stems");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("x.json"), "garbage").unwrap();
+    std::fs::write(dir.join("x.pt2"), "garbage").unwrap();
+    let stem = format!("xtask_test_unreadable_{}", std::process::id());
+    std::fs::copy(root().join(LLAMA), dir.join(format!("{stem}.json"))).unwrap();
+    let o = lower(&[&dir.to_string_lossy(), "--report", "json"]);
+    let written = root().join(format!("target/arfuse/{stem}.h200-sxm-x8.lowered.json"));
+    let lowered = written.is_file();
+    let _ = std::fs::remove_file(&written);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("2 of 3 (graph, target) pair(s) failed"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(lowered, "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let targets: Vec<&serde_json::Value> =
+        v.as_array().unwrap().iter().map(|e| &e["target"]).collect();
+    assert_eq!(
+        targets,
+        [
+            &serde_json::Value::Null,
+            &serde_json::Value::Null,
+            &serde_json::json!("h200-sxm-x8")
+        ]
+    );
 }
 
 #[test]
