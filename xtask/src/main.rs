@@ -1270,11 +1270,15 @@ struct Run<'a> {
 fn run_jobs(run: &Run<'_>, jobs: &mut Jobs, out_paths: &[PathBuf]) -> Result<ExitCode> {
     let mut failed = 0usize;
     let mut json_reports = Vec::new();
-    let mut loaded: Option<(PathBuf, Graph)> = None;
+    // The graph of the pairs in hand (consecutive pairs share their graph), or why it
+    // could not be read.
+    let mut loaded: Option<(PathBuf, std::result::Result<Graph, String>)> = None;
     for ((input, target_spec), out_path) in jobs.pairs.iter().zip(out_paths) {
         // A graph read to choose its target and found unreadable has no target: its
         // pair's target spec is a placeholder.
         let target_chosen = !jobs.unreadable(input);
+        // Whether this graph's read already failed for an earlier pair (said then).
+        let failed_before = matches!(&loaded, Some((p, Err(_))) if p == input);
         // Every target was loaded once before lowering; one that fails now (a file
         // changed meanwhile) fails its pair.
         let outcome = load_target(target_spec)
@@ -1289,29 +1293,32 @@ fn run_jobs(run: &Run<'_>, jobs: &mut Jobs, out_paths: &[PathBuf]) -> Result<Exi
                     dot: run.dot,
                     world_size_given: run.world_size_given,
                 };
-                let graph = match &loaded {
-                    Some((p, g)) if p == input => Ok(g),
-                    _ => {
-                        let g = match jobs.preloaded.remove(input) {
-                            Some(g) => g,
-                            None => read_graph(input, run.import),
-                        };
-                        match g {
-                            Ok(g) => Ok(&loaded.insert((input.clone(), g)).1),
-                            Err(e) => {
-                                loaded = None;
-                                Err(format!("{e:#}"))
-                            }
-                        }
-                    }
-                };
-                graph.and_then(|g| lower_pair(&pair, g, run.options, run.output))
+                if !matches!(&loaded, Some((p, _)) if p == input) {
+                    let g = match jobs.preloaded.remove(input) {
+                        Some(g) => g,
+                        None => read_graph(input, run.import),
+                    };
+                    loaded = Some((input.clone(), g.map_err(|e| format!("{e:#}"))));
+                }
+                match loaded.as_ref().map(|(_, g)| g) {
+                    Some(Ok(g)) => lower_pair(&pair, g, run.options, run.output),
+                    Some(Err(e)) => Err(e.clone()),
+                    None => unreachable!("the pair's graph was read just above"),
+                }
             });
         match outcome {
             Ok(Some(json)) => json_reports.push(json),
             Ok(None) => {}
             Err(msg) => {
-                eprintln!("error: {msg}");
+                if failed_before {
+                    eprintln!(
+                        "error: {}: not lowered for {}: the graph could not be read (above)",
+                        input.display(),
+                        target_name(target_spec)
+                    );
+                } else {
+                    eprintln!("error: {msg}");
+                }
                 failed += 1;
                 // A failed pair is in the JSON report too, with its error.
                 json_reports.push(serde_json::json!({

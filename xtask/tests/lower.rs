@@ -742,6 +742,24 @@ fn a_failed_pair_is_in_the_json_report_with_its_error() {
         .as_str()
         .unwrap()
         .contains("broken.json"));
+    // An unreadable graph listed for two targets is read once and its error said once;
+    // the second pair names its target.
+    let twice = tmp.path("twice.json");
+    std::fs::write(&twice, "garbage").unwrap();
+    std::fs::write(
+        tmp.path("twice.options.json"),
+        r#"{"targets": ["h200-sxm-x8", "b200-x8"]}"#,
+    )
+    .unwrap();
+    let o = lower(&[&twice]);
+    let e = stderr(&o);
+    assert_eq!(e.matches("unknown file format").count(), 1, "{e}");
+    assert!(
+        e.contains(&format!(
+            "error: {twice}: not lowered for b200-x8: the graph could not be read (above)"
+        )) && e.contains("2 of 2 (graph, target) pair(s) failed"),
+        "{e}"
+    );
     // Unreadable graphs have no default output to share: `x.json` and `x.pt2` are two
     // failed pairs, not a refusal of the run, and the readable graph beside them is
     // lowered (to its default output, removed after).
