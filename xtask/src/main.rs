@@ -630,7 +630,8 @@ const MAX_OPTIONS_BYTES: u64 = 1 << 20;
 
 /// The text of options file `path`, `None` when there is none. Errors, naming the file:
 /// something else is there (a directory, a FIFO, a device, a broken symlink), it cannot
-/// be read, it is over [`MAX_OPTIONS_BYTES`], or it is not UTF-8.
+/// be read, it is over [`MAX_OPTIONS_BYTES`], or it is not UTF-8 (a byte order mark is
+/// read past).
 fn read_options_file(path: &Path) -> Result<Option<String>> {
     use std::io::Read;
     match std::fs::symlink_metadata(path) {
@@ -658,7 +659,11 @@ fn read_options_file(path: &Path) -> Result<Option<String>> {
         );
     }
     match String::from_utf8(bytes) {
-        Ok(text) => Ok(Some(text)),
+        // A UTF-8 byte order mark is read past, as in a graph file (RFC 8259 allows it).
+        Ok(text) => Ok(Some(match text.strip_prefix('\u{feff}') {
+            Some(rest) => rest.to_string(),
+            None => text,
+        })),
         Err(e) => bail!(
             "{} is not UTF-8 text (invalid byte at offset {})",
             path.display(),

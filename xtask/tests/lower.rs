@@ -564,6 +564,13 @@ fn options_files_and_their_targets_are_checked_before_lowering() {
         );
         assert!(o.stdout.is_empty());
     }
+    // A UTF-8 byte order mark is read past.
+    std::fs::write(&options, "\u{feff}{\"targets\": [\"b200-x8\"]}").unwrap();
+    let o = lower(&[&graph, "--out", &out, "--report", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v[0]["target"], "b200-x8");
+    std::fs::remove_file(&out).unwrap();
     // Without `targets`, the graph's recorded TP size decides (8: h200-sxm-x8).
     std::fs::write(&options, r#"{"notes": "no targets here"}"#).unwrap();
     let o = lower(&[&graph, "--out", &out, "--report", "json"]);
