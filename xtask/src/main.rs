@@ -924,6 +924,17 @@ fn graph_files(path: &Path) -> Result<Vec<PathBuf>> {
             path.display()
         );
     }
+    // The options file's name and the default output's are made from the graph's.
+    if let Some(bad) = inputs
+        .iter()
+        .find(|i| i.file_name().is_some_and(|n| n.to_str().is_none()))
+    {
+        bail!(
+            "{}: the file name is not UTF-8; arfuse names a graph's options file and \
+             outputs after it: rename it",
+            bad.display()
+        );
+    }
     Ok(inputs)
 }
 
@@ -1053,7 +1064,8 @@ fn check_default_out(o: &Path) -> Result<()> {
 /// directory, or ends in `/`, `/.` or `/..`; the nearest of its ancestors that is there
 /// is not a directory (a file, a broken symlink); its directory does not exist (unless
 /// `dir_may_be_made`); it is something other than a regular file (a device such as
-/// `/dev/null`, a FIFO, a socket), which the rename would replace; no file can be made
+/// `/dev/null`, a FIFO, a socket), which the rename would replace; its name is over
+/// [`MAX_NAME_BYTES`]; it is under `/dev`, `/proc` or `/sys`; no file can be made
 /// and removed in its directory, or in the nearest ancestor there when the directory
 /// is still to be made ([`probe_new_file`]). `None` when none of these holds. (A symlink
 /// at `o` is replaced by the file, not written through.)
@@ -1094,6 +1106,21 @@ fn why_unwritable(o: &Path, dir_may_be_made: bool) -> Option<String> {
             );
         }
     }
+    let name_bytes = o.file_name().map_or(0, |n| n.as_encoded_bytes().len());
+    if name_bytes > MAX_NAME_BYTES {
+        return Some(format!(
+            ": its name is {name_bytes} bytes, over the {MAX_NAME_BYTES} a file name may have"
+        ));
+    }
+    if let Some(system) = ["/dev", "/proc", "/sys"]
+        .into_iter()
+        .find(|s| destination(o).starts_with(s))
+    {
+        return Some(format!(
+            " is under {system}, which holds the system's devices and files, not outputs \
+             (arfuse writes by renaming a new file into place); give another file"
+        ));
+    }
     // Where the write makes its temporary file: the directory, or, for one still to be
     // made, the nearest ancestor there, where it will be made.
     // (Past the checks above, `there` is a directory.)
@@ -1113,6 +1140,9 @@ fn why_unwritable(o: &Path, dir_may_be_made: bool) -> Option<String> {
 fn probe_new_file(dir: &Path) -> std::io::Result<()> {
     new_file_in(dir)?.close()
 }
+
+/// The most bytes of a file name (Linux's `NAME_MAX`; most file systems have it).
+const MAX_NAME_BYTES: usize = 255;
 
 /// The options file beside graph `input`: `<name>.options.json`, `<name>` its file name
 /// less `.json`, `.json.gz` or `.pt2`, whether the options file exists or not.

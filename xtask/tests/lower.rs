@@ -3,6 +3,7 @@
 //! Outputs go to a temporary directory (`--out`) except where the default output name
 //! is what is tested; those use unique names under `target/arfuse/` and remove them.
 
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -415,7 +416,11 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
         ),
         (
             "/sys/x.dot".to_string(),
-            "no file can be made and removed in /sys: ",
+            "is under /sys, which holds the system's",
+        ),
+        (
+            tmp.path(&format!("{}.dot", "n".repeat(252))),
+            "its name is 256 bytes, over the 255 a file name may have",
         ),
         (
             tmp.path("nofile/"),
@@ -433,6 +438,32 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
         assert!(o.stdout.is_empty());
     }
     assert!(!tmp.0.join("nofile").exists());
+    // A default output whose name would be too long; a graph whose name is not UTF-8
+    // (its options file and outputs are named after it).
+    let long = tmp.path(&format!("{}.json", "g".repeat(240)));
+    std::fs::copy(root().join(LLAMA), &long).unwrap();
+    let o = lower(&[&long, "-t", "h200-sxm-x8"]);
+    let e = stderr(&o);
+    assert!(
+        e.starts_with("error: the default output ")
+            && e.contains("its name is 265 bytes, over the 255")
+            && e.ends_with("; pass --out FILE\n"),
+        "{e}"
+    );
+    assert!(o.stdout.is_empty());
+    let odd = tmp.0.join(std::ffi::OsStr::from_bytes(b"g\xff.json"));
+    std::fs::copy(root().join(LLAMA), &odd).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .current_dir(root())
+        .arg("lower")
+        .arg(&odd)
+        .output()
+        .unwrap();
+    assert!(
+        stderr(&o).contains(": the file name is not UTF-8;"),
+        "{}",
+        stderr(&o)
+    );
     // `--dot` at the default output, an options file that does not exist yet, and a
     // trailing `/.`: refused before lowering too.
     // (Its directory must exist for `--dot`, as it does once anything was lowered: a
