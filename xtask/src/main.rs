@@ -1329,16 +1329,18 @@ fn run_jobs(run: &Run<'_>, jobs: &mut Jobs, out_paths: &[PathBuf]) -> Result<Exi
                     world_size_given: run.world_size_given,
                 };
                 if !matches!(&loaded, Some((p, _)) if p == input) {
+                    loaded = None;
+                }
+                let (_, graph) = loaded.get_or_insert_with(|| {
                     let g = match jobs.preloaded.remove(input) {
                         Some(g) => g,
                         None => read_graph(input, run.import),
                     };
-                    loaded = Some((input.clone(), g.map_err(|e| format!("{e:#}"))));
-                }
-                match loaded.as_ref().map(|(_, g)| g) {
-                    Some(Ok(g)) => lower_pair(&pair, g, run.options, run.output),
-                    Some(Err(e)) => Err(e.clone()),
-                    None => unreachable!("the pair's graph was read just above"),
+                    (input.clone(), g.map_err(|e| format!("{e:#}")))
+                });
+                match graph {
+                    Ok(g) => lower_pair(&pair, g, run.options, run.output),
+                    Err(e) => Err(e.clone()),
                 }
             });
         match outcome {

@@ -34,6 +34,12 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// Asserts that the run's stderr contains `text`, showing it when not.
+fn assert_says(o: &Output, text: impl AsRef<str>) {
+    let e = stderr(o);
+    assert!(e.contains(text.as_ref()), "{e}");
+}
+
 /// A fresh empty directory, removed when dropped.
 struct TempDir(PathBuf);
 
@@ -274,12 +280,9 @@ fn out_never_overwrites_a_file_the_run_reads_and_a_missing_directory_fails_first
     let before = std::fs::read(&target).unwrap();
     let o = lower(&[LLAMA, "--target", &target, "--out", &target]);
     assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains(&format!(
-            "--out {target} is the --target file; refusing to overwrite it"
-        )),
-        "{}",
-        stderr(&o)
+    assert_says(
+        &o,
+        format!("--out {target} is the --target file; refusing to overwrite it"),
     );
     assert_eq!(
         std::fs::read(&target).unwrap(),
@@ -291,11 +294,7 @@ fn out_never_overwrites_a_file_the_run_reads_and_a_missing_directory_fails_first
     // The options file is data even when --target means it is not read.
     let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", options]);
     assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains("is an options file (the targets of a graph)"),
-        "{}",
-        stderr(&o)
-    );
+    assert_says(&o, "is an options file (the targets of a graph)");
     assert_eq!(std::fs::read(root().join(options)).unwrap(), before);
     // A missing output directory: refused before lowering, so no report on stdout.
     let missing = tmp.path("nodir/x.json");
@@ -459,11 +458,7 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
         .arg(&odd)
         .output()
         .unwrap();
-    assert!(
-        stderr(&o).contains(": the file name is not UTF-8;"),
-        "{}",
-        stderr(&o)
-    );
+    assert_says(&o, ": the file name is not UTF-8;");
     // `--dot` at the default output, an options file that does not exist yet, and a
     // trailing `/.`: refused before lowering too.
     // (Its directory must exist for `--dot`, as it does once anything was lowered: a
@@ -490,19 +485,16 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     ] {
         let o = lower(&args);
         assert_eq!(o.status.code(), Some(1), "{args:?}");
-        assert!(stderr(&o).contains(why), "{}", stderr(&o));
+        assert_says(&o, why);
         assert!(o.stdout.is_empty());
     }
     assert!(!Path::new(&its_options).exists());
     // An options file whose targets are not a list of strings is an error naming it.
     std::fs::write(&its_options, r#"{"targets": "h200-sxm-x8"}"#).unwrap();
     let o = lower(&[&fresh, "--out", &out]);
-    assert!(
-        stderr(&o).contains(&format!(
-            "{its_options}: \"targets\" is \"h200-sxm-x8\", not a list"
-        )),
-        "{}",
-        stderr(&o)
+    assert_says(
+        &o,
+        format!("{its_options}: \"targets\" is \"h200-sxm-x8\", not a list"),
     );
 }
 
@@ -617,24 +609,16 @@ fn options_files_and_their_targets_are_checked_before_lowering() {
     // Any name of an options file, a graph's or not, is no output.
     let other = tmp.path("other.options.json");
     let o = lower(&[&graph, "-t", "h200-sxm-x8", "--out", &other]);
-    assert!(
-        stderr(&o).contains("is an options file (the targets of a graph)"),
-        "{}",
-        stderr(&o)
-    );
+    assert_says(&o, "is an options file (the targets of a graph)");
     assert!(!Path::new(&other).exists());
     // A directory behind a broken symlink.
     let link = tmp.0.join("gone");
     std::os::unix::fs::symlink(tmp.0.join("nowhere"), &link).unwrap();
     let under = tmp.path("gone/x.json");
     let o = lower(&[&graph, "-t", "h200-sxm-x8", "--out", &under]);
-    assert!(
-        stderr(&o).contains(&format!(
-            "--out {under}: {} is a broken symlink",
-            link.display()
-        )),
-        "{}",
-        stderr(&o)
+    assert_says(
+        &o,
+        format!("--out {under}: {} is a broken symlink", link.display()),
     );
     assert!(o.stdout.is_empty() && !Path::new(&out).exists());
 }
@@ -686,7 +670,7 @@ fn a_graph_without_a_tp_size_needs_a_target_or_a_world_size() {
     // --world-size and --target together are refused by the parser.
     let o = lower(&[EXPORTED, "--world-size", "8", "--target", "b200-x8"]);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("cannot be used with"), "{}", stderr(&o));
+    assert_says(&o, "cannot be used with");
 }
 
 #[test]
@@ -760,11 +744,7 @@ fn a_failed_pair_is_in_the_json_report_with_its_error() {
     .unwrap();
     let o = lower(&[&dir.to_string_lossy(), "--report", "json"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains("2 of 2 (graph, target) pair(s) failed"),
-        "{}",
-        stderr(&o)
-    );
+    assert_says(&o, "2 of 2 (graph, target) pair(s) failed");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let by_input = |name: &str| {
         v.as_array()
@@ -812,11 +792,7 @@ fn a_failed_pair_is_in_the_json_report_with_its_error() {
     let lowered = written.is_file();
     let _ = std::fs::remove_file(&written);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains("2 of 3 (graph, target) pair(s) failed"),
-        "{}",
-        stderr(&o)
-    );
+    assert_says(&o, "2 of 3 (graph, target) pair(s) failed");
     assert!(lowered, "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let targets: Vec<&serde_json::Value> =
@@ -870,12 +846,9 @@ fn list_targets_and_help() {
     let o = lower(&["--list-targets", "--out", "x.json", "no-such-graph.json"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(o.stdout.is_empty());
-    assert!(
-        stderr(&o).contains(
-            "the argument '--list-targets' cannot be used with:\n  --out <OUT>\n  [GRAPH|DIR]"
-        ),
-        "{}",
-        stderr(&o)
+    assert_says(
+        &o,
+        "the argument '--list-targets' cannot be used with:\n  --out <OUT>\n  [GRAPH|DIR]",
     );
     let o = lower(&["--report", "json", "--list-targets"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
@@ -888,13 +861,10 @@ fn list_targets_and_help() {
     // A usage error names the positional argument as the README does.
     let o = lower(&["--check", "--check-all"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o).contains(
-            "Usage: cargo xtask lower [OPTIONS] [GRAPH|DIR]\n       cargo xtask lower \
-             --list-targets\n"
-        ),
-        "{}",
-        stderr(&o)
+    assert_says(
+        &o,
+        "Usage: cargo xtask lower [OPTIONS] [GRAPH|DIR]\n       cargo xtask lower \
+             --list-targets\n",
     );
 }
 
@@ -958,7 +928,7 @@ fn check_verifies_every_site_and_says_which_token_counts() {
     // Both flags: refused by clap.
     let o = lower(&[EXPORTED, "--world-size", "8", "--check", "--check-all"]);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("cannot be used with"), "{}", stderr(&o));
+    assert_says(&o, "cannot be used with");
 }
 
 #[test]
