@@ -317,8 +317,13 @@ fn workspace_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
-/// True when `--target` names a TOML file rather than a preset.
+/// True when `--target` names a TOML file rather than a preset: a preset's name is
+/// always the preset (a file of that name in the current directory does not replace
+/// it); any other spec is a file when it ends in `.toml` or a file by that name exists.
 fn is_target_file(spec: &str) -> bool {
+    if Target::preset_names().contains(&spec) {
+        return false;
+    }
     let p = Path::new(spec);
     p.extension().is_some_and(|e| e == "toml") || p.is_file()
 }
@@ -337,13 +342,12 @@ fn target_name(spec: &str) -> String {
 }
 
 fn load_target(spec: &str) -> Result<(Target, String)> {
-    if Path::new(spec).is_dir() {
+    if !Target::preset_names().contains(&spec) && Path::new(spec).is_dir() {
         bail!("target {spec} is a directory; give a preset name (--list-targets) or a TOML target file");
     }
     if is_target_file(spec) {
         let p = Path::new(spec);
-        let text = std::fs::read_to_string(p)
-            .with_context(|| format!("reading target file {}", p.display()))?;
+        let text = read_small_text(p, "; a target file is TOML, as ir-fixtures/targets/*.toml")?;
         let t =
             Target::from_toml_str(&text).with_context(|| format!("target file {}", p.display()))?;
         return Ok((t, target_name(spec)));
@@ -625,45 +629,55 @@ fn targets_for(input: &Path, given: &Option<String>) -> Result<Option<Vec<String
     Ok(None)
 }
 
-/// The most bytes an options file may hold: the bundled ones hold about 1 KiB.
-const MAX_OPTIONS_BYTES: u64 = 1 << 20;
+/// The most bytes an options file or a target file may hold: the bundled ones hold
+/// about 1 KiB and 4 KiB.
+const MAX_SMALL_FILE_BYTES: u64 = 1 << 20;
 
-/// The text of options file `path`, `None` when there is none. Errors, naming the file:
-/// something else is there (a directory, a FIFO, a device, a broken symlink), it cannot
-/// be read, it is over [`MAX_OPTIONS_BYTES`], or it is not UTF-8 (a byte order mark is
-/// read past).
+/// The text of options file `path`, `None` when there is none; an error naming it
+/// otherwise, as [`read_small_text`] says.
 fn read_options_file(path: &Path) -> Result<Option<String>> {
-    use std::io::Read;
     match std::fs::symlink_metadata(path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => bail!("reading {}: {e}", path.display()),
-        Ok(_) => {}
+        Ok(_) => read_small_text(
+            path,
+            "; an options file is a JSON object with a \"targets\" list",
+        )
+        .map(Some),
     }
+}
+
+/// The text of a small file the user gives besides graphs (an options file, a target
+/// file), a UTF-8 byte order mark read past (as in a graph file: RFC 8259 allows it).
+/// Errors, naming the file: something other than a regular file is there (a
+/// directory, a FIFO, whose read would wait for a writer, a device, a broken symlink;
+/// `hint` ends that message), it cannot be read, it is over [`MAX_SMALL_FILE_BYTES`], or
+/// it is not UTF-8.
+fn read_small_text(path: &Path, hint: &str) -> Result<String> {
+    use std::io::Read;
     match std::fs::metadata(path) {
         Ok(m) if m.is_file() => {}
-        Ok(_) => bail!(
-            "{} is not a regular file; an options file is a JSON object with a \"targets\" \
-             list",
-            path.display()
-        ),
-        Err(e) => bail!("reading {}: {e} (a broken symlink?)", path.display()),
+        Ok(_) => bail!("{} is not a regular file{hint}", path.display()),
+        Err(e) if std::fs::symlink_metadata(path).is_ok() => {
+            bail!("reading {}: {e} (a broken symlink?)", path.display())
+        }
+        Err(e) => bail!("reading {}: {e}", path.display()),
     }
     let mut bytes = Vec::new();
     std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_OPTIONS_BYTES + 1).read_to_end(&mut bytes))
+        .and_then(|f| f.take(MAX_SMALL_FILE_BYTES + 1).read_to_end(&mut bytes))
         .with_context(|| format!("reading {}", path.display()))?;
-    if bytes.len() as u64 > MAX_OPTIONS_BYTES {
+    if bytes.len() as u64 > MAX_SMALL_FILE_BYTES {
         bail!(
-            "{} is over {MAX_OPTIONS_BYTES} bytes, too large for an options file",
+            "{} is over {MAX_SMALL_FILE_BYTES} bytes, too large{hint}",
             path.display()
         );
     }
     match String::from_utf8(bytes) {
-        // A UTF-8 byte order mark is read past, as in a graph file (RFC 8259 allows it).
-        Ok(text) => Ok(Some(match text.strip_prefix('\u{feff}') {
+        Ok(text) => Ok(match text.strip_prefix('\u{feff}') {
             Some(rest) => rest.to_string(),
             None => text,
-        })),
+        }),
         Err(e) => bail!(
             "{} is not UTF-8 text (invalid byte at offset {})",
             path.display(),

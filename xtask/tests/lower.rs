@@ -1021,6 +1021,41 @@ fn a_directory_as_target_an_options_file_as_graph_and_a_negative_world_size_are_
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(e.contains("is a directory; give a preset name"), "{e}");
+    // A preset's name is the preset, whatever the current directory holds: here a
+    // W = 4 target file and a directory named like W = 8 presets. A FIFO as a target
+    // file is refused, not read (the read would wait for a writer).
+    let tmp = TempDir::new("preset-names");
+    let w4 = std::fs::read_to_string(root().join(EXAMPLE_TARGET))
+        .unwrap()
+        .replace("world_size = 8", "world_size = 4");
+    assert!(w4.contains("world_size = 4"));
+    std::fs::write(tmp.0.join("h200-sxm-x8"), w4).unwrap();
+    std::fs::create_dir(tmp.0.join("b200-x8")).unwrap();
+    let fifo = tmp.0.join("fifo.toml");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let llama = root().join(LLAMA);
+    let in_tmp = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_xtask"))
+            .current_dir(&tmp.0)
+            .arg("lower")
+            .arg(&llama)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    for preset in ["h200-sxm-x8", "b200-x8"] {
+        let o = in_tmp(&["--target", preset, "--out", "o.json", "--report", "json"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v[0]["target"], preset);
+        assert_eq!(v[0]["report"]["target"]["world_size"], 8);
+    }
+    let o = in_tmp(&["--target", "fifo.toml", "--out", "o.json"]);
+    assert_says(&o, "fifo.toml is not a regular file; a target file is TOML");
 
     let options = root().join("ir-fixtures/models/llama31_8b_tp8.options.json");
     let o = lower(&[&options.to_string_lossy()]);
