@@ -1069,7 +1069,10 @@ fn check_output_path(flag: &str, o: &Path) -> Result<()> {
 /// its directory made when missing ([`why_unwritable`]).
 fn check_default_out(o: &Path) -> Result<()> {
     match why_unwritable(o, true) {
-        Some(why) => bail!("the default output {}{why}; pass --out FILE", o.display()),
+        Some(why) => bail!(
+            "the default output {}{why}; lower the graph alone with --out FILE",
+            o.display()
+        ),
         None => Ok(()),
     }
 }

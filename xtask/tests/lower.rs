@@ -446,7 +446,7 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     assert!(
         e.starts_with("error: the default output ")
             && e.contains("its name is 265 bytes, over the 255")
-            && e.ends_with("; pass --out FILE\n"),
+            && e.ends_with("; lower the graph alone with --out FILE\n"),
         "{e}"
     );
     assert!(o.stdout.is_empty());

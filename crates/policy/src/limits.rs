@@ -155,7 +155,8 @@ pub fn check_hidden(hidden: u64, dtype: ActDtype) -> Result<()> {
             hidden,
             reason: format!(
                 "a row of {row} bytes exceeds the fused kernels' maximum of {MAX_ROW_BYTES} \
-                 bytes (H = 65,536 at bf16); check that H is in elements"
+                 bytes (H = {} at {dtype}); check that H is in elements",
+                MAX_ROW_BYTES / dtype.element_bytes()
             ),
         });
     }
@@ -282,7 +283,13 @@ mod tests {
         ));
         assert!(check_hidden(u64::MAX, ActDtype::F32).is_err());
         assert_eq!(check_hidden(65_536, ActDtype::Bf16), Ok(()));
-        assert!(check_hidden(65_536, ActDtype::F32).is_err());
+        match check_hidden(65_536, ActDtype::F32) {
+            Err(PolicyError::InvalidHidden { reason, .. }) => assert!(
+                reason.contains("maximum of 131072 bytes (H = 32768 at f32)"),
+                "{reason}"
+            ),
+            other => panic!("{other:?}"),
+        }
         for k in [KernelLibrary::Arfuse, KernelLibrary::Flashinfer] {
             assert_eq!(row_unsupported_reason(k, 256, ActDtype::Bf16), Ok(None));
             assert!(row_unsupported_reason(k, 128, ActDtype::Bf16)
