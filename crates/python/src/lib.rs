@@ -42,6 +42,8 @@ fn _arfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(target::plan, m)?)?;
     m.add_function(wrap_pyfunction!(lowering::_lower, m)?)?;
     m.add_function(wrap_pyfunction!(lowering::_fx_lower, m)?)?;
+    m.add_function(wrap_pyfunction!(lowering::_fx_lower_walked, m)?)?;
+    m.add_function(wrap_pyfunction!(lowering::_fx_walked_json, m)?)?;
     m.add_function(wrap_pyfunction!(kernel::_fused_allreduce_rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernel::_quant_fp8_per_token_cpu, m)?)?;
     Ok(())

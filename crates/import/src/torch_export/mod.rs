@@ -36,6 +36,7 @@
 //!   opaque ops; any other code is an error naming the tensor.
 
 mod archive;
+pub mod fx;
 mod ops;
 mod schema;
 pub mod symbolic;
@@ -203,6 +204,7 @@ impl Notes {
                 2 => format!("skipped {n} {what} node(s) computing symbolic sizes only"),
                 3 => format!("typed {n} bool tensor(s) as u8 (only opaque ops use them)"),
                 5 => format!("warning: {what} ({n} node(s))"),
+                6 => format!("typed {n} {what}"),
                 _ => format!("kept {n} {what}"),
             })
             .collect();
@@ -227,6 +229,9 @@ struct Builder<'p> {
     notes: Notes,
     opts: &'p ImportOptions,
     folds: Folds,
+    /// A tensor whose dtype or sizes cannot be read is typed as an opaque-only `u8`
+    /// scalar (noted) instead of failing the import: the FX front end ([`fx`]).
+    lenient_types: bool,
 }
 
 /// `sum` + division pairs that become one `mean` ([`ops::sum_divisor`]): the sums (node
@@ -441,6 +446,7 @@ impl<'p> Builder<'p> {
             notes,
             opts,
             folds: Folds::default(),
+            lenient_types: false,
         })
     }
 
@@ -542,8 +548,33 @@ impl<'p> Builder<'p> {
             .unwrap_or(base)
     }
 
-    /// The IR type of a tensor from `tensor_values`.
+    /// The IR type of a tensor from `tensor_values`, and whether only opaque ops may
+    /// read it (a bool, or, with `lenient_types`, a tensor arfuse cannot type: then a
+    /// `u8` scalar, noted).
     fn tensor_type(&mut self, tensor: &str, user: &str) -> Result<(TensorType, bool), ImportError> {
+        match self.strict_tensor_type(tensor, user) {
+            Err(e @ (ImportError::UnsupportedDtype { .. } | ImportError::Dimension { .. }))
+                if self.lenient_types =>
+            {
+                let why = match e {
+                    ImportError::UnsupportedDtype { dtype, .. } => format!("dtype {dtype}"),
+                    _ => "sizes arfuse cannot read".to_string(),
+                };
+                self.notes.count(
+                    6,
+                    format!("tensor(s) with {why} (typed as opaque u8 scalars, read only by opaque ops)"),
+                );
+                Ok((TensorType::new(DType::U8, vec![]), true))
+            }
+            other => other,
+        }
+    }
+
+    fn strict_tensor_type(
+        &mut self,
+        tensor: &str,
+        user: &str,
+    ) -> Result<(TensorType, bool), ImportError> {
         let m = *self
             .meta
             .get(tensor)
