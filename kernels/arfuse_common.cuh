@@ -25,6 +25,9 @@
 //         transport replaces -0.0 by +0.0, which cannot change a sum that starts at +0)
 //   a   = round_T(s)                              (the unfused all-reduce output)
 //   h   = round_T(float(a) + float(residual))     -> residual_out
+//   n   = float(h), or with p.norm_f32_sum the unrounded float(a) + float(residual)
+//         (the contract's NormInput::F32Sum, vLLM's native fused_add_rms_norm); the
+//         lines below read n where they say h
 //   r   = 1.0f / sqrtf(sum_i(float(h_i)^2) / H + eps)   sum in fp32 in the block
 //         tree of arf_block_sum over blockDim = arfuse_block_threads(H, e) threads
 //         (the contract's SumOrder::KernelTree): it depends on H and e only, never
@@ -36,7 +39,7 @@
 //         with p.norm_round_twice the Llama order
 //         y = round_T(float(round_T(float(h) * r)) * (float(gamma) + weight_bias))
 //         (the contract's NormRounding::Twice)
-//   quant applied to float(y), in the operation order of contract v2 clause 4 (see the
+//   quant applied to float(y), in the operation order of contract clause 4 (see the
 //   quant part of arf_epilogue; crates/reference/src/contract.rs names the sources).
 #pragma once
 
@@ -131,7 +134,7 @@ struct ArfParams {
   float weight_bias;       // 0 or 1 (Gemma-style norm weight stored as an offset)
   int gamma_f32;           // 1: gamma is f32 (Gemma's 1 + w.float()); 0: gamma is T
   int norm_round_twice;    // 1: round h * r to T before the weight multiply (Llama order)
-  int pad;                 // keeps the size a multiple of 8
+  int norm_f32_sum;        // 1: normalise the unrounded f32 sum a + residual (ARF_RESIDUAL)
 };
 static_assert(sizeof(ArfParams) == 312, "ArfParams layout changed: update KernelParams in crates/runtime/src/cuda.rs");
 
@@ -412,7 +415,7 @@ __device__ __forceinline__ u32 arf_e4m3x2(float lo, float hi) {
 #endif
 }
 // One vector of ARF_VEC activations -> ARF_VEC e4m3 bytes at `dst`:
-// e4m3(clamp(y / scale, -448, 448)), as contract v2 clause 4 (a true division). The
+// e4m3(clamp(y / scale, -448, 448)), as contract clause 4 (a true division). The
 // clamp is the cvt's satfinite: it saturates every finite value and infinity to
 // +-448 exactly as a clamp would, and keeps NaN a NaN (0x7F), which an fminf/fmaxf
 // clamp would turn into -448.
@@ -427,7 +430,7 @@ __device__ __forceinline__ void arf_store_e4m3_vec(u64 dst, const float* yf, flo
 #endif
 }
 // As arf_store_e4m3_vec with e4m3(y * inv): static FP8 multiplies by the rounded
-// reciprocal of its scale (contract v2 clause 4).
+// reciprocal of its scale (contract clause 4).
 __device__ __forceinline__ void arf_store_e4m3_vec_mul(u64 dst, const float* yf, float inv) {
   u32 b[ARF_VEC / 2];
 #pragma unroll
@@ -520,6 +523,16 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
       arf_unpack(arf_ld(res_in + row + (u64)idx * 16u), rf);
 #pragma unroll
       for (int i = 0; i < ARF_VEC; ++i) af[i] = af[i] + rf[i];
+#if ARF_NORM
+      if (p.norm_f32_sum) {
+        // The norm reads the unrounded sum: a[v] keeps the all-reduce output, and the
+        // second pass adds the residual again (and only then writes residual_out, so
+        // that a residual_out aliasing residual_in is read before it is written).
+#pragma unroll
+        for (int i = 0; i < ARF_VEC; ++i) ss += af[i] * af[i];
+        continue;
+      }
+#endif
       a[v] = arf_pack(af);
 #endif
       if (res_out) arf_st(res_out + row + (u64)idx * 16u, a[v]);
@@ -540,6 +553,15 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
     if (v < vpt && idx < nvec) {
       float hf[ARF_VEC], gf[ARF_VEC];
       arf_unpack(a[v], hf);
+#if ARF_RESIDUAL
+      if (p.norm_f32_sum) {
+        float rf[ARF_VEC];
+        arf_unpack(arf_ld(res_in + row + (u64)idx * 16u), rf);
+#pragma unroll
+        for (int i = 0; i < ARF_VEC; ++i) hf[i] = hf[i] + rf[i];
+        if (res_out) arf_st(res_out + row + (u64)idx * 16u, arf_pack(hf));
+      }
+#endif
       arf_load_gamma(p, idx, gf);
 #pragma unroll
       for (int i = 0; i < ARF_VEC; ++i) {

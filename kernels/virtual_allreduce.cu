@@ -1,6 +1,6 @@
 // virtual_allreduce.cu -- the all-reduce of the unfused path on VIRTUAL ranks (every
 // rank's tensor in the same device memory): out[r] = round_T(((+0.0 + x_0) + x_1) + ...
-// + x_{W-1}) for every rank r, fp32 accumulation in rank order, contract v2 clause 1.
+// + x_{W-1}) for every rank r, fp32 accumulation in rank order, contract clause 1.
 // No workspace and no synchronisation between ranks: each rank reads every rank's
 // input directly. It serves T above the fused range (and every T when no fused
 // workspace could be created). On real ranks the collective library (NCCL) does this.

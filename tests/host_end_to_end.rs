@@ -288,6 +288,7 @@ fn every_fused_node_of_a_lowered_llama_runs_on_the_host_device_as_the_reference_
                 weight_bias: k.weight_bias as u32,
                 gamma_f32: k.gamma_f32,
                 norm_round_twice: k.norm_round_twice,
+                norm_f32_sum: k.norm_f32_sum,
             };
             let inputs = check::make_inputs(&case, 0x11a ^ u64::from(t)).expect("inputs");
             // The evaluator sums the RMSNorm squares sequentially (the IR's order), the

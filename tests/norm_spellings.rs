@@ -4,7 +4,7 @@
 //! evaluator on two simulated ranks; spellings no fused epilogue computes are refused
 //! with a reason naming the op.
 
-use arfuse::ir::{NormRounding, Op};
+use arfuse::ir::{NormInput, NormRounding, Op};
 use arfuse::reference::check_equivalent;
 use arfuse::{Graph, Target};
 use serde_json::{json, Value};
@@ -55,6 +55,13 @@ fn col(dtype: i64) -> Value {
 /// then `tail` (nodes and their output types) ending in `y`. The weight `w` has dtype
 /// `wdtype`.
 fn program(wdtype: i64, tail: Vec<(Value, Value)>) -> Vec<u8> {
+    program_with(wdtype, false, tail)
+}
+
+/// [`program`]; with `f32_sum`, the residual add is vLLM's native one
+/// (`vllm/ir/ops/layernorm.py`, `fused_add_rms_norm`): `hf = f32(wt) + f32(res)` in f32,
+/// `h = hf.to(bf16)` the new residual, and the norm reads the unrounded `hf`.
+fn program_with(wdtype: i64, f32_sum: bool, tail: Vec<(Value, Value)>) -> Vec<u8> {
     let norm = "m.layers.0.post_attention_layernorm";
     let mut nodes = vec![
         (
@@ -145,6 +152,25 @@ fn program(wdtype: i64, tail: Vec<(Value, Value)>) -> Vec<u8> {
             act(F32),
         ),
     ];
+    if f32_sum {
+        // Replace `h = res + wt; hf = f32(h)` by vLLM's native head.
+        nodes.drain(2..4);
+        let head = [
+            (cast("xf", "wt", F32), act(F32)),
+            (cast("rf", "res", F32), act(F32)),
+            (
+                node(
+                    "hf",
+                    "aten.add.Tensor",
+                    &[("self", t("xf")), ("other", t("rf"))],
+                    norm,
+                ),
+                act(F32),
+            ),
+            (cast("h", "hf", BF16), act(BF16)),
+        ];
+        nodes.splice(2..2, head);
+    }
     nodes.extend(tail);
     let mut tv = serde_json::Map::new();
     tv.insert("x".into(), act(BF16));
@@ -202,6 +228,19 @@ fn llama() -> Vec<u8> {
         vec![
             (cast("nb", "n", BF16), act(BF16)),
             (mul("y", "w", "nb"), act(BF16)),
+        ],
+    )
+}
+
+/// vLLM's native `fused_add_rms_norm` (its CPU default, and its IR op's native form):
+/// the unrounded f32 sum normalised, `x.to(weight.dtype) * weight` (two roundings).
+fn vllm_native() -> Vec<u8> {
+    program_with(
+        BF16,
+        true,
+        vec![
+            (cast("nb", "n", BF16), act(BF16)),
+            (mul("y", "nb", "w"), act(BF16)),
         ],
     )
 }
@@ -287,6 +326,12 @@ fn fuses_exactly(bytes: &[u8], rounding: NormRounding, weight_bias: f64) -> (Gra
     assert_eq!(fused.len(), 1);
     assert_eq!(fused[0].norm_rounding, rounding);
     assert_eq!(fused[0].weight_bias, weight_bias);
+    let want_input = if bytes == vllm_native().as_slice() {
+        NormInput::F32Sum
+    } else {
+        NormInput::Residual
+    };
+    assert_eq!(fused[0].norm_input, want_input);
     let eq = check_equivalent(&g, &l.graph, 2, &[1, 3, 8], 7).unwrap();
     assert!(eq.is_bit_exact(), "{eq}");
     (g, l.graph)
@@ -306,6 +351,20 @@ fn llama_norm_fuses_rounding_twice_and_once_would_be_caught() {
         .failures()
         .iter()
         .all(|(_, o)| o.index == 0 && o.max_ulp == 1));
+}
+
+#[test]
+fn vllm_native_norm_of_the_f32_sum_fuses_with_norm_input_f32_sum() {
+    let (g, lowered) = fuses_exactly(&vllm_native(), NormRounding::Twice, 0.0);
+    // The same node normalising the rounded residual is not the graph's norm; the
+    // residual output is the same either way.
+    let json = lowered.to_json_string();
+    let rounded = json.replace("\"norm_input\":\"f32_sum\",", "");
+    assert_ne!(rounded, json, "{json}");
+    let lowered = Graph::from_json_str(&rounded).unwrap();
+    let eq = check_equivalent(&g, &lowered, 2, &[1, 3, 8, 16], 7).unwrap();
+    assert!(!eq.is_equivalent(), "{eq}");
+    assert!(eq.failures().iter().all(|(_, o)| o.index == 0), "{eq}");
 }
 
 #[test]

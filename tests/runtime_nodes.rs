@@ -303,6 +303,7 @@ fn one_shot_never_runs_past_the_bytes_boundary() {
                     weight_bias: k.weight_bias as u32,
                     gamma_f32: k.gamma_f32,
                     norm_round_twice: k.norm_round_twice,
+                    norm_f32_sum: k.norm_f32_sum,
                 };
                 for r in &plan.dispatch {
                     if r.strategy != arfuse::ir::Strategy::OneShot {

@@ -150,6 +150,7 @@ impl<B: Allocation> Io<B> {
                 weight_bias: 0,
                 gamma_f32: false,
                 norm_round_twice: false,
+                norm_f32_sum: false,
             };
             if let Ok(b) = c.output_bytes() {
                 big.out = big.out.max(b.out);
@@ -230,6 +231,7 @@ fn params<B: Allocation>(io: &Io<B>, case: &Case, live: Liveness) -> anyhow::Res
         weight_bias: case.weight_bias as f32,
         gamma_f32: i32::from(case.gamma_f32),
         norm_round_twice: i32::from(case.norm_round_twice),
+        norm_f32_sum: i32::from(case.norm_f32_sum),
         timeout_ns: device::DEFAULT_TIMEOUT_NS,
         ..KernelParams::default()
     })

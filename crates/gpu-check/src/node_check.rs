@@ -94,6 +94,7 @@ pub fn run<D: Device>(
             weight_bias: 0,
             gamma_f32: false,
             norm_round_twice: true,
+            norm_f32_sum: false,
         };
         let ws = check::workspace_for(WORLD, Dtype::Bf16, hidden, TWO_SHOT_MAX)?;
         let kernels = check::node_for(

@@ -150,6 +150,7 @@ impl Rig {
             weight_bias: 0,
             gamma_f32: false,
             norm_round_twice: false,
+            norm_f32_sum: false,
         }
     }
 

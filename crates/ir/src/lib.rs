@@ -46,8 +46,8 @@ pub use graph::{
 pub use json::{FORMAT_TAG, FORMAT_VERSION, MAX_INPUT_BYTES};
 pub use op::{
     looks_like_collective, Backend, DispatchRange, FusedAllReduceNorm, FusedOutput, FusedPlan,
-    FusedQuant, GroupScaleLayout, InputKind, NormRounding, Nvfp4ScaleLayout, Op, ReduceOp,
-    Strategy,
+    FusedQuant, GroupScaleLayout, InputKind, NormInput, NormRounding, Nvfp4ScaleLayout, Op,
+    ReduceOp, Strategy,
 };
 pub use shape::{is_symbol_name, Dim, DimParseError, Shape, SymbolRange, Symbols, TensorType};
 pub use site_map::{NodeOutput, SiteInput, SiteMap, SiteOutput};

@@ -66,7 +66,7 @@ pub enum ReduceOp {
 /// scales are rounded and how they are stored. The one definition of these forms;
 /// the reference, the rewrite and the runtime all use this enum.
 ///
-/// The scale values (arfuse rounding contract v2, clause 4) are
+/// The scale values (arfuse rounding contract v3, clause 4) are
 /// `max(amax, 1e-10) / 448` for [`GroupScaleLayout::F32RowMajor`], and that value
 /// floored at 1e-10 and rounded UP to a power of two for the two UE8M0 forms
 /// (vLLM's `use_ue8m0=True`, DeepGEMM's scales).
@@ -191,6 +191,41 @@ impl NormRounding {
         match self {
             NormRounding::Once => "once",
             NormRounding::Twice => "twice",
+        }
+    }
+}
+
+/// What a fused node's RMSNorm normalises when it adds a residual (the sources differ:
+/// the rewrite keeps the one its graph spells).
+///
+/// With `a` the all-reduce output (rounded to T) and `r` the residual, the new residual
+/// `residual_out = round_T(f32(a) + f32(r))` either way.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum NormInput {
+    /// The rounded residual `h = residual_out` (arfuse's contract clause 2, vLLM's CUDA
+    /// `fused_add_rms_norm`, FlashInfer's fused kernel).
+    #[default]
+    Residual,
+    /// The unrounded f32 sum `f32(a) + f32(r)` (vLLM's native `fused_add_rms_norm`,
+    /// `vllm/ir/ops/layernorm.py`: `x = x.to(f32) + x_residual.to(f32)`, the residual
+    /// rounded only for the output).
+    F32Sum,
+}
+
+impl NormInput {
+    /// True for the default, [`NormInput::Residual`] (not written in JSON).
+    pub fn is_residual(&self) -> bool {
+        *self == NormInput::Residual
+    }
+
+    /// The name as written in JSON and reports (`residual`, `f32_sum`).
+    pub fn name(self) -> &'static str {
+        match self {
+            NormInput::Residual => "residual",
+            NormInput::F32Sum => "f32_sum",
         }
     }
 }
@@ -340,6 +375,10 @@ pub struct FusedAllReduceNorm {
     /// JSON when it is).
     #[serde(default, skip_serializing_if = "NormRounding::is_once")]
     pub norm_rounding: NormRounding,
+    /// What the RMSNorm normalises when a residual is added (default `residual`, the
+    /// rounded sum, omitted from JSON when it is); `f32_sum` needs `residual`.
+    #[serde(default, skip_serializing_if = "NormInput::is_residual")]
+    pub norm_input: NormInput,
     /// Whether a residual input is added after the all-reduce.
     pub residual: bool,
     /// Quantisation epilogue.

@@ -745,6 +745,13 @@ impl<'a> Checker<'a> {
             );
         }
         self.eps(f.eps, f.weight_bias);
+        if f.norm_input == crate::op::NormInput::F32Sum && !f.residual {
+            self.err(
+                ProblemKind::Attribute,
+                "norm_input = f32_sum normalises the sum of the all-reduce output and the \
+                 residual; it needs residual = true",
+            );
+        }
         let mut seen = std::collections::BTreeSet::new();
         for o in &f.outputs {
             if !seen.insert(*o) {

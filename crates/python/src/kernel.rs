@@ -9,7 +9,7 @@
 //! (`_`-prefixed) for that reason: an address that is not such a tensor's is undefined
 //! behaviour.
 
-use arfuse::ir::NormRounding;
+use arfuse::ir::{NormInput, NormRounding};
 use arfuse::reference::contract::{self, Epilogue, FusedParams, QuantOut};
 use arfuse::reference::numerics::fp8::e4m3_satfinite;
 use arfuse::reference::numerics::quant::dynamic_per_token_fp8_quant;
@@ -116,10 +116,12 @@ fn reference_error(e: arfuse::reference::ReferenceError) -> PyErr {
 /// (`[world, numel]` contiguous, all-gathered by the caller), `residual` this rank's
 /// residual (0: none), `weight` `[hidden]`. Writes `norm_out` and `residual_out`
 /// (`numel` elements of `dtype`) and, for `quant = "fp8_per_token"`, `quant_out`
-/// (`numel` e4m3 bytes) and `scale_out` (`numel / hidden` f32). Contract clauses 1-4.
+/// (`numel` e4m3 bytes) and `scale_out` (`numel / hidden` f32). Contract clauses 1-4;
+/// `norm_f32_sum` normalises the unrounded f32 sum of the all-reduce and the residual
+/// (`NormInput::F32Sum`).
 #[pyfunction]
 #[pyo3(signature = (dtype, ranks, world, numel, hidden, residual, weight, weight_dtype, eps,
-    weight_bias, norm_round_twice, quant, norm_out, residual_out, quant_out, scale_out))]
+    weight_bias, norm_round_twice, norm_f32_sum, quant, norm_out, residual_out, quant_out, scale_out))]
 #[allow(clippy::too_many_arguments)]
 pub fn _fused_allreduce_rms_norm_cpu(
     dtype: &str,
@@ -133,6 +135,7 @@ pub fn _fused_allreduce_rms_norm_cpu(
     eps: f64,
     weight_bias: f64,
     norm_round_twice: bool,
+    norm_f32_sum: bool,
     quant: &str,
     norm_out: usize,
     residual_out: usize,
@@ -182,6 +185,11 @@ pub fn _fused_allreduce_rms_norm_cpu(
             NormRounding::Twice
         } else {
             NormRounding::Once
+        },
+        norm_input: if norm_f32_sum {
+            NormInput::F32Sum
+        } else {
+            NormInput::Residual
         },
         epilogue,
     };

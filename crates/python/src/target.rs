@@ -111,6 +111,13 @@ impl PyTarget {
             .map_err(|e| target_error(py, &e))
     }
 
+    /// Pickles as `Target.from_toml(self.to_toml())`: an engine that sends its
+    /// compilation config (holding a pass and its target) to worker processes pickles it.
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, (String,))> {
+        let from_toml = py.get_type::<PyTarget>().getattr("from_toml")?;
+        Ok((from_toml, (self.to_toml(py)?,)))
+    }
+
     #[getter]
     fn sm(&self) -> u32 {
         self.inner.sm

@@ -159,12 +159,12 @@ def check_reference(rank: int, world: int, group: str) -> dict:
     x = (torch.randn(64, HIDDEN, generator=g) * 3).to(torch.bfloat16)
     res = (torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(99 + rank))).to(torch.bfloat16)
     w = (1 + 0.25 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(5))).to(torch.bfloat16)
-    norm, h, _, _ = torch.ops.arfuse.fused_allreduce_rms_norm(x, res, w, group, 1e-5, 0.0, True, "none")
+    norm, h, _, _ = torch.ops.arfuse.fused_allreduce_rms_norm(x, res, w, group, 1e-5, 0.0, True, False, "none")
     a = contract_all_reduce(x, group)
     want_h = (a.float() + res.float()).to(torch.bfloat16)
     assert mismatches(h, want_h) == 0
     assert mismatches(norm, contract_rms_norm(want_h, w, 1e-5)) == 0
-    _, _, q, s = torch.ops.arfuse.fused_allreduce_rms_norm(x, res, w, group, 1e-5, 0.0, True, "fp8_per_token")
+    _, _, q, s = torch.ops.arfuse.fused_allreduce_rms_norm(x, res, w, group, 1e-5, 0.0, True, False, "fp8_per_token")
     q2, s2 = torch.ops.arfuse.quant_fp8_per_token(norm)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
     gloo = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", group))

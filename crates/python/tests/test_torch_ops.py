@@ -51,11 +51,11 @@ def test_fake_kernel_gives_the_output_types():
     with FakeTensorMode():
         x = torch.empty(3, 5, 256, dtype=torch.bfloat16)
         w = torch.empty(256, dtype=torch.bfloat16)
-        norm, res, q, s = OP(x, x, w, "0", 1e-6, 0.0, False, "fp8_per_token")
+        norm, res, q, s = OP(x, x, w, "0", 1e-6, 0.0, False, False, "fp8_per_token")
         assert norm.shape == res.shape == q.shape == (3, 5, 256)
         assert (norm.dtype, q.dtype, s.dtype) == (torch.bfloat16, torch.float8_e4m3fn, torch.float32)
         assert s.shape == (3, 5, 1)
-        _, _, q, s = OP(x, None, w, "0", 1e-6, 0.0, False, "none")
+        _, _, q, s = OP(x, None, w, "0", 1e-6, 0.0, False, False, "none")
         assert q.shape == s.shape == (0,)
         q, s = torch.ops.arfuse.quant_fp8_per_token(x)
         assert q.shape == x.shape and s.shape == (3, 5, 1)
@@ -65,7 +65,7 @@ def test_cuda_entry_says_it_is_not_built():
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
     with pytest.raises(NotImplementedError, match="CUDA kernel is not built"):
-        OP.redispatch(keys, x, None, x[0], "0", 1e-6, 0.0, False, "none")
+        OP.redispatch(keys, x, None, x[0], "0", 1e-6, 0.0, False, False, "none")
 
 
 def test_per_token_quant_equals_the_engines_formula():
@@ -90,7 +90,7 @@ def test_fused_op_on_one_rank_is_the_contract(one_rank_group):
     x = (torch.randn(2, 9, 256, generator=g) * 4).to(torch.bfloat16)
     r = torch.randn(2, 9, 256, generator=g).to(torch.bfloat16)
     w = (1 + 0.25 * torch.randn(256, generator=g)).to(torch.bfloat16)
-    norm, res, q, s = OP(x, r, w, one_rank_group, 1e-5, 0.0, True, "fp8_per_token")
+    norm, res, q, s = OP(x, r, w, one_rank_group, 1e-5, 0.0, True, False, "fp8_per_token")
     # Clauses 1-2 on one rank: h = round(x + r).
     h = (x.float() + r.float()).to(torch.bfloat16)
     assert torch.equal(bits16(res), bits16(h))
@@ -106,7 +106,7 @@ def test_fused_op_on_one_rank_is_the_contract(one_rank_group):
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
     # `once` with an f32 weight and weight_bias 1 (Gemma): one rounding of (h r)(1 + w).
     w32 = torch.randn(256, generator=g) * 0.1
-    norm1, _, _, _ = OP(x, None, w32, one_rank_group, 1e-6, 1.0, False, "none")
+    norm1, _, _, _ = OP(x, None, w32, one_rank_group, 1e-6, 1.0, False, False, "none")
     xf = x.float()
     ss = torch.zeros(2, 9, 1)
     for i in range(256):
@@ -120,15 +120,15 @@ def test_fused_op_refuses_bad_inputs(one_rank_group):
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     w = torch.ones(256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="weight has 128 elements"):
-        OP(x, None, w[:128], one_rank_group, 1e-6, 0.0, False, "none")
+        OP(x, None, w[:128], one_rank_group, 1e-6, 0.0, False, False, "none")
     with pytest.raises(ValueError, match="residual"):
-        OP(x, torch.zeros(4, 256), w, one_rank_group, 1e-6, 0.0, False, "none")
+        OP(x, torch.zeros(4, 256), w, one_rank_group, 1e-6, 0.0, False, False, "none")
     with pytest.raises(ValueError, match="float64"):
-        OP(x.double(), None, w, one_rank_group, 1e-6, 0.0, False, "none")
+        OP(x.double(), None, w, one_rank_group, 1e-6, 0.0, False, False, "none")
     with pytest.raises(ValueError, match="nvfp4"):
-        OP(x, None, w, one_rank_group, 1e-6, 0.0, False, "nvfp4")
+        OP(x, None, w, one_rank_group, 1e-6, 0.0, False, False, "nvfp4")
     with pytest.raises(ValueError, match="eps"):
-        OP(x, None, w, one_rank_group, 0.0, 0.0, False, "none")
+        OP(x, None, w, one_rank_group, 0.0, 0.0, False, False, "none")
 
 
 def test_fx_json_leaves_unread_metadata_out_and_the_graph_unchanged():
@@ -144,7 +144,9 @@ def test_fx_json_leaves_unread_metadata_out_and_the_graph_unchanged():
     gm = torch.export.export(Block(), (torch.zeros(4, 256, dtype=torch.bfloat16),)).graph_module
     before = {n.name: dict(n.meta) for n in gm.graph.nodes}
     assert any("stack_trace" in m for m in before.values())
-    data = at.fx_json.serialize(gm, {}, "post")
+    from arfuse import fx_json
+
+    data = fx_json.serialize(gm, {}, "post")
     assert b"stack_trace" not in data and b"nn_module_stack" in data
     assert {n.name: dict(n.meta) for n in gm.graph.nodes} == before
     low = arfuse.lower(data, arfuse.Target.preset("h200-sxm-x2"))

@@ -1,4 +1,4 @@
-//! # arfuse rounding contract v2
+//! # arfuse rounding contract v3
 //!
 //! The one place that states how the fused all-reduce -> residual add ->
 //! RMSNorm (-> quant) op computes, bit for bit. The CPU evaluator
@@ -26,7 +26,14 @@
 //!    ulp). [`all_reduce`].
 //! 2. **Residual.** `h = round_T(f32(a) + f32(residual))`, written as
 //!    `residual_out`. Without a residual: `h = a`, and `residual_out` (when
-//!    asked for) is `a`. [`residual_add`].
+//!    asked for) is `a`. [`residual_add`]. What clause 3 normalises is the node's
+//!    [`NormInput`]: `residual` (the default), `h` itself, as vLLM's CUDA
+//!    `fused_add_rms_norm` and FlashInfer's fused kernel do; `f32_sum`, the unrounded
+//!    `s2 = f32(a) + f32(residual)` (one f32 addition), as vLLM's native
+//!    `fused_add_rms_norm` does (`vllm/ir/ops/layernorm.py` in vLLM 0.32: `x =
+//!    x.to(f32) + x_residual.to(f32)`, `x_residual = x.to(orig_dtype)`, the variance
+//!    and the normalisation on the f32 `x`): clause 3 then reads `s2` where it reads
+//!    `h` below, and `residual_out` is still `h`. [`residual_and_norm_input`].
 //! 3. **RMSNorm.** `ss = sum_i f32(h_i)^2` over the H elements of the token
 //!    (each square rounded to f32, then added), in a [`SumOrder`]: the IR's
 //!    `rms_norm` (and a decomposed `mean`) sums sequentially (i = 0, 1, ..., H-1);
@@ -126,15 +133,18 @@
 //!
 //! Engine paths the contract does not follow (nothing implicit is offered for
 //! them; a user comparing against them sees these differences):
-//! - vLLM's torch-native residual path (`RMSNorm.forward_native` with a
-//!   residual) rounds `x + residual` to T for the new residual but normalises the
-//!   UNROUNDED f32 sum; clauses 2-3 normalise the rounded `h`, as vLLM's CUDA
-//!   `fused_add_rms_norm` and FlashInfer's fused kernel do.
+//! - vLLM's CPU `_C.fused_add_rms_norm` (csrc/cpu/layernorm.cpp in vLLM 0.32) takes
+//!   the variance of the unrounded f32 sum but normalises the rounded one; neither
+//!   [`NormInput`] is that (the importer keeps that op opaque).
 //! - DeepGEMM's test utilities (`per_token_cast_to_fp8`) floor a group's amax at
 //!   1e-4 instead of 1e-10, so groups with amax below 1e-4 get other scales and
 //!   codes than vLLM's kernels and this contract.
 //!
 //! ## Changelog
+//!
+//! v3 (clauses 2-3): the [`NormInput`] `f32_sum` form (vLLM's native
+//! `fused_add_rms_norm`), in the IR, the rewrite, the kernels and the host device.
+//! Every v2 result is unchanged (`residual` is the default).
 //!
 //! v2 (clause 4 only; clauses 1-3 unchanged):
 //! - static FP8: `y * (1 / scale)` instead of `y / scale` (vLLM
@@ -180,7 +190,7 @@ use crate::numerics::quant::{group_fp8_scale, packed_group_scale_words};
 use crate::numerics::FloatFormat;
 
 /// The name of this contract, as kernels and reports cite it.
-pub const CONTRACT_NAME: &str = "arfuse rounding contract v2";
+pub const CONTRACT_NAME: &str = "arfuse rounding contract v3";
 
 /// The order of clause 3's sum of squares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -195,6 +205,10 @@ pub enum SumOrder {
 /// Where RMSNorm rounds to T (clause 3): the IR's definition, re-exported so
 /// that the kernels' host side names it from the contract.
 pub use arfuse_ir::NormRounding;
+
+/// What RMSNorm normalises when a residual is added (clauses 2-3): the IR's
+/// definition, re-exported so that the kernels' host side names it from the contract.
+pub use arfuse_ir::NormInput;
 
 /// Clause 1: the all-reduce of one tensor over `W = ranks.len()` ranks.
 ///
@@ -227,6 +241,40 @@ pub fn all_reduce(ranks: &[&[f32]], t: FloatFormat) -> Result<Vec<f32>> {
         *a = t.round(*a);
     }
     Ok(acc)
+}
+
+/// Clause 2 with [`NormInput::F32Sum`]: the unrounded `f32(a) + f32(residual)`
+/// element-wise (one f32 addition; the norm reads it, `residual_out` is its rounding,
+/// which is [`residual_add`]).
+pub fn residual_sum_f32(a: &[f32], residual: &[f32]) -> Result<Vec<f32>> {
+    if a.len() != residual.len() {
+        return Err(ReferenceError::InvalidShape(format!(
+            "residual add: {} vs {} elements",
+            a.len(),
+            residual.len()
+        )));
+    }
+    Ok(a.iter().zip(residual).map(|(&x, &r)| x + r).collect())
+}
+
+/// Clauses 2 and 3's input: `(residual_out, norm input)` for the all-reduce output
+/// `a` and this rank's residual (if any) under `input`: the rounded sum twice
+/// ([`NormInput::Residual`]), or the rounded sum and the unrounded f32 sum
+/// ([`NormInput::F32Sum`]). Without a residual both are `a`.
+pub fn residual_and_norm_input(
+    a: &[f32],
+    residual: Option<&[f32]>,
+    input: NormInput,
+    t: FloatFormat,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let Some(r) = residual else {
+        return Ok((a.to_vec(), a.to_vec()));
+    };
+    let h = residual_add(a, r, t)?;
+    match input {
+        NormInput::Residual => Ok((h.clone(), h)),
+        NormInput::F32Sum => Ok((h, residual_sum_f32(a, r)?)),
+    }
 }
 
 /// Clause 2: `h = round_T(f32(a) + f32(residual))` element-wise.
@@ -534,6 +582,8 @@ pub struct FusedParams {
     pub weight_bias: f64,
     /// Where the RMSNorm rounds to T (clause 3).
     pub norm_rounding: NormRounding,
+    /// What the RMSNorm normalises with a residual (clauses 2-3).
+    pub norm_input: NormInput,
     /// Quant epilogue.
     pub epilogue: Epilogue,
 }
@@ -549,12 +599,9 @@ pub fn fused_allreduce_norm(
     params: FusedParams,
 ) -> Result<FusedResult> {
     let a = all_reduce(ranks, params.t)?;
-    let h = match residual {
-        Some(r) => residual_add(&a, r, params.t)?,
-        None => a,
-    };
+    let (h, norm_in) = residual_and_norm_input(&a, residual, params.norm_input, params.t)?;
     let y = rms_norm_with(
-        &h,
+        &norm_in,
         gamma,
         params.eps,
         params.weight_bias,
@@ -698,6 +745,7 @@ mod tests {
             eps: 1e-6,
             weight_bias: 0.0,
             norm_rounding: NormRounding::Once,
+            norm_input: NormInput::Residual,
             epilogue: Epilogue::Fp8Static { scale: 0.5 },
         };
         let out = fused_allreduce_norm(&[&x0, &x1], None, &[1.0, 1.0], p).unwrap();
@@ -716,6 +764,49 @@ mod tests {
         let with_res =
             fused_allreduce_norm(&[&x0, &x1], Some(&[1.0, 1.0, 1.0, 1.0]), &[1.0, 1.0], p).unwrap();
         assert_eq!(with_res.residual_out, vec![2.5, 3.5, 4.5, 5.5]);
+    }
+
+    #[test]
+    fn f32_sum_input_is_the_unrounded_sum_and_residual_out_its_rounding() {
+        // a = 1 (bf16), residual = 2^-9: the f32 sum 1 + 2^-9 is not a bf16 value; the
+        // residual output rounds it (a tie, to even: 1.0), the f32_sum norm reads it.
+        let a = [1.0f32, 3.0];
+        let r = [1.0f32 / 512.0, 0.25];
+        let (h, n) = residual_and_norm_input(&a, Some(&r), NormInput::F32Sum, BF).unwrap();
+        assert_eq!(h, vec![1.0, 3.25]);
+        assert_eq!(n, vec![1.0 + 1.0 / 512.0, 3.25]);
+        let (h2, n2) = residual_and_norm_input(&a, Some(&r), NormInput::Residual, BF).unwrap();
+        assert_eq!((h2.clone(), n2), (h.clone(), h));
+        // Without a residual both are the all-reduce output.
+        let (h3, n3) = residual_and_norm_input(&a, None, NormInput::F32Sum, BF).unwrap();
+        assert_eq!((h3, n3), (a.to_vec(), a.to_vec()));
+        // The fused op normalises what its input says.
+        let p = FusedParams {
+            t: BF,
+            eps: 1e-6,
+            weight_bias: 0.0,
+            norm_rounding: NormRounding::Twice,
+            norm_input: NormInput::F32Sum,
+            epilogue: Epilogue::None,
+        };
+        let zero = [0.0f32, 0.0];
+        let out = fused_allreduce_norm(&[&a, &zero], Some(&r), &[1.0, 1.0], p).unwrap();
+        let want = rms_norm_with(
+            &n2_of(&a, &r),
+            &[1.0, 1.0],
+            1e-6,
+            0.0,
+            NormRounding::Twice,
+            BF,
+        )
+        .unwrap();
+        assert_eq!(out.norm_out, want);
+        assert_eq!(out.residual_out, h2);
+        assert!(residual_sum_f32(&a, &r[..1]).is_err());
+    }
+
+    fn n2_of(a: &[f32], r: &[f32]) -> Vec<f32> {
+        a.iter().zip(r).map(|(x, y)| x + y).collect()
     }
 
     /// The kernels' tree order and the IR's sequential one are really different

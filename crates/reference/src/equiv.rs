@@ -1,5 +1,5 @@
 //! The equivalence check: does a lowered graph compute what the original
-//! computes, under the arfuse rounding contract v2?
+//! computes, under the arfuse rounding contract v3?
 //!
 //! [`check_equivalent`] runs both graphs on the same seeded random inputs
 //! (matched by input node id; the lowered graph keeps the original ids) for

@@ -1079,19 +1079,21 @@ fn fused(n: &Node, f: &arfuse_ir::FusedAllReduceNorm, ins: &[&[Tensor]], w: usiz
     let wi = 1 + usize::from(f.residual);
     let mut outs: Outs = vec![Vec::with_capacity(w); f.outputs.len()];
     for r in 0..w {
-        let h = if f.residual {
+        let res = if f.residual {
             let res = &ins[1][r];
             if res.shape != x[r].shape || res.dtype != x[r].dtype {
                 return Err(e("residual differs from the input in shape or dtype".into()));
             }
-            contract::residual_add(&a, f32s(res).map_err(e)?, fmt)
-                .map_err(|er| e(er.to_string()))?
+            Some(f32s(res).map_err(e)?)
         } else {
-            a.clone()
+            None
         };
-        let gamma = f32s(&ins[wi][r]).map_err(e)?;
-        let y = contract::rms_norm_with(&h, gamma, f.eps, f.weight_bias, f.norm_rounding, fmt)
+        let (h, norm_in) = contract::residual_and_norm_input(&a, res, f.norm_input, fmt)
             .map_err(|er| e(er.to_string()))?;
+        let gamma = f32s(&ins[wi][r]).map_err(e)?;
+        let y =
+            contract::rms_norm_with(&norm_in, gamma, f.eps, f.weight_bias, f.norm_rounding, fmt)
+                .map_err(|er| e(er.to_string()))?;
         let wants_quant = f
             .outputs
             .iter()

@@ -7,7 +7,7 @@
 //! - [`numerics`]: exact conversions (bf16/f16 via `half`, fp8 e4m3, fp4
 //!   e2m1, ue8m0) and the quant epilogues with their scale layouts and byte
 //!   sizes (domain.md section 1).
-//! - [`contract`]: "arfuse rounding contract v2", the one place that states
+//! - [`contract`]: "arfuse rounding contract v3", the one place that states
 //!   how the fused all-reduce -> residual add -> RMSNorm (-> quant) op rounds.
 //! - [`tensor`]: concrete tensors (values as f32 or i64, logical shape,
 //!   physical scale layouts).

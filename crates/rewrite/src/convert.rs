@@ -338,6 +338,7 @@ fn norm_leaf(eg: &mut FxGraph, eps: f64, bias: f64) -> Leaf {
         eps: eps.to_bits(),
         bias: bias.to_bits(),
         twice: false,
+        f32_sum: false,
     })
 }
 

@@ -12,7 +12,7 @@ use crate::par;
 use crate::plan::SiteDecision;
 use crate::site::{Input, Port, Site};
 use crate::uses::Uses;
-use arfuse_ir::op::{FusedAllReduceNorm, FusedOutput, FusedPlan, NormRounding};
+use arfuse_ir::op::{FusedAllReduceNorm, FusedOutput, FusedPlan, NormInput, NormRounding};
 use arfuse_ir::{DType, Graph, Node, NodeId, Op, SiteMap, TensorType, Value};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashSet};
@@ -825,6 +825,11 @@ fn fused_op(e: &mut Emit<'_>) -> FusedAllReduceNorm {
             NormRounding::Twice
         } else {
             NormRounding::Once
+        },
+        norm_input: if s.kind.f32_sum {
+            NormInput::F32Sum
+        } else {
+            NormInput::Residual
         },
         residual: s.kind.residual,
         quant: s.kind.quant.to_ir(),

@@ -169,6 +169,9 @@ pub struct FKind {
     /// The RMSNorm rounds the normalised value to T before the weight multiply
     /// (`NormRounding::Twice`, Hugging Face's Llama order).
     pub twice: bool,
+    /// The RMSNorm normalises the unrounded f32 sum of the all-reduce output and the
+    /// residual (`NormInput::F32Sum`, vLLM's native `fused_add_rms_norm`).
+    pub f32_sum: bool,
 }
 
 /// RMSNorm attributes: eps and weight_bias as f64 bits, and whether it rounds twice
@@ -181,6 +184,10 @@ pub struct NormAttrs {
     pub bias: u64,
     /// Rounds to T before the weight multiply.
     pub twice: bool,
+    /// Normalises the unrounded f32 sum of its input's two operands: the input class
+    /// holds `add(a, b)` of two T values, and the norm reads `f32(a) + f32(b)`, not its
+    /// rounding (`arfuse_ir::NormInput::F32Sum`).
+    pub f32_sum: bool,
 }
 
 /// A leaf: an opaque IR value or an attribute. Attributes wider than 32 bits are

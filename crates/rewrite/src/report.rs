@@ -222,6 +222,14 @@ fn matched_site(
                 .into(),
         );
     }
+    if s.kind.f32_sum {
+        entry.notes.push(
+            "the RMSNorm normalises the unrounded f32 sum of the all-reduce output and \
+             the residual, which is rounded only for the residual output (vLLM's native \
+             fused_add_rms_norm); the fused node does the same (norm_input = f32_sum)"
+                .into(),
+        );
+    }
     match (fused, d) {
         // The fused node is named once emitted (`name_fused_nodes`).
         (true, Some(d)) => {

@@ -530,7 +530,7 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
 }
 
 impl Site {
-    /// `allreduce[+residual]+rms_norm[(gemma)][(round_twice)][+<quant>]`.
+    /// `allreduce[+residual]+rms_norm[(gemma)][(round_twice)][(f32_sum)][+<quant>]`.
     pub(crate) fn pattern_name(&self) -> String {
         // Room for the longest name, so that it is allocated once.
         let mut name = String::with_capacity(80);
@@ -544,6 +544,9 @@ impl Site {
         }
         if self.kind.twice {
             name.push_str("(round_twice)");
+        }
+        if self.kind.f32_sum {
+            name.push_str("(f32_sum)");
         }
         if self.kind.quant != QKind::None {
             name.push('+');

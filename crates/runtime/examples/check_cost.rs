@@ -24,6 +24,7 @@ fn main() {
             weight_bias: 0,
             gamma_f32: false,
             norm_round_twice: false,
+            norm_f32_sum: false,
         };
         let t = Instant::now();
         let inputs = check::make_inputs(&c, 1).expect("inputs");

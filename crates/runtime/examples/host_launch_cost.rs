@@ -38,6 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             weight_bias: 0,
             gamma_f32: false,
             norm_round_twice: false,
+            norm_f32_sum: false,
         };
         let k = c.kernel(&case.variant(), Build::Plain)?;
         let mut ws = HostWorkspace::create(&check::workspace_for(world, Dtype::Bf16, 256, 128)?)?;

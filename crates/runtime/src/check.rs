@@ -4,7 +4,7 @@
 //! bandwidth figures divide by. Everything here runs (and is tested) on the CPU; the
 //! binary only adds the launches.
 //!
-//! What "correct" means for a kernel (arfuse rounding contract v2,
+//! What "correct" means for a kernel (arfuse rounding contract v3,
 //! `arfuse_reference::contract`):
 //! - the all-reduce output, `residual_out` and `norm_out`: bit-exact against the
 //!   contract in the kernels' sum order (`SumOrder::KernelTree`: the RMSNorm sum of
@@ -87,6 +87,9 @@ pub struct Case {
     /// The RMSNorm rounds `h * r` to the activation dtype before the weight multiply
     /// (`NormRounding::Twice`, the Llama order).
     pub norm_round_twice: bool,
+    /// The RMSNorm normalises the unrounded f32 sum of the all-reduce output and the
+    /// residual (`NormInput::F32Sum`).
+    pub norm_f32_sum: bool,
 }
 
 impl Case {
@@ -159,6 +162,11 @@ impl Case {
         }
         if self.norm_round_twice && !self.epilogue.norm {
             return Err(Error::Invalid("a norm rounding needs an RMSNorm".into()));
+        }
+        if self.norm_f32_sum && !(self.epilogue.norm && self.epilogue.residual) {
+            return Err(Error::Invalid(
+                "normalising the f32 sum needs a residual and an RMSNorm".into(),
+            ));
         }
         Ok(())
     }
@@ -271,6 +279,10 @@ pub fn cases_for_tokens(hidden: u32, nvfp4: bool, token_counts: &[u32]) -> Vec<C
                             norm_round_twice: epilogue.norm
                                 && epilogue.residual
                                 && strategy == Strategy::TwoShot,
+                            // vLLM's native form (the norm of the unrounded f32
+                            // sum) on the residual norms at W = 2, 8 and 16, both
+                            // strategies and roundings; the rounded residual at W = 4.
+                            norm_f32_sum: epilogue.norm && epilogue.residual && world != 4,
                         };
                         if c.validate().is_ok() {
                             out.push(c);
@@ -378,6 +390,11 @@ pub fn node_for(
             arfuse_ir::NormRounding::Twice
         } else {
             arfuse_ir::NormRounding::Once
+        },
+        norm_input: if case.norm_f32_sum {
+            arfuse_ir::NormInput::F32Sum
+        } else {
+            arfuse_ir::NormInput::Residual
         },
         residual: e.residual,
         quant,
@@ -677,23 +694,30 @@ pub fn expected_with_eps(case: &Case, inputs: &Inputs, eps: f64) -> Result<Vec<R
                 ..RankOutputs::default()
             });
         }
-        let h = if case.epilogue.residual {
+        let res = if case.epilogue.residual {
             let res = inputs
                 .residual
                 .get(r)
                 .filter(|b| b.len() == act_bytes)
                 .ok_or_else(|| Error::Invalid(format!("inputs: residual of rank {r}")))?;
-            contract::residual_add(&a, &decode(case.dtype, res), fmt).map_err(reference)?
+            Some(decode(case.dtype, res))
         } else {
-            a.clone()
+            None
         };
+        let input = if case.norm_f32_sum {
+            contract::NormInput::F32Sum
+        } else {
+            contract::NormInput::Residual
+        };
+        let (h, norm_in) =
+            contract::residual_and_norm_input(&a, res.as_deref(), input, fmt).map_err(reference)?;
         let rounding = if case.norm_round_twice {
             contract::NormRounding::Twice
         } else {
             contract::NormRounding::Once
         };
         let y = contract::rms_norm_ordered(
-            &h,
+            &norm_in,
             &gamma,
             eps,
             f64::from(case.weight_bias),
@@ -1023,6 +1047,7 @@ mod tests {
             weight_bias: 0,
             gamma_f32: false,
             norm_round_twice: false,
+            norm_f32_sum: false,
         }
     }
 
@@ -1188,6 +1213,7 @@ mod tests {
         let once = case(Epilogue::RES_NORM, Dtype::Bf16, 8);
         let twice = Case {
             norm_round_twice: true,
+            norm_f32_sum: false,
             ..once
         };
         let inp = make_inputs(&once, 7).unwrap();

@@ -108,7 +108,7 @@ pub trait Device {
 
     /// Enqueues the virtual-rank all-reduce of the unfused path (`call.variant` is
     /// [`variants::virtual_allreduce`]): for every rank r, `params.out[r] =
-    /// round_T(sum over q in rank order of params.x[q])` (contract v2 clause 1). Ranks
+    /// round_T(sum over q in rank order of params.x[q])` (contract clause 1). Ranks
     /// meet in it: it starts when every rank has finished what it was given before (a
     /// collective, as NCCL's all-reduce on real ranks).
     ///
@@ -239,8 +239,10 @@ pub struct KernelParams {
     /// multiply (`NormRounding::Twice`, the Llama order), 0 for one rounding.
     /// `ArfParams::norm_round_twice`.
     pub norm_round_twice: i32,
-    /// Padding (the size stays a multiple of 8).
-    pub pad: i32,
+    /// 1 when the RMSNorm normalises the unrounded f32 sum of the all-reduce output and
+    /// the residual (`NormInput::F32Sum`), 0 for the rounded residual.
+    /// `ArfParams::norm_f32_sum`.
+    pub norm_f32_sum: i32,
 }
 
 const _: () = assert!(std::mem::size_of::<KernelParams>() == 312);

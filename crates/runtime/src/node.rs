@@ -54,6 +54,9 @@ pub struct NodeKernels {
     /// The RMSNorm rounds `h * r` to the activation dtype before the weight multiply
     /// (the node's `norm_rounding` is `twice`: the contract's clause 3).
     pub norm_round_twice: bool,
+    /// The RMSNorm normalises the unrounded f32 sum of the all-reduce output and the
+    /// residual (the node's `norm_input` is `f32_sum`: the contract's clauses 2-3).
+    pub norm_f32_sum: bool,
     /// Outputs the node writes (the others are passed as null pointers).
     pub outputs: Vec<FusedOutput>,
     /// The plan's backend, in the runtime's terms.
@@ -263,6 +266,7 @@ impl NodeKernels {
             weight_bias: weight_bias as f32,
             gamma_f32: weight_dtype == DType::F32,
             norm_round_twice: attrs.norm_rounding == arfuse_ir::NormRounding::Twice,
+            norm_f32_sum: attrs.norm_input == arfuse_ir::NormInput::F32Sum,
             outputs: attrs.outputs.clone(),
             backend,
             workspace,
@@ -412,6 +416,7 @@ mod tests {
             eps: 1e-5,
             weight_bias: 0.0,
             norm_rounding: arfuse_ir::NormRounding::Once,
+            norm_input: arfuse_ir::NormInput::Residual,
             residual: true,
             quant: FusedQuant::None,
             outputs: vec![FusedOutput::Norm, FusedOutput::Residual],

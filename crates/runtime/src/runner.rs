@@ -443,6 +443,7 @@ fn base_params(k: &NodeKernels, t: &NodeTensors) -> KernelParams {
         weight_bias: k.weight_bias,
         gamma_f32: i32::from(k.gamma_f32),
         norm_round_twice: i32::from(k.norm_round_twice),
+        norm_f32_sum: i32::from(k.norm_f32_sum),
         timeout_ns: device::DEFAULT_TIMEOUT_NS,
         ..KernelParams::default()
     }
@@ -520,6 +521,7 @@ mod tests {
             eps: 1e-6,
             weight_bias: 0.0,
             norm_rounding: arfuse_ir::NormRounding::Once,
+            norm_input: arfuse_ir::NormInput::Residual,
             residual: true,
             quant: FusedQuant::None,
             outputs: vec![FusedOutput::Norm, FusedOutput::Residual],

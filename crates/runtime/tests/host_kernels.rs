@@ -177,6 +177,8 @@ fn case_of(
         gamma_f32: offset,
         // The Llama order (two roundings) on the residual norms.
         norm_round_twice: epilogue.norm && epilogue.residual,
+        // vLLM's native form (the norm of the unrounded f32 sum) at W = 2, 8, 16.
+        norm_f32_sum: epilogue.norm && epilogue.residual && world != 4,
     }
 }
 

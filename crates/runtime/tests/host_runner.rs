@@ -335,8 +335,9 @@ fn matrix_w8() {
     matrix(8);
 }
 
-/// A case of W, dtype, epilogue at T with the Llama rounding on residual norms and the
-/// Gemma weight form on the others.
+/// A case of W, dtype, epilogue at T with the Llama rounding on residual norms (vLLM's
+/// norm of the unrounded f32 sum too, except at W = 4) and the Gemma weight form on the
+/// others.
 fn case_of(world: u32, dtype: Dtype, epilogue: Epilogue, strategy: Strategy, tokens: u32) -> Case {
     let offset = !epilogue.residual;
     Case {
@@ -349,6 +350,7 @@ fn case_of(world: u32, dtype: Dtype, epilogue: Epilogue, strategy: Strategy, tok
         weight_bias: u32::from(offset),
         gamma_f32: offset,
         norm_round_twice: epilogue.residual,
+        norm_f32_sum: epilogue.residual && epilogue.norm && world != 4,
     }
 }
 

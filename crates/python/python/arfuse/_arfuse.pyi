@@ -1,6 +1,6 @@
 """Stubs of the extension module `arfuse._arfuse` (crates/python/src)."""
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 __version__: str
 CONTRACT_NAME: str
@@ -64,6 +64,7 @@ class Target:
     @staticmethod
     def preset_names() -> List[str]: ...
     def to_toml(self) -> str: ...
+    def __reduce__(self) -> Tuple[Any, Tuple[str]]: ...
     @property
     def sm(self) -> int: ...
     @property
@@ -158,6 +159,13 @@ def _fx_lower(
     group: Optional[str] = None,
     all_reduce_ops: Sequence[str] = ...,
 ) -> Tuple[str, str, str, List[str]]: ...
+def _fx_lower_walked(
+    walked: Any,
+    target: Target,
+    group: Optional[str] = None,
+    all_reduce_ops: Sequence[str] = ...,
+) -> Tuple[str, str, str, List[str]]: ...
+def _fx_walked_json(walked: Any) -> str: ...
 def _fused_allreduce_rms_norm_cpu(
     dtype: str,
     ranks: int,
@@ -170,6 +178,7 @@ def _fused_allreduce_rms_norm_cpu(
     eps: float,
     weight_bias: float,
     norm_round_twice: bool,
+    norm_f32_sum: bool,
     quant: str,
     norm_out: int,
     residual_out: int,

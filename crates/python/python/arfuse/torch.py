@@ -1,13 +1,14 @@
 """arfuse inside torch.compile.
 
 - `FusionPass(target)`: a `torch._inductor.custom_graph_pass.CustomGraphPass` for
-  `torch._inductor.config.post_grad_custom_post_pass`. It serializes the post-grad FX
-  graph (`arfuse.fx_json`, docs/fx-graph-format.md: nodes, targets, arguments,
-  FakeTensor metadata; the op mapping is the Rust importer's), lowers it for the target,
-  and rewrites the graph so that each fused site is one call of
+  `torch._inductor.config.post_grad_custom_post_pass`. It walks the post-grad FX graph
+  once (`arfuse.fx.walk`: nodes, targets, arguments, FakeTensor dtypes and sizes, as
+  Python lists; the op mapping is the Rust importer's), lowers it for the target, and
+  rewrites the graph so that each fused site is one call of
   `torch.ops.arfuse.fused_allreduce_rms_norm` (`arfuse::splice` says what to change).
 - `torch.ops.arfuse.fused_allreduce_rms_norm(input, residual, weight, group_name, eps,
-  weight_bias, norm_round_twice, quant) -> (norm, residual_out, quant_out, scale)`: the
+  weight_bias, norm_round_twice, norm_f32_sum, quant) -> (norm, residual_out,
+  quant_out, scale)`: the
   fused all-reduce -> (residual add ->) RMSNorm (-> per-token FP8 quant) op. CPU
   kernel: all-gathers every rank's input over the process group `group_name`
   (torch.distributed) and computes arfuse's rounding contract on them in Rust (clause 1
@@ -25,14 +26,14 @@ Importing this module registers the ops. Inference only (no autograd formulas).
 import hashlib
 import json
 import operator
-import os
+import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import _arfuse, fx_json
+from . import _arfuse, fx
 from ._api import Report
 
 __all__ = ["FusionPass", "fused_allreduce_rms_norm", "quant_fp8_per_token"]
@@ -106,10 +107,14 @@ def fused_allreduce_rms_norm(
     eps: float,
     weight_bias: float,
     norm_round_twice: bool,
+    norm_f32_sum: bool,
     quant: str,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused op on this rank (see the module documentation). `input` `[..., H]`,
     `residual` like `input` (or None), `weight` `[H]` (the activation dtype, or f32).
+    `norm_round_twice`: the norm rounds `h * r` to the activation dtype before the
+    weight multiply; `norm_f32_sum`: it normalises the unrounded f32 sum of the
+    all-reduce output and the residual (vLLM's native `fused_add_rms_norm`).
     Returns (norm, residual_out, quant_out, scale): norm and residual_out like input;
     for quant `fp8_per_token`, e4m3 values like input and f32 scales `[..., 1]`, else
     two empty tensors."""
@@ -145,6 +150,7 @@ def fused_allreduce_rms_norm(
         float(eps),
         float(weight_bias),
         bool(norm_round_twice),
+        bool(norm_f32_sum),
         quant,
         norm.data_ptr(),
         res.data_ptr(),
@@ -155,7 +161,7 @@ def fused_allreduce_rms_norm(
 
 
 @fused_allreduce_rms_norm.register_kernel("cuda")
-def _fused_cuda(input, residual, weight, group_name, eps, weight_bias, norm_round_twice, quant):
+def _fused_cuda(input, residual, weight, group_name, eps, weight_bias, norm_round_twice, norm_f32_sum, quant):
     raise NotImplementedError(
         "arfuse.fused_allreduce_rms_norm: the CUDA kernel is not built into this package "
         "(arfuse's CUDA kernels run through the Rust crate arfuse-runtime, which the "
@@ -165,7 +171,7 @@ def _fused_cuda(input, residual, weight, group_name, eps, weight_bias, norm_roun
 
 
 @fused_allreduce_rms_norm.register_fake
-def _fused_fake(input, residual, weight, group_name, eps, weight_bias, norm_round_twice, quant):
+def _fused_fake(input, residual, weight, group_name, eps, weight_bias, norm_round_twice, norm_f32_sum, quant):
     _check_quant(quant)
     return _outputs_like(input, quant)
 
@@ -202,7 +208,7 @@ def _sources_digest() -> str:
     global _SOURCES_DIGEST
     if _SOURCES_DIGEST is None:
         h = hashlib.sha256()
-        for path in (__file__, fx_json.__file__, _arfuse.__file__):
+        for path in (__file__, fx.__file__, _arfuse.__file__):
             with open(path, "rb") as f:
                 h.update(hashlib.sha256(f.read()).digest())
         _SOURCES_DIGEST = h.hexdigest()
@@ -217,14 +223,18 @@ class FusionPass(CustomGraphPass):
     `all_reduce_ops` as for `arfuse.lower`) and replaces each fused site by one call of
     `torch.ops.arfuse.fused_allreduce_rms_norm`; `reports` holds one `Report` per graph
     it ran on (a graph served from inductor's FX graph cache is not passed again).
-    `on_error`: `"raise"` (default) raises the `ArfuseError`, failing the compilation;
-    `"skip"` leaves that graph unchanged and records the error in `errors`.
+    `on_error`: `"raise"` (default) raises the error, failing the compilation; `"skip"`
+    leaves that graph unchanged whatever goes wrong (an `ArfuseError` or any other
+    exception), records the error in `errors` and warns once per pass.
 
     Sites whose epilogue the CPU kernel does not compute (static FP8, per-token-group
     FP8, NVFP4) are left unfused, with a warning in the report. The model must be
     compiled with `torch._dynamo.config.specialize_float = True` (an RMSNorm eps is
     otherwise an f64 graph input, which arfuse's IR has no type for;
-    docs/fx-graph-format.md)."""
+    docs/fx-graph-format.md).
+
+    The pass pickles (its target as TOML; `reports` and `errors` are not kept), as an
+    engine that sends its compilation config to worker processes needs."""
 
     def __init__(
         self,
@@ -243,7 +253,13 @@ class FusionPass(CustomGraphPass):
         self.all_reduce_ops: List[str] = list(all_reduce_ops)
         self.on_error = on_error
         self.reports: List[Report] = []
-        self.errors: List[_arfuse.ArfuseError] = []
+        self.errors: List[BaseException] = []
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["reports"] = []
+        state["errors"] = []
+        return state
 
     def uuid(self) -> str:
         """Identifies what the pass does to a graph, for inductor's FX graph cache: the
@@ -251,49 +267,48 @@ class FusionPass(CustomGraphPass):
         Equal for equal passes of one build; changes with any of them."""
         h = hashlib.sha256()
         for part in (
-            "arfuse.torch.FusionPass",
+            type(self).__module__ + "." + type(self).__qualname__,
             _arfuse.__version__,
             _sources_digest(),
             self.target.to_toml(),
-            json.dumps(
-                {"group": self.group, "all_reduce_ops": self.all_reduce_ops, "on_error": self.on_error},
-                sort_keys=True,
-            ),
+            json.dumps(self._options(), sort_keys=True),
         ):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()
 
+    def _options(self) -> Dict[str, Any]:
+        """The options that change what the pass does (part of `uuid`)."""
+        return {"group": self.group, "all_reduce_ops": self.all_reduce_ops, "on_error": self.on_error}
+
     def __call__(self, graph: torch.fx.Graph) -> None:
-        gm = graph.owning_module
-        if gm is None:
-            raise ValueError("arfuse.torch.FusionPass: the graph has no owning GraphModule")
         try:
-            data = fx_json.serialize(gm, {}, "post")
-            report_json, table, splice_json, _notes = _arfuse._fx_lower(
-                data, self.target, self.group, self.all_reduce_ops
-            )
-        except _arfuse.ArfuseError as e:
+            self.reports.append(self.lower_graph(graph))
+        except Exception as e:  # noqa: BLE001 (on_error="skip": nothing reaches the compiler)
             if self.on_error == "raise":
                 raise
+            if not self.errors:
+                warnings.warn(
+                    f"arfuse: a graph was left unfused ({type(e).__name__}: {e}); "
+                    "later errors of this pass are recorded in its `errors` without a warning",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             self.errors.append(e)
-            return
-        splice = json.loads(splice_json)
+
+    def lower_graph(self, graph: torch.fx.Graph) -> Report:
+        """Lowers and splices one graph; returns its report. Raises on any failure, with
+        the graph unchanged (every site is planned before the graph is touched)."""
+        walked = fx.walk(graph)
+        report_json, table, splice_json, _notes = _arfuse._fx_lower_walked(
+            walked, self.target, self.group, self.all_reduce_ops
+        )
         report = Report(json.loads(report_json), table)
-        left = apply_splice(graph, splice)
+        left = apply_splice(graph, json.loads(splice_json))
         if left:
             report["warnings"].extend(left)
             report._table = table + "".join(f"warning: {w}\n" for w in left)
-        graph.lint()
-        self.reports.append(report)
-
-
-def _fake_mode(graph: torch.fx.Graph):
-    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
-    mode = torch._guards.detect_fake_mode(vals)
-    if mode is None:
-        raise ValueError("arfuse.torch.FusionPass: the graph's nodes carry no FakeTensor metadata")
-    return mode
+        return report
 
 
 def _view_sizes(v: torch.fx.Node) -> Any:
@@ -312,89 +327,226 @@ def _view_sizes(v: torch.fx.Node) -> Any:
     return sizes
 
 
+class _Planned:
+    """One site, resolved against the graph before anything changes."""
+
+    __slots__ = ("site", "args", "call_args", "anchor", "ports", "x")
+
+    def __init__(self, site, args, call_args, anchor, ports, x) -> None:
+        self.site = site
+        # Per fused input: an FX node, or (earlier site index, output index).
+        self.args = args
+        self.call_args = call_args
+        # The original node after which the call goes (the latest input).
+        self.anchor = anchor
+        # Per written output: (replaced nodes, [(view node, sizes)]).
+        self.ports = ports
+        self.x = x
+
+
 def apply_splice(graph: torch.fx.Graph, splice: Dict[str, Any]) -> List[str]:
     """Applies `arfuse::splice`'s result (JSON form) to `graph`: one fused call per site,
-    readers redirected, dead chains erased. Returns a warning per site left unfused."""
-    nodes = {n.name: n for n in graph.nodes}
-    mode = _fake_mode(graph)
+    readers redirected, dead chains erased. Returns a warning per site left unfused.
+
+    Every site is resolved first (names, epilogue, view sizes); a site that cannot be is
+    left unfused, with the sites reading it. Only then is the graph changed."""
+    order = {}
+    nodes = {}
+    for i, n in enumerate(graph.nodes):
+        order[n] = i
+        nodes[n.name] = n
     left: List[str] = [f"{s['fused_node']} left unfused: {s['reason']}" for s in splice["skipped"]]
-    outs: List[Optional[List[torch.fx.Node]]] = []
+    planned: List[Optional[_Planned]] = []
     for site in splice["sites"]:
         try:
-            outs.append(_splice_site(graph, site, nodes, outs, mode))
-        except (ValueError, KeyError) as e:
-            outs.append(None)
+            planned.append(_plan_site(site, nodes, order, planned))
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            planned.append(None)
             left.append(f"{site['fused_node']} left unfused: {e}")
-    _erase_dead(graph, set(splice["removed"]))
+    removed = set(splice["removed"])
+    vals = _Vals(graph, removed) if any(p is not None for p in planned) else None
+    outs: List[Optional[List[torch.fx.Node]]] = []
+    tail: Dict[torch.fx.Node, torch.fx.Node] = {}
+    for p in planned:
+        outs.append(None if p is None else _insert_site(graph, p, outs, tail, vals))
+    _erase_dead(graph, removed)
     return left
 
 
-def _splice_site(
-    graph: torch.fx.Graph,
+def _fake_empty(mode, shape, dtype, device) -> torch.Tensor:
+    """A contiguous FakeTensor of `mode`: a meta tensor wrapped directly (about a tenth
+    of the time of `torch.empty` under the mode with symbolic sizes), or, should the
+    wrapper refuse, the same made under the mode."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        stride = []
+        step: Any = 1
+        for d in reversed(shape):
+            stride.append(step)
+            step = step * d
+        meta = torch.empty_strided(shape, tuple(reversed(stride)), dtype=dtype, device="meta")
+        return FakeTensor(mode, meta, device)
+    except Exception:  # noqa: BLE001 (a torch without that constructor: the slow way)
+        with mode:
+            return torch.empty(shape, dtype=dtype, device=device)
+
+
+class _Vals:
+    """The FakeTensor values (`meta["val"]`) of the fused calls of one graph, made
+    without running the op under the fake mode for every site (a fake dispatch with
+    symbolic sizes costs about half a millisecond): an output that replaces a node the
+    splice erases takes that node's value (the same tensor, which no node keeps); any
+    other one is made under the graph's fake mode; the unwritten quant outputs of
+    every site share one empty pair (nothing reads them)."""
+
+    def __init__(self, graph: torch.fx.Graph, removed: set) -> None:
+        self.mode = _fake_mode(graph)
+        self.removed = removed
+        self._empty: Dict[Any, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def for_site(self, x: torch.fx.Node, quant: str, ports) -> Tuple[torch.Tensor, ...]:
+        xv = x.meta["val"]
+        got: Dict[str, torch.Tensor] = {}
+        for output, replaced, _ in ports:
+            for n in replaced:
+                v = n.meta.get("val")
+                if (
+                    n.name in self.removed
+                    and isinstance(v, torch.Tensor)
+                    and (output not in ("norm", "residual") or v.dtype == xv.dtype)
+                    # Compared as text: comparing symbolic sizes would add guards.
+                    and fx._sizes(v) == fx._sizes(xv)
+                ):
+                    got[output] = v
+                    break
+        shape, dtype, device = tuple(xv.shape), xv.dtype, xv.device
+        for name in ("norm", "residual"):
+            if name not in got:
+                got[name] = _fake_empty(self.mode, shape, dtype, device)
+        if quant == "none":
+            if device not in self._empty:
+                self._empty[device] = (
+                    _fake_empty(self.mode, (0,), torch.float8_e4m3fn, device),
+                    _fake_empty(self.mode, (0,), torch.float32, device),
+                )
+            got.setdefault("quant", self._empty[device][0])
+            got.setdefault("scale", self._empty[device][1])
+        else:
+            got.setdefault("quant", _fake_empty(self.mode, shape, torch.float8_e4m3fn, device))
+            got.setdefault("scale", _fake_empty(self.mode, shape[:-1] + (1,), torch.float32, device))
+        return tuple(got[name] for name in OUTPUTS)
+
+
+def _fake_mode(graph: torch.fx.Graph):
+    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    mode = torch._guards.detect_fake_mode(vals)
+    if mode is None:
+        raise ValueError("arfuse.torch.FusionPass: the graph's nodes carry no FakeTensor metadata")
+    return mode
+
+
+def _plan_site(
     site: Dict[str, Any],
     nodes: Dict[str, torch.fx.Node],
-    outs: Sequence[Optional[List[torch.fx.Node]]],
-    mode,
-) -> List[torch.fx.Node]:
-    """Inserts one site's fused call; returns its outputs (one per IR output)."""
+    order: Dict[torch.fx.Node, int],
+    planned: Sequence[Optional[_Planned]],
+) -> _Planned:
+    """Resolves one site's inputs, outputs and views; raises if any is missing."""
     attrs = site["attrs"]
     quant = attrs["quant"]["kind"]
     if quant not in CPU_QUANT_KINDS:
         raise ValueError(f"the CPU kernel does not compute the {quant} epilogue")
-    args: List[torch.fx.Node] = []
+    args: List[Any] = []
+    anchor: Optional[torch.fx.Node] = None
     for inp in site["inputs"]:
         if "tensor" in inp:
-            args.append(nodes[inp["tensor"]])
+            n = nodes[inp["tensor"]]
+            args.append(n)
+            cand = n
         else:
             ref = inp["site"]
-            prev = outs[ref["site"]]
+            prev = planned[ref["site"]]
             if prev is None:
                 raise ValueError(f"it reads site {ref['site']}, which is left unfused")
-            args.append(prev[ref["output"]])
+            args.append((ref["site"], ref["output"]))
+            cand = prev.anchor
+        if anchor is None or order[cand] > order[anchor]:
+            anchor = cand
+    if anchor is None:
+        raise ValueError("a site without inputs")
     x = args[0]
-    residual = args[1] if attrs["residual"] else None
-    weight = args[2] if attrs["residual"] else args[1]
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    latest = max(args, key=lambda n: position[n])
+    if not isinstance(x, torch.fx.Node):
+        raise ValueError("its all-reduce input is another site's output")
     call_args = (
-        x,
-        residual,
-        weight,
         attrs["group"],
         float(attrs["eps"]),
         float(attrs.get("weight_bias", 0.0)),
         attrs.get("norm_rounding", "once") == "twice",
+        attrs.get("norm_input", "residual") == "f32_sum",
         quant,
     )
+    ports = []
+    for port in site["outputs"]:
+        replaced = [nodes[name] for name in port["replaces"]]
+        views = [(nodes[name], _view_sizes(nodes[name])) for name in port["views"]]
+        ports.append((port["output"], replaced, views))
+    return _Planned(site, args, call_args, anchor, ports, x)
+
+
+def _insert_site(
+    graph: torch.fx.Graph,
+    p: _Planned,
+    outs: Sequence[Optional[List[torch.fx.Node]]],
+    tail: Dict[torch.fx.Node, torch.fx.Node],
+    site_vals: _Vals,
+) -> List[torch.fx.Node]:
+    """Inserts one planned site's call after the nodes already inserted at its anchor;
+    returns its outputs (one per written output)."""
+    ins = []
+    for a in p.args:
+        if isinstance(a, torch.fx.Node):
+            ins.append(a)
+        else:
+            prev = outs[a[0]]
+            assert prev is not None  # planned only when the site it reads was
+            ins.append(prev[a[1]])
+    residual = p.site["attrs"]["residual"]
+    x, rest = ins[0], ins[1:]
+    res = rest[0] if residual else None
+    weight = rest[1] if residual else rest[0]
+    group, eps, weight_bias, twice, f32_sum, quant = p.call_args
+    call_args = (x, res, weight, group, eps, weight_bias, twice, f32_sum, quant)
     op = torch.ops.arfuse.fused_allreduce_rms_norm.default
-    with mode:
-        vals = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in call_args])
-    with graph.inserting_after(latest):
+    vals = site_vals.for_site(x, quant, p.ports)
+    after = tail.get(p.anchor, p.anchor)
+    with graph.inserting_after(after):
         call = graph.call_function(op, call_args)
     call.meta["val"] = vals
     stack = x.meta.get("nn_module_stack")
     if stack is not None:
         call.meta["nn_module_stack"] = stack
-    getitems: List[torch.fx.Node] = []
-    prev_node = call
-    for k in range(len(OUTPUTS)):
-        with graph.inserting_after(prev_node):
+    getitems: Dict[str, torch.fx.Node] = {}
+    last = call
+    for output, _, _ in p.ports:
+        k = OUTPUTS.index(output)
+        with graph.inserting_after(last):
             g = graph.call_function(operator.getitem, (call, k))
         g.meta["val"] = vals[k]
-        getitems.append(g)
-        prev_node = g
-    ports = [getitems[OUTPUTS.index(o)] for o in attrs["outputs"]]
-    for port, out in zip(site["outputs"], ports):
-        for name in port["replaces"]:
-            nodes[name].replace_all_uses_with(out)
-        for name in port["views"]:
-            v = nodes[name]
-            sizes = _view_sizes(v)
+        getitems[output] = last = g
+    tail[p.anchor] = last
+    result = []
+    for output, replaced, views in p.ports:
+        out = getitems[output]
+        for n in replaced:
+            n.replace_all_uses_with(out)
+        for v, sizes in views:
             with graph.inserting_before(v):
                 r = graph.call_function(torch.ops.aten.reshape.default, (out, sizes))
             r.meta["val"] = v.meta["val"]
             v.replace_all_uses_with(r)
-    return ports
+        result.append(out)
+    return result
 
 
 def _erase_dead(graph: torch.fx.Graph, removed: set) -> None:

@@ -6,7 +6,7 @@
 //! `cvt.rn.satfinite.e2m1x2.f32` (domain.md section 1: "e2m1 (satfinite,
 //! round to nearest)").
 //!
-//! Choices stated here (arfuse rounding contract v2):
+//! Choices stated here (arfuse rounding contract v3):
 //! - the sign of zero is kept (`-0.0 -> 0x8`);
 //! - +-infinity saturates to +-6.0;
 //! - NaN, which E2M1 cannot represent, encodes to `0x7` (+6.0). This is the

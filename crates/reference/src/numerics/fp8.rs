@@ -7,7 +7,7 @@
 //! `__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)` and PTX
 //! `cvt.rn.satfinite.e4m3x2.f32` (domain.md section 1: "saturate to +-448").
 //!
-//! Choices stated here (arfuse rounding contract v2, see [`crate::contract`]):
+//! Choices stated here (arfuse rounding contract v3, see [`crate::contract`]):
 //! - the sign of zero is kept (`-0.0 -> 0x80`, and a negative value that
 //!   rounds to zero gives 0x80);
 //! - NaN input encodes to the canonical NaN `0x7F` whatever its sign (what

@@ -21,7 +21,7 @@ pub const DYNAMIC_FP8_MIN_SCALE: f32 = 1.0 / (512.0 * 448.0);
 
 /// The per-token-group FP8 floor (vLLM's `eps` argument, 1e-10 as f32): the
 /// group's amax is raised to it before the division by 448, and a UE8M0 scale is
-/// raised to it again before its power-of-two rounding (contract v2 clause 4).
+/// raised to it again before its power-of-two rounding (contract clause 4).
 pub const GROUP_FP8_MIN_SCALE: f32 = 1e-10;
 
 /// `1 / 6` rounded to f32 (0x3E2AAAAB): the constant FlashInfer's fused NVFP4 kernel
@@ -64,7 +64,7 @@ fn amax(values: &[f32]) -> f32 {
     values.iter().fold(0.0f32, |m, v| m.max(v.abs()))
 }
 
-/// Static (per-tensor) FP8 (contract v2): `inv = 1 / scale` (one correctly
+/// Static (per-tensor) FP8 (contract v3): `inv = 1 / scale` (one correctly
 /// rounded f32 division), `q = e4m3_satfinite(y * inv)`, where `scale` is the
 /// dequant scale (the single element of a 1-element fp32 tensor). This is the
 /// order of vLLM's `static_scaled_fp8_quant` and of FlashInfer's fused kernel
@@ -227,7 +227,7 @@ pub fn group_scale_bytes(
     }
 }
 
-/// The scale of one per-token-group FP8 group (contract v2, clause 4) for the
+/// The scale of one per-token-group FP8 group (contract v3, clause 4) for the
 /// form `layout`:
 /// - f32 form: `max(amax, 1e-10) / 448` (vLLM's `per_token_group_quant_8bit`
 ///   kernels with `scale_ue8m0 = false`, its Triton kernel and
@@ -410,7 +410,7 @@ pub struct Nvfp4Quant {
     pub scales: Vec<u8>,
 }
 
-/// The scale factor of one NVFP4 block (contract v2): `SF =
+/// The scale factor of one NVFP4 block (contract v3): `SF =
 /// e4m3_satfinite(global_scale * (amax * f32(1 / 6)))`, two f32 products in that
 /// order, as FlashInfer's fused kernel (`cvt_warp_fp16_to_fp4`,
 /// [`NVFP4_RECIPROCAL_6`]). Returns the e4m3 code.
@@ -419,7 +419,7 @@ pub fn nvfp4_block_scale(block: &[f32], global_scale: f32) -> u8 {
 }
 
 /// The factor every element of an NVFP4 block is multiplied by before its e2m1
-/// rounding (contract v2): `global_scale / f32(SF)`, one f32 division, or 0 when
+/// rounding (contract v3): `global_scale / f32(SF)`, one f32 division, or 0 when
 /// `SF` is zero (FlashInfer's fused kernel's `outputScale`).
 pub fn nvfp4_output_scale(sf_code: u8, global_scale: f32) -> f32 {
     let sf = e4m3_to_f32(sf_code);

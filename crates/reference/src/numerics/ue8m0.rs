@@ -6,7 +6,7 @@
 //! `2^ceil(log2(x))`), so that `x / scale <= 448` still holds after the
 //! scale is rounded.
 //!
-//! Choices stated here (arfuse rounding contract v2):
+//! Choices stated here (arfuse rounding contract v3):
 //! - NaN -> 255;
 //! - `x <= 2^-127` (including 0, negatives and -0.0) -> code 0 (2^-127, the
 //!   smallest scale); callers clamp scales away from zero first;

@@ -154,11 +154,21 @@ fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<
             an.facts.group
         ));
     }
-    let Some(NormAttrs { eps, bias, twice }) =
-        leaf_of(eg, n).and_then(|l| eg.analysis.attrs.norm(l))
+    let Some(NormAttrs {
+        eps,
+        bias,
+        twice,
+        f32_sum,
+    }) = leaf_of(eg, n).and_then(|l| eg.analysis.attrs.norm(l))
     else {
         return Err("internal: norm attributes missing".into());
     };
+    if f32_sum && r.is_none() {
+        // The norm reads the f32 sum of an add's operands; without a residual add
+        // there is no such sum to fuse (the all-reduce output alone is its own norm
+        // input, matched in the rounded form).
+        return Err("internal: an f32-sum norm without a residual add".into());
+    }
     let b = f64::from_bits(bias);
     if b != 0.0 && b != 1.0 {
         return Err(format!(
@@ -242,6 +252,7 @@ fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<
         eps,
         bias,
         twice,
+        f32_sum,
     })
 }
 

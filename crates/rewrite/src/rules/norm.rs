@@ -50,6 +50,11 @@ pub(crate) fn rules() -> Result<Vec<Rule>, String> {
             "(to_dtype ?t (mul ?a ?b))",
             decomposed_one_rounding,
         )?,
+        rule(
+            "f32-sum-rounded",
+            "(to_dtype ?t (add ?p ?q))",
+            f32_sum_rounded,
+        )?,
     ])
 }
 
@@ -111,6 +116,27 @@ fn normed(eg: &FxGraph, nf: Id) -> SmallVec<[Normed; 2]> {
     uniq
 }
 
+/// `to_dtype(T, f32(a) + f32(b))` with a and b of the 16-bit dtype T is `add(a, b)`: the
+/// IR's `add` of two T values rounds their f32 sum once (contract clause 2). This is
+/// the residual output of vLLM's native `fused_add_rms_norm`, whose norm reads the f32
+/// sum itself ([`NormX::F32Sum`]); the union lets the fused node's residual output
+/// replace it.
+///
+/// `(to_dtype ?t (add ?p ?q))`.
+fn f32_sum_rounded(eg: &mut FxGraph, eclass: Id, &[t, p, q, ..]: &Vars) -> bool {
+    let Some(Leaf::DType(t)) = leaf_of(eg, t) else {
+        return false;
+    };
+    if !matches!(t, DType::Bf16 | DType::F16) {
+        return false;
+    }
+    let (Some(a), Some(b)) = (widened_from(eg, p, t), widened_from(eg, q, t)) else {
+        return false;
+    };
+    let h = eg.add(Fx::Add([a, b]));
+    eg[h].data.ty() == eg[eclass].data.ty() && union(eg, eclass, h)
+}
+
 /// `(fused_add_rms_norm ?n ?x ?r ?w)`.
 fn split_fused_add(eg: &mut FxGraph, eclass: Id, &[n, x, r, w]: &Vars) -> bool {
     let h = eg.add(Fx::Add([x, r]));
@@ -122,9 +148,54 @@ fn split_fused_add(eg: &mut FxGraph, eclass: Id, &[n, x, r, w]: &Vars) -> bool {
     a | b
 }
 
+/// The value a decomposed norm normalises.
+#[derive(Clone, Copy)]
+enum NormX {
+    /// A value of the activation dtype T, widened to f32 (or itself, for f32).
+    Value(Id),
+    /// The unrounded f32 sum `f32(a) + f32(b)` of two T values: the norm of
+    /// `add(a, b)` with `NormAttrs::f32_sum`.
+    F32Sum(Id, Id),
+}
+
+/// The class the norm's `rms_norm` node reads, and whether it normalises the f32 sum of
+/// that class's add (adding `add(a, b)` for [`NormX::F32Sum`]).
+fn norm_x(eg: &mut FxGraph, x: NormX) -> (Id, bool) {
+    match x {
+        NormX::Value(x) => (x, false),
+        NormX::F32Sum(a, b) => (eg.add(Fx::Add([a, b])), true),
+    }
+}
+
+/// The source of an f32 widening cast of a value of dtype `t` in class `c` (an f32
+/// class).
+fn widened_from(eg: &FxGraph, c: Id, t: DType) -> Option<Id> {
+    if eg[c].data.ty()?.dtype != DType::F32 {
+        return None;
+    }
+    eg[c].nodes.iter().find_map(|n| match n {
+        Fx::ToDtype([_, src]) if eg[*src].data.ty().map(|s| s.dtype) == Some(t) => Some(*src),
+        _ => None,
+    })
+}
+
+/// `f32(a) + f32(b)` in class `c` (an f32 add of two widened values of 16-bit dtype
+/// `t`): `(a, b)`.
+fn f32_sum_of(eg: &FxGraph, c: Id, t: DType) -> Option<(Id, Id)> {
+    if !matches!(t, DType::Bf16 | DType::F16) {
+        return None;
+    }
+    eg[c].nodes.iter().find_map(|n| match n {
+        Fx::Add([p, q]) => Some((widened_from(eg, *p, t)?, widened_from(eg, *q, t)?)),
+        _ => None,
+    })
+}
+
 /// The parts every decomposed form shares: (x, eps, output dtype), when the squared
-/// term, the eps and the casts check out.
-fn common(eg: &FxGraph, m: Normed, t: Id) -> Option<(Id, f64, DType)> {
+/// term, the eps and the casts check out. x is the f32 cast of a T value, an f32 value
+/// (f32 activations) or the f32 sum of two widened T values (vLLM's native
+/// `fused_add_rms_norm`, which normalises the residual sum before rounding it).
+fn common(eg: &FxGraph, m: Normed, t: Id) -> Option<(NormX, f64, DType)> {
     if let Some(e) = m.exp {
         match leaf_of(eg, e).and_then(|l| eg.analysis.attrs.exp(l)) {
             Some(bits) if f64::from_bits(bits) == 2.0 => {}
@@ -145,15 +216,11 @@ fn common(eg: &FxGraph, m: Normed, t: Id) -> Option<(Id, f64, DType)> {
         return None;
     }
     // x: the source of the f32 cast, of the activation dtype; or xf itself for f32
-    // activations.
-    let x = eg[xf]
-        .nodes
-        .iter()
-        .find_map(|n| match n {
-            Fx::ToDtype([_, src]) if eg[*src].data.ty().map(|s| s.dtype) == Some(t) => Some(*src),
-            _ => None,
-        })
-        .or((t == DType::F32).then_some(xf))?;
+    // activations; or the f32 sum of two widened T values.
+    let x = widened_from(eg, xf, t)
+        .map(NormX::Value)
+        .or((t == DType::F32).then_some(NormX::Value(xf)))
+        .or_else(|| f32_sum_of(eg, xf, t).map(|(a, b)| NormX::F32Sum(a, b)))?;
     Some((x, eps, t))
 }
 
@@ -185,6 +252,7 @@ fn decomposed_llama(eg: &mut FxGraph, eclass: Id, &[a, b, ..]: &Vars) -> bool {
                 let Some((x, eps, t)) = common(eg, m, t) else {
                     continue;
                 };
+                let (x, f32_sum) = norm_x(eg, x);
                 let wd = eg[w].data.ty().map(|ty| ty.dtype);
                 if wd != Some(t) {
                     let why = format!(
@@ -201,6 +269,7 @@ fn decomposed_llama(eg: &mut FxGraph, eclass: Id, &[a, b, ..]: &Vars) -> bool {
                     eps: eps.to_bits(),
                     bias: 0.0f64.to_bits(),
                     twice: t != DType::F32,
+                    f32_sum,
                 };
                 changed |= add_norm(eg, eclass, x, w, a);
             }
@@ -221,12 +290,14 @@ fn decomposed_one_rounding(eg: &mut FxGraph, eclass: Id, &[t, a, b, ..]: &Vars) 
             let Some((x, eps, t)) = common(eg, m, t) else {
                 continue;
             };
+            let (x, f32_sum) = norm_x(eg, x);
             match weight_of(eg, wf, t) {
                 Some((w, bias)) => {
                     let a = NormAttrs {
                         eps: eps.to_bits(),
                         bias: bias.to_bits(),
                         twice: false,
+                        f32_sum,
                     };
                     changed |= add_norm(eg, eclass, x, w, a);
                 }
@@ -247,6 +318,7 @@ fn decomposed_one_rounding(eg: &mut FxGraph, eclass: Id, &[t, a, b, ..]: &Vars) 
                 let Some((x, _, _)) = common(eg, m, t2) else {
                     continue;
                 };
+                let (x, _) = norm_x(eg, x);
                 let tn = leaf_of(eg, t2).map(|l| l.to_string()).unwrap_or_default();
                 let why = format!(
                     "its RMSNorm rounds the normalised value to {tn}, widens it to f32 and \

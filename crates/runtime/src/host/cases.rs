@@ -178,6 +178,7 @@ impl CaseIo {
             weight_bias: c.weight_bias as f32,
             gamma_f32: i32::from(c.gamma_f32),
             norm_round_twice: i32::from(c.norm_round_twice),
+            norm_f32_sum: i32::from(c.norm_f32_sum),
             timeout_ns: device::DEFAULT_TIMEOUT_NS,
             tokens: c.tokens as i32,
             hidden: c.hidden as i32,

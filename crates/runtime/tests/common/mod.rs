@@ -14,7 +14,9 @@ pub fn new_compiler() -> Compiler {
 
 /// A case of W, dtype, epilogue, strategy and T at `hidden`: the Gemma weight form
 /// (offset weight in f32) on the residual-free norms and the Llama order (two
-/// roundings) on the residual norms, so both weight forms and both roundings run.
+/// roundings) on the residual norms, so both weight forms and both roundings run;
+/// except at W = 4 the residual norms normalise the unrounded f32 sum (vLLM's native
+/// form), so both norm inputs run too.
 pub fn weight_form_case(
     world: u32,
     dtype: Dtype,
@@ -34,5 +36,6 @@ pub fn weight_form_case(
         weight_bias: u32::from(offset),
         gamma_f32: offset,
         norm_round_twice: epilogue.norm && epilogue.residual,
+        norm_f32_sum: epilogue.norm && epilogue.residual && world != 4,
     }
 }
