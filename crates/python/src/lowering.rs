@@ -105,7 +105,9 @@ fn fx_finish(
 /// The compact FX form (`arfuse.fx.walk`'s lists) as the importer's [`FxGraph`]. A value
 /// of the wrong Python type is a `LoadError` naming the node and argument.
 mod compact {
-    use arfuse::import::torch_export::fx::{FxArg, FxGraph, FxNode, FxSize, FxSymbol, FxTensor};
+    use arfuse::import::torch_export::fx::{
+        FxArg, FxGraph, FxNode, FxSize, FxSymbol, FxTensor, SymInt,
+    };
     use pyo3::exceptions::PyValueError;
     use pyo3::prelude::*;
     use pyo3::types::{PyList, PyTuple};
@@ -146,7 +148,7 @@ mod compact {
     fn arg(kind: u8, v: &Bound<'_, PyAny>) -> PyResult<FxArg> {
         Ok(match kind {
             K_TENSOR => FxArg::Tensor(v.extract()?),
-            K_TENSORS => FxArg::Tensors(v.extract()?),
+            K_TENSORS => FxArg::tensors(v.extract()?),
             K_NONE => FxArg::None,
             K_INT => FxArg::Int(v.extract()?),
             K_FLOAT => FxArg::Float(v.extract()?),
@@ -154,16 +156,16 @@ mod compact {
             K_STR => FxArg::Str(v.extract()?),
             K_INTS => FxArg::Ints(v.extract()?),
             K_FLOATS => FxArg::Floats(v.extract()?),
-            K_SYM => FxArg::Sym(v.extract()?),
+            K_SYM => FxArg::Sym(SymInt::Expr(v.extract()?)),
             K_SYMS => FxArg::Syms(
                 v.cast::<PyList>()?
                     .iter()
-                    .map(|s| size(&s))
+                    .map(|s| size(&s).map(SymInt::from))
                     .collect::<PyResult<_>>()?,
             ),
             K_DTYPE => FxArg::Dtype(v.extract()?),
             K_BOOLS => FxArg::Bools(v.extract()?),
-            K_OTHER => FxArg::Other(v.extract()?),
+            K_OTHER => FxArg::other(v.extract::<String>()?),
             k => return Err(bad(format!("unknown argument kind {k}"))),
         })
     }

@@ -9,14 +9,19 @@
 //! (a pass must not fail on a node it does not model): it is typed as a `u8` scalar
 //! that only opaque ops may read, and counted in the notes.
 
-use super::schema::{
-    Bounded, BoundedMap, GraphModule, NamedArg, Program, RangeConstraint, RawGraph, RawNode,
-    Signature, TensorMeta,
-};
+use super::source::{GraphValue, Meta, Module, NodeIn, Outputs, Sizes, Source};
 use super::{Builder, MAX_TENSOR_VALUES, MAX_TORCH_NODES, SUPPORTED_SCHEMA_MAJOR};
 use crate::{ImportError, ImportOptions, Imported};
+use arfuse_ir::InputKind;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Map, Value as Json};
+
+pub use super::arg::{Arg, SymInt};
+
+/// One argument value of a node: the importer's [`Arg`] (the compact form uses every
+/// variant but `OptionalTensor`, `OptionalTensors` with every tensor present, and
+/// [`SymInt::Name`]; [`Arg::tensors`] and [`Arg::other`] make its lists of tensors and
+/// its unmodelled objects).
+pub use super::arg::Arg as FxArg;
 
 /// One size of a tensor: a constant or a symbolic expression (`s72`, `2*s72`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -26,6 +31,15 @@ pub enum FxSize {
     Const(i64),
     /// A sympy expression over the graph's symbols, as `str(SymInt)` writes it.
     Expr(String),
+}
+
+impl From<FxSize> for SymInt {
+    fn from(s: FxSize) -> SymInt {
+        match s {
+            FxSize::Const(n) => SymInt::Const(n),
+            FxSize::Expr(e) => SymInt::Expr(e),
+        }
+    }
 }
 
 /// A tensor value: its name (the FX node, or the `getitem` node reading it from a tuple),
@@ -38,94 +52,6 @@ pub struct FxTensor {
     pub dtype: i64,
     /// Sizes, outermost first.
     pub sizes: Vec<FxSize>,
-}
-
-/// One argument value of a node.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", content = "value", rename_all = "snake_case")]
-pub enum FxArg {
-    /// A tensor, by name.
-    Tensor(String),
-    /// A list of tensors (`None` for an absent optional one).
-    Tensors(Vec<Option<String>>),
-    /// `None`.
-    None,
-    /// An int.
-    Int(i64),
-    /// A float (in JSON, a non-finite one as the text `inf`, `-inf` or `NaN`).
-    Float(#[serde(with = "float_text")] f64),
-    /// A bool.
-    Bool(bool),
-    /// A string (also an op given as an argument, a device or a layout, as text).
-    Str(String),
-    /// A list of ints.
-    Ints(Vec<i64>),
-    /// A list of floats (non-finite ones as for [`FxArg::Float`]).
-    Floats(#[serde(with = "floats_text")] Vec<f64>),
-    /// A list of bools.
-    Bools(Vec<bool>),
-    /// A symbolic int, by its expression.
-    Sym(String),
-    /// A list of ints and symbolic ints.
-    Syms(Vec<FxSize>),
-    /// A dtype, as a `ScalarType` code.
-    Dtype(i64),
-    /// Anything else (a script object, a nested structure): its type name.
-    Other(String),
-}
-
-/// serde for an f64 that may be infinite or NaN: a JSON number, or its text.
-mod float_text {
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
-    #[derive(Serialize, Deserialize)]
-    #[serde(untagged)]
-    pub(super) enum Repr {
-        Number(f64),
-        Text(String),
-    }
-
-    pub(super) fn repr(f: f64) -> Repr {
-        if f.is_finite() {
-            Repr::Number(f)
-        } else {
-            Repr::Text(f.to_string())
-        }
-    }
-
-    pub(super) fn value<E: serde::de::Error>(r: Repr) -> Result<f64, E> {
-        match r {
-            Repr::Number(f) => Ok(f),
-            Repr::Text(t) => t
-                .parse()
-                .map_err(|_| E::custom(format!("{t:?} is not a float"))),
-        }
-    }
-
-    pub fn serialize<S: Serializer>(f: &f64, s: S) -> Result<S::Ok, S::Error> {
-        repr(*f).serialize(s)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-        value(Repr::deserialize(d)?)
-    }
-}
-
-/// [`float_text`] for a list.
-mod floats_text {
-    use super::float_text::{repr, value, Repr};
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
-    pub fn serialize<S: Serializer>(l: &[f64], s: S) -> Result<S::Ok, S::Error> {
-        l.iter().map(|f| repr(*f)).collect::<Vec<_>>().serialize(s)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f64>, D::Error> {
-        Vec::<Repr>::deserialize(d)?
-            .into_iter()
-            .map(value)
-            .collect()
-    }
 }
 
 /// One FX node (not a placeholder, not the output, not a `getitem` of a tuple).
@@ -179,11 +105,11 @@ pub struct FxGraph {
 /// for an argument naming a tensor nothing produced, and [`ImportError::Invalid`] if the
 /// result does not validate.
 pub fn import(fx: &FxGraph, options: &ImportOptions) -> Result<Imported, ImportError> {
-    let program = program(fx)?;
+    let source = source(fx)?;
     let version = format!("{SUPPORTED_SCHEMA_MAJOR}.fx");
-    let mut builder = Builder::new(&program, version, options)?;
+    let mut builder = Builder::new(&source, version, options)?;
     builder.lenient_types = true;
-    builder.build(&program)
+    builder.build()
 }
 
 fn too_many(what: &str, n: usize, limit: usize) -> ImportError {
@@ -193,61 +119,8 @@ fn too_many(what: &str, n: usize, limit: usize) -> ImportError {
     )
 }
 
-fn tensor_ref(name: &str) -> Json {
-    json!({ "as_tensor": { "name": name } })
-}
-
-fn size_json(s: &FxSize) -> Json {
-    match s {
-        FxSize::Const(n) => json!({ "as_int": n }),
-        FxSize::Expr(e) => json!({ "as_expr": { "expr_str": e } }),
-    }
-}
-
-/// The schema's form of one argument.
-fn arg_json(a: &FxArg) -> Json {
-    match a {
-        FxArg::Tensor(t) => tensor_ref(t),
-        FxArg::Tensors(l) if l.iter().all(Option::is_some) => json!({
-            "as_tensors": l.iter().flatten().map(|t| json!({ "name": t })).collect::<Vec<_>>()
-        }),
-        FxArg::Tensors(l) => json!({
-            "as_optional_tensors": l
-                .iter()
-                .map(|t| match t {
-                    Some(t) => tensor_ref(t),
-                    None => json!({ "as_none": true }),
-                })
-                .collect::<Vec<_>>()
-        }),
-        FxArg::None => json!({ "as_none": true }),
-        FxArg::Int(i) => json!({ "as_int": i }),
-        FxArg::Float(f) if f.is_finite() => json!({ "as_float": f }),
-        FxArg::Float(f) => json!({ "as_string": f.to_string() }),
-        FxArg::Bool(b) => json!({ "as_bool": b }),
-        FxArg::Str(s) => json!({ "as_string": s }),
-        FxArg::Ints(l) => json!({ "as_ints": l }),
-        FxArg::Floats(l) => json!({
-            "as_floats": l.iter().map(|f| if f.is_finite() { json!(f) } else { Json::Null }).collect::<Vec<_>>()
-        }),
-        FxArg::Bools(l) => json!({ "as_bools": l }),
-        FxArg::Sym(e) => json!({ "as_sym_int": { "as_name": e } }),
-        FxArg::Syms(l) => json!({
-            "as_sym_ints": l
-                .iter()
-                .map(|s| match s {
-                    FxSize::Const(n) => json!({ "as_int": n }),
-                    FxSize::Expr(e) => json!({ "as_name": e }),
-                })
-                .collect::<Vec<_>>()
-        }),
-        FxArg::Dtype(c) => json!({ "as_scalar_type": c }),
-        FxArg::Other(what) => json!({ "as_other": what }),
-    }
-}
-
-/// The program the builder reads: the schema's structures, built from the compact form.
-fn program(fx: &FxGraph) -> Result<Program, ImportError> {
+/// The builder's view of the compact form: every string borrowed.
+fn source(fx: &FxGraph) -> Result<Source<'_>, ImportError> {
     if fx.nodes.len() > MAX_TORCH_NODES {
         return Err(too_many("nodes", fx.nodes.len(), MAX_TORCH_NODES));
     }
@@ -255,82 +128,50 @@ fn program(fx: &FxGraph) -> Result<Program, ImportError> {
     if tensors > MAX_TENSOR_VALUES {
         return Err(too_many("tensors", tensors, MAX_TENSOR_VALUES));
     }
-    let meta = |t: &FxTensor| {
-        (
-            t.name.clone(),
-            TensorMeta {
-                dtype: t.dtype,
-                sizes: t.sizes.iter().map(size_json).collect(),
-            },
-        )
-    };
-    let mut tensor_values: Vec<(String, TensorMeta)> = Vec::with_capacity(tensors);
-    let mut sym_ints: Vec<(String, Json)> = Vec::new();
+    fn meta(t: &FxTensor) -> (&str, Meta<'_>) {
+        let meta = Meta {
+            dtype: t.dtype,
+            sizes: Sizes::Fx(&t.sizes),
+        };
+        (&t.name, meta)
+    }
+    let mut tensor_values = Vec::with_capacity(tensors);
     tensor_values.extend(fx.inputs.iter().map(meta));
-    let mut nodes = Vec::with_capacity(fx.nodes.len());
     for n in &fx.nodes {
         tensor_values.extend(n.outputs.iter().map(meta));
-        let mut inputs = Vec::with_capacity(n.args.len());
-        for (name, a) in &n.args {
-            match a {
-                FxArg::Sym(e) => {
-                    sym_ints.push((e.clone(), json!({ "as_expr": { "expr_str": e } })))
-                }
-                FxArg::Syms(l) => sym_ints.extend(l.iter().filter_map(|s| match s {
-                    FxSize::Expr(e) => Some((e.clone(), json!({ "as_expr": { "expr_str": e } }))),
-                    FxSize::Const(_) => None,
-                })),
-                _ => {}
-            }
-            inputs.push(NamedArg {
-                name: name.clone(),
-                arg: arg_json(a),
-            });
-        }
-        let mut outputs: Vec<Json> = n.outputs.iter().map(|t| tensor_ref(&t.name)).collect();
-        outputs.extend((0..n.other_outputs).map(|_| json!({ "as_none": true })));
-        let mut metadata = Map::new();
-        if let Some(m) = &n.module {
-            metadata.insert("nn_module_stack".into(), Json::String(format!("{m},{m},?")));
-        }
-        nodes.push(RawNode {
-            target: n.target.clone(),
-            inputs,
-            outputs,
-            metadata,
-            name: Some(n.name.clone()),
-        });
     }
-    let input_specs = fx
-        .inputs
-        .iter()
-        .map(|t| json!({ "user_input": { "arg": { "as_tensor": { "name": t.name } } } }))
-        .collect();
-    let range_constraints = fx
-        .symbols
-        .iter()
-        .map(|s| {
-            (
-                s.name.clone(),
-                RangeConstraint {
-                    min_val: s.min.map(|v| json!(v)),
-                    max_val: s.max.map(|v| json!(v)),
-                },
-            )
-        })
-        .collect();
-    Ok(Program {
-        graph_module: GraphModule {
-            graph: RawGraph {
-                inputs: fx.inputs.iter().map(|t| tensor_ref(&t.name)).collect(),
-                outputs: fx.outputs.iter().map(|t| tensor_ref(t)).collect(),
-                nodes: Bounded(nodes),
-                tensor_values: BoundedMap(tensor_values),
-                sym_int_values: BoundedMap(sym_ints),
-            },
-            signature: Some(Signature { input_specs }),
-        },
-        range_constraints: BoundedMap(range_constraints),
-        torch_version: fx.torch_version.clone(),
+    // A negative bound reads as 0, as in torch.export's range constraints.
+    let bound = |v: Option<i64>| v.map(|v| v.max(0) as u64);
+    Ok(Source {
+        ranges: fx
+            .symbols
+            .iter()
+            .map(|s| (s.name.as_str(), bound(s.min), bound(s.max)))
+            .collect(),
+        torch_version: fx.torch_version.as_deref(),
+        specs: fx
+            .inputs
+            .iter()
+            .map(|t| (t.name.as_str(), None, InputKind::Activation))
+            .collect(),
+        inputs: fx
+            .inputs
+            .iter()
+            .map(|t| GraphValue::Tensor(&t.name))
+            .collect(),
+        outputs: fx.outputs.iter().map(|t| GraphValue::Tensor(t)).collect(),
+        tensors: tensor_values,
+        sym_ints: Vec::new(),
+        nodes: fx
+            .nodes
+            .iter()
+            .map(|n| NodeIn {
+                name: Some(&n.name),
+                target: &n.target,
+                args: &n.args,
+                outputs: Outputs::Fx(&n.outputs, n.other_outputs),
+                module: n.module.as_deref().map_or(Module::None, Module::Path),
+            })
+            .collect(),
     })
 }

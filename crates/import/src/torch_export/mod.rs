@@ -36,9 +36,11 @@
 //!   opaque ops; any other code is an error naming the tensor.
 
 mod archive;
+mod arg;
 pub mod fx;
 mod ops;
 mod schema;
+mod source;
 pub mod symbolic;
 
 pub use archive::MAX_ARCHIVE_MEMBERS;
@@ -49,8 +51,11 @@ use arfuse_ir::{
     looks_like_collective, DType, Dim, Graph, InputKind, Node, NodeId, Op, SymbolRange, TensorType,
     Value, MAX_ID_LEN,
 };
-use schema::{Header, NamedArg, Program, RawNode, TensorMeta};
+use arg::{Arg, SymInt, SymInts};
+use schema::{Converted, Header, Program};
 use serde_json::{json, Value as Json};
+use source::{GraphValue, Meta, Module, NodeIn, Size, Source};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// The schema major version this importer reads (torch 2.5 and later write 8.x).
@@ -114,7 +119,9 @@ pub fn import_with(bytes: &[u8], options: &ImportOptions) -> Result<Imported, Im
     let header: Header = serde_json::from_str(text).map_err(ImportError::json)?;
     let version = check_version(header.schema_version.as_ref())?;
     let program: Program = serde_json::from_str(text).map_err(ImportError::json)?;
-    Builder::new(&program, version, options)?.build(&program)
+    let converted = Converted::new(program);
+    let source = converted.source();
+    Builder::new(&source, version, options)?.build()
 }
 
 fn check_version(v: Option<&Json>) -> Result<String, ImportError> {
@@ -176,14 +183,21 @@ enum Lowering {
 /// Counted and individual findings, rendered into [`Imported::notes`].
 #[derive(Default)]
 struct Notes {
-    counts: BTreeMap<(u8, String), usize>,
+    /// Counts by kind (`order`) and line.
+    counts: BTreeMap<u8, BTreeMap<String, usize>>,
     lines: Vec<String>,
     omitted: usize,
 }
 
 impl Notes {
-    fn count(&mut self, order: u8, line: String) {
-        *self.counts.entry((order, line)).or_insert(0) += 1;
+    fn count(&mut self, order: u8, line: &str) {
+        let lines = self.counts.entry(order).or_default();
+        match lines.get_mut(line) {
+            Some(n) => *n += 1,
+            None => {
+                lines.insert(line.to_string(), 1);
+            }
+        }
     }
 
     fn line(&mut self, l: String) {
@@ -198,7 +212,8 @@ impl Notes {
         let mut out: Vec<String> = self
             .counts
             .into_iter()
-            .map(|((order, what), n)| match order {
+            .flat_map(|(order, lines)| lines.into_iter().map(move |(what, n)| (order, what, n)))
+            .map(|(order, what, n)| match order {
                 0 => format!("dropped {n} {what} check(s)"),
                 1 => format!("forwarded {n} {what} (identity: users read its input)"),
                 2 => format!("skipped {n} {what} node(s) computing symbolic sizes only"),
@@ -217,18 +232,23 @@ impl Notes {
 }
 
 struct Builder<'p> {
+    src: &'p Source<'p>,
     g: Graph,
-    meta: HashMap<&'p str, &'p TensorMeta>,
-    sym_ints: HashMap<&'p str, &'p Json>,
-    tensors: HashMap<String, Bound>,
-    /// The value each tensor name was first bound to (not rebound by in-place ops).
-    produced: BTreeMap<String, Value>,
-    dropped: HashSet<String>,
+    meta: HashMap<&'p str, Meta<'p>>,
+    sym_ints: SymInts<'p>,
+    /// The value each tensor name reads as now (rebound by in-place ops).
+    tensors: HashMap<&'p str, Bound>,
+    /// The value each tensor name was bound to when produced, in order.
+    produced: Vec<(&'p str, Value)>,
+    dropped: HashSet<&'p str>,
     fresh: HashMap<String, String>,
+    /// The dimension each size expression text became (only successes: reading the
+    /// same text again gives the same dimension and adds no symbol or note).
+    dims: HashMap<&'p str, Dim>,
     prefix: Vec<String>,
     notes: Notes,
     opts: &'p ImportOptions,
-    folds: Folds,
+    folds: Folds<'p>,
     /// A tensor whose dtype or sizes cannot be read is typed as an opaque-only `u8`
     /// scalar (noted) instead of failing the import: the FX front end ([`fx`]).
     lenient_types: bool,
@@ -237,14 +257,14 @@ struct Builder<'p> {
 /// `sum` + division pairs that become one `mean` ([`ops::sum_divisor`]): the sums (node
 /// indices) and, for each division, the sum output it forwards.
 #[derive(Default)]
-struct Folds {
+struct Folds<'p> {
     sums: HashSet<usize>,
-    divisions: HashMap<usize, String>,
+    divisions: HashMap<usize, &'p str>,
 }
 
 /// Location text for a node: `nodes[12] (linear_3)`.
-fn node_loc(i: usize, n: &RawNode) -> String {
-    match &n.name {
+fn node_loc(i: usize, n: &NodeIn<'_>) -> String {
+    match n.name {
         Some(name) => format!("node {name:?} (graph.nodes[{i}], {})", n.target),
         None => format!("graph.nodes[{i}] ({})", n.target),
     }
@@ -258,6 +278,14 @@ pub fn short_target(target: &str) -> &str {
 /// A valid IR id from a torch name: `:`, whitespace and control characters become
 /// `_`, the length is capped, and an empty name becomes `node`.
 pub fn sanitize_id(name: &str) -> String {
+    let cap = MAX_ID_LEN - 16;
+    // Nearly every name: ASCII, short, nothing to replace.
+    if !name.is_empty()
+        && name.len() <= cap
+        && name.bytes().all(|b| b > b' ' && b < 0x7f && b != b':')
+    {
+        return name.to_string();
+    }
     let mut s: String = name
         .chars()
         .map(|c| {
@@ -268,7 +296,6 @@ pub fn sanitize_id(name: &str) -> String {
             }
         })
         .collect();
-    let cap = MAX_ID_LEN - 16;
     if s.len() > cap {
         let mut cut = cap;
         while !s.is_char_boundary(cut) {
@@ -345,40 +372,23 @@ pub fn scalar_type_name(code: i64) -> String {
     }
 }
 
-/// Integer bounds of a range-constraint value: a number, null, or a string such as
-/// `"int_oo"` (unbounded).
-fn range_value(v: Option<&Json>) -> Option<u64> {
-    match v? {
-        Json::Number(n) => n
-            .as_u64()
-            .or_else(|| n.as_i64().map(|i| i.max(0) as u64))
-            .or_else(|| {
-                n.as_f64()
-                    .filter(|f| f.is_finite())
-                    .map(|f| f.max(0.0) as u64)
-            }),
-        _ => None,
-    }
-}
-
 impl<'p> Builder<'p> {
     fn new(
-        p: &'p Program,
+        src: &'p Source<'p>,
         version: String,
         opts: &'p ImportOptions,
     ) -> Result<Builder<'p>, ImportError> {
-        let graph = &p.graph_module.graph;
         let mut g = Graph::new();
         let mut notes = Notes::default();
-        for (name, r) in &p.range_constraints.0 {
+        for &(name, min, max) in &src.ranges {
             if !arfuse_ir::is_symbol_name(name) {
                 notes.line(format!(
                     "range constraint {name:?} is not a valid symbol name; ignored"
                 ));
                 continue;
             }
-            let min = range_value(r.min_val.as_ref()).unwrap_or(0);
-            let max = match range_value(r.max_val.as_ref()) {
+            let min = min.unwrap_or(0);
+            let max = match max {
                 Some(m) if m <= UNBOUNDED_SYMBOL_MAX => m,
                 _ => {
                     notes.line(format!(
@@ -393,29 +403,21 @@ impl<'p> Builder<'p> {
                     format!("empty range {min}..={max}"),
                 ));
             }
-            g.set_symbol(name.clone(), SymbolRange { min, max });
+            g.set_symbol(name, SymbolRange { min, max });
         }
-        let mut meta = HashMap::with_capacity(graph.tensor_values.0.len());
-        for (k, v) in &graph.tensor_values.0 {
-            meta.insert(k.as_str(), v);
+        let mut meta = HashMap::with_capacity(src.tensors.len());
+        for &(k, v) in &src.tensors {
+            meta.insert(k, v);
         }
-        let sym_ints = graph
-            .sym_int_values
-            .0
-            .iter()
-            .map(|(k, v)| (k.as_str(), v))
-            .collect();
+        let sym_ints = src.sym_ints.iter().copied().collect();
         // The wrapper prefix: the first segment, when every parameter and buffer name
         // has more than one segment and starts with it, and what follows it is not a
         // list index (`layers.0...` keeps its `layers`).
-        let mut names: Vec<Vec<&str>> = Vec::new();
-        if let Some(sig) = &p.graph_module.signature {
-            for spec in &sig.input_specs {
-                if let Some((_, Some(fqn), _)) = input_spec(spec) {
-                    names.push(fqn.split('.').collect());
-                }
-            }
-        }
+        let names: Vec<Vec<&str>> = src
+            .specs
+            .iter()
+            .filter_map(|(_, fqn, _)| fqn.map(|f| f.split('.').collect()))
+            .collect();
         let mut prefix: Vec<String> = Vec::new();
         if let Some(first) = names.first() {
             let shared = names.iter().all(|n| {
@@ -429,19 +431,21 @@ impl<'p> Builder<'p> {
             "source": "torch.export",
             "schema_version": version,
         });
-        if let Some(tv) = &p.torch_version {
-            md["torch_version"] = Json::String(tv.clone());
+        if let Some(tv) = src.torch_version {
+            md["torch_version"] = Json::String(tv.to_string());
         }
         md["module_prefix_removed"] = Json::String(prefix.join("."));
         g.set_metadata(Some(md));
         Ok(Builder {
+            src,
             g,
             meta,
             sym_ints,
-            tensors: HashMap::new(),
-            produced: BTreeMap::new(),
+            tensors: HashMap::with_capacity(src.tensors.len()),
+            produced: Vec::with_capacity(src.tensors.len()),
             dropped: HashSet::new(),
             fresh: HashMap::new(),
+            dims: HashMap::new(),
             prefix,
             notes,
             opts,
@@ -452,28 +456,40 @@ impl<'p> Builder<'p> {
 
     /// Finds every `aten.sum.dim_IntList` whose only reader (checks aside) is an
     /// `aten.div.Tensor` by the number of summed elements ([`ops::sum_divisor`]).
-    fn find_folds(&self, nodes: &[RawNode]) -> Folds {
-        let mut readers: HashMap<&str, Vec<usize>> = HashMap::new();
+    fn find_folds(&self) -> Folds<'p> {
+        let nodes = &self.src.nodes;
+        let is_sum = |n: &NodeIn<'_>| short_target(n.target) == "aten.sum.dim_IntList";
+        // Only the readers of sum outputs matter.
+        let mut readers: HashMap<&str, Vec<usize>> = nodes
+            .iter()
+            .filter(|n| is_sum(n))
+            .filter_map(|n| n.outputs.first_tensor())
+            .filter(|t| self.meta.contains_key(t))
+            .map(|t| (t, Vec::new()))
+            .collect();
+        let mut folds = Folds::default();
+        if readers.is_empty() {
+            return folds;
+        }
         for (i, n) in nodes.iter().enumerate() {
-            if CHECK_TARGETS.contains(&short_target(&n.target)) {
+            if CHECK_TARGETS.contains(&short_target(n.target)) {
                 continue;
             }
-            for a in &n.inputs {
-                for_each_tensor(&a.arg, &mut |t| {
-                    if let Some((k, _)) = self.meta.get_key_value(t) {
-                        readers.entry(k).or_default().push(i);
+            for (_, a) in n.args {
+                a.each_tensor(&mut |t| {
+                    if let Some(r) = readers.get_mut(t) {
+                        r.push(i);
                     }
                 });
             }
         }
-        let mut folds = Folds::default();
         for (i, n) in nodes.iter().enumerate() {
-            if short_target(&n.target) != "aten.sum.dim_IntList" {
+            if !is_sum(n) {
                 continue;
             }
             let (Some(x), Some(out)) = (
-                arg(n, "self").and_then(tensor_of),
-                n.outputs.first().and_then(tensor_of),
+                arg(n.args, "self").and_then(Arg::tensor),
+                n.outputs.first_tensor(),
             ) else {
                 continue;
             };
@@ -481,25 +497,20 @@ impl<'p> Builder<'p> {
                 continue;
             };
             let div = &nodes[*d];
-            let divisor = arg(div, "other").and_then(|a| {
-                a.get("as_int")
-                    .and_then(Json::as_f64)
-                    .or_else(|| a.get("as_float").and_then(Json::as_f64))
-            });
-            if short_target(&div.target) != "aten.div.Tensor"
-                || arg(div, "self").and_then(tensor_of) != Some(out)
-                || !is_absent(arg(div, "rounding_mode"))
+            let divisor = arg(div.args, "other").and_then(Arg::number_f64);
+            if short_target(div.target) != "aten.div.Tensor"
+                || arg(div.args, "self").and_then(Arg::tensor) != Some(out)
+                || !is_absent(arg(div.args, "rounding_mode"))
             {
                 continue;
             }
             let types = self.plain_type(x).zip(self.plain_type(out));
-            let Some(count) = types.and_then(|(tx, to)| ops::sum_divisor(&n.inputs, &tx, &to))
-            else {
+            let Some(count) = types.and_then(|(tx, to)| ops::sum_divisor(n.args, &tx, &to)) else {
                 continue;
             };
             if divisor == Some(count as f64) {
                 folds.sums.insert(i);
-                folds.divisions.insert(*d, out.to_string());
+                folds.divisions.insert(*d, out);
             }
         }
         folds
@@ -513,28 +524,38 @@ impl<'p> Builder<'p> {
         if is_bool {
             return None;
         }
-        let dims = m
-            .sizes
-            .iter()
-            .map(|s| match s.get("as_int").and_then(Json::as_u64) {
-                Some(n) => Some(Dim::constant(n)),
-                None => Some(Dim::symbol("_")),
+        let dims = (0..m.sizes.len())
+            .map(|i| match m.sizes.get(i) {
+                Size::Const(n) => Dim::constant(n),
+                _ => Dim::symbol("_"),
             })
-            .collect::<Option<Vec<Dim>>>()?;
+            .collect();
         Some(TensorType::new(dtype, dims))
     }
 
     /// A module path with the wrapper prefix removed (`None` when nothing is left).
     fn strip_module(&self, path: &str) -> Option<String> {
-        let segs: Vec<&str> = path.split('.').collect();
-        let k = self.prefix.len();
-        let rest: &[&str] =
-            if segs.len() >= k && segs[..k].iter().zip(&self.prefix).all(|(a, b)| a == b) {
-                &segs[k..]
-            } else {
-                &segs[..]
-            };
-        (!rest.is_empty()).then(|| rest.join("."))
+        let rest = match self.prefix.as_slice() {
+            [] => path,
+            // `path` split at dots, less the prefix's segment when it is the first.
+            [p] => match path.strip_prefix(p.as_str()) {
+                Some("") => return None,
+                Some(r) => r.strip_prefix('.').unwrap_or(path),
+                None => path,
+            },
+            _ => {
+                let segs: Vec<&str> = path.split('.').collect();
+                let k = self.prefix.len();
+                let rest: &[&str] =
+                    if segs.len() >= k && segs[..k].iter().zip(&self.prefix).all(|(a, b)| a == b) {
+                        &segs[k..]
+                    } else {
+                        &segs[..]
+                    };
+                return (!rest.is_empty()).then(|| rest.join("."));
+            }
+        };
+        Some(rest.to_string())
     }
 
     fn unique_id(&self, base: &str) -> String {
@@ -548,10 +569,14 @@ impl<'p> Builder<'p> {
             .unwrap_or(base)
     }
 
-    /// The IR type of a tensor from `tensor_values`, and whether only opaque ops may
-    /// read it (a bool, or, with `lenient_types`, a tensor arfuse cannot type: then a
-    /// `u8` scalar, noted).
-    fn tensor_type(&mut self, tensor: &str, user: &str) -> Result<(TensorType, bool), ImportError> {
+    /// The IR type of a tensor from its metadata, and whether only opaque ops may read
+    /// it (a bool, or, with `lenient_types`, a tensor arfuse cannot type: then a `u8`
+    /// scalar, noted). `user` names the node for an error.
+    fn tensor_type(
+        &mut self,
+        tensor: &'p str,
+        user: &dyn Fn() -> String,
+    ) -> Result<(TensorType, bool), ImportError> {
         match self.strict_tensor_type(tensor, user) {
             Err(e @ (ImportError::UnsupportedDtype { .. } | ImportError::Dimension { .. }))
                 if self.lenient_types =>
@@ -562,7 +587,7 @@ impl<'p> Builder<'p> {
                 };
                 self.notes.count(
                     6,
-                    format!("tensor(s) with {why} (typed as opaque u8 scalars, read only by opaque ops)"),
+                    &format!("tensor(s) with {why} (typed as opaque u8 scalars, read only by opaque ops)"),
                 );
                 Ok((TensorType::new(DType::U8, vec![]), true))
             }
@@ -572,14 +597,14 @@ impl<'p> Builder<'p> {
 
     fn strict_tensor_type(
         &mut self,
-        tensor: &str,
-        user: &str,
+        tensor: &'p str,
+        user: &dyn Fn() -> String,
     ) -> Result<(TensorType, bool), ImportError> {
         let m = *self
             .meta
             .get(tensor)
             .ok_or_else(|| ImportError::MissingMetadata {
-                node: user.to_string(),
+                node: user(),
                 tensor: tensor.to_string(),
             })?;
         let (dtype, is_bool) =
@@ -587,45 +612,53 @@ impl<'p> Builder<'p> {
                 tensor: tensor.to_string(),
                 dtype,
             })?;
-        if m.sizes.len() > arfuse_ir::MAX_RANK {
+        let rank = m.sizes.len();
+        if rank > arfuse_ir::MAX_RANK {
             return Err(ImportError::Dimension {
                 tensor: tensor.to_string(),
-                dim: m.sizes.len() - 1,
+                dim: rank - 1,
                 message: format!(
                     "rank {} is above arfuse's limit of {}",
-                    m.sizes.len(),
+                    rank,
                     arfuse_ir::MAX_RANK
                 ),
             });
         }
-        let mut dims = Vec::with_capacity(m.sizes.len());
-        for (i, s) in m.sizes.iter().enumerate() {
-            let d = self.sym_dim(s).map_err(|message| ImportError::Dimension {
-                tensor: tensor.to_string(),
-                dim: i,
-                message,
-            })?;
+        let mut dims = Vec::with_capacity(rank);
+        for i in 0..rank {
+            let d = self
+                .sym_dim(m.sizes.get(i))
+                .map_err(|message| ImportError::Dimension {
+                    tensor: tensor.to_string(),
+                    dim: i,
+                    message,
+                })?;
             dims.push(d);
         }
         if is_bool {
-            self.notes.count(3, String::new());
+            self.notes.count(3, "");
         }
         Ok((TensorType::new(dtype, dims), is_bool))
     }
 
-    /// A `SymInt` (`{"as_int": n}` or `{"as_expr": {"expr_str": ...}}`) as a dimension.
-    fn sym_dim(&mut self, s: &Json) -> Result<Dim, String> {
-        if let Some(n) = s.get("as_int") {
-            return n
-                .as_u64()
-                .map(Dim::constant)
-                .ok_or_else(|| format!("size {n} is not a non-negative integer"));
+    /// A size as a dimension.
+    fn sym_dim(&mut self, s: Size<'p>) -> Result<Dim, String> {
+        let text = match s {
+            Size::Const(n) => return Ok(Dim::constant(n)),
+            Size::Bad(why) => return Err(why),
+            Size::Expr(text) => text,
+        };
+        if let Some(d) = self.dims.get(text) {
+            return Ok(d.clone());
         }
-        let text = s
-            .get("as_expr")
-            .and_then(|e| e.get("expr_str").or_else(|| e.as_str().map(|_| e)))
-            .and_then(Json::as_str)
-            .ok_or_else(|| format!("size {s} is neither {{\"as_int\"}} nor {{\"as_expr\"}}"))?;
+        let d = self.expr_dim(text)?;
+        self.dims.insert(text, d.clone());
+        Ok(d)
+    }
+
+    /// A size expression as a dimension: a monomial as itself (its symbols declared,
+    /// noted, when they have no range), anything else as a fresh symbol.
+    fn expr_dim(&mut self, text: &str) -> Result<Dim, String> {
         let expr = symbolic::parse(text)
             .map_err(|e| format!("cannot parse size expression {text:?}: {e}"))?;
         if let Some(d) = symbolic::as_monomial(&expr) {
@@ -675,29 +708,24 @@ impl<'p> Builder<'p> {
         Ok(Dim::symbol(name))
     }
 
-    fn build(mut self, p: &'p Program) -> Result<Imported, ImportError> {
-        let graph = &p.graph_module.graph;
-        let empty = schema::Signature::default();
-        let sig = p.graph_module.signature.as_ref().unwrap_or(&empty);
-        let mut kinds: HashMap<String, (InputKind, Option<String>)> = HashMap::new();
-        for spec in &sig.input_specs {
-            if let Some((name, fqn, kind)) = input_spec(spec) {
-                kinds.insert(name.to_string(), (kind, fqn.map(str::to_string)));
-            }
+    fn build(mut self) -> Result<Imported, ImportError> {
+        let src = self.src;
+        let mut kinds: HashMap<&str, (InputKind, Option<&str>)> = HashMap::new();
+        for &(name, fqn, kind) in &src.specs {
+            kinds.insert(name, (kind, fqn));
         }
-        for (i, a) in graph.inputs.iter().enumerate() {
+        for (i, a) in src.inputs.iter().enumerate() {
             let Some(name) = self.graph_tensor_name(a, "input", i) else {
                 continue;
             };
-            let loc = format!("graph input {name:?}");
-            let (ty, is_bool) = self.tensor_type(name, &loc)?;
+            let (ty, is_bool) = self.tensor_type(name, &|| format!("graph input {name:?}"))?;
             let (kind, fqn) = kinds
                 .get(name)
-                .cloned()
+                .copied()
                 .unwrap_or((InputKind::Activation, None));
             let module = fqn.and_then(|f| {
-                let owner = f.rsplit_once('.').map(|(o, _)| o.to_string())?;
-                self.strip_module(&owner)
+                let (owner, _) = f.rsplit_once('.')?;
+                self.strip_module(owner)
             });
             if self.tensors.contains_key(name) {
                 return Err(ImportError::malformed(
@@ -714,20 +742,21 @@ impl<'p> Builder<'p> {
                 module,
             })?;
             self.tensors.insert(
-                name.to_string(),
+                name,
                 Bound {
                     value: Value::new(n, 0),
                     is_bool,
                 },
             );
-            self.produced.insert(name.to_string(), Value::new(n, 0));
+            self.produced.push((name, Value::new(n, 0)));
         }
-        self.folds = self.find_folds(&graph.nodes.0);
-        for (i, node) in graph.nodes.0.iter().enumerate() {
-            self.node(i, node)?;
+        self.folds = self.find_folds();
+        let mut out_names = Vec::new();
+        for (i, node) in src.nodes.iter().enumerate() {
+            self.node(i, node, &mut out_names)?;
         }
         let mut outputs = Vec::new();
-        for (i, a) in graph.outputs.iter().enumerate() {
+        for (i, a) in src.outputs.iter().enumerate() {
             let Some(name) = self.graph_tensor_name(a, "output", i) else {
                 continue;
             };
@@ -743,89 +772,103 @@ impl<'p> Builder<'p> {
         self.g.set_outputs(outputs)?;
         self.g.validate().map_err(ImportError::Invalid)?;
         let mut imported = Imported::from_graph(self.g, self.notes.render());
-        imported.tensors = self.produced;
+        // A name bound twice (by one node listing it twice) keeps its later value.
+        let mut produced = self.produced;
+        produced.sort_by(|a, b| a.0.cmp(b.0));
+        let mut tensors: Vec<(String, Value)> = Vec::with_capacity(produced.len());
+        for (k, v) in produced {
+            match tensors.last_mut() {
+                Some(last) if last.0 == k => last.1 = v,
+                _ => tensors.push((k.to_string(), v)),
+            }
+        }
+        imported.tensors = tensors.into_iter().collect();
         Ok(imported)
     }
 
-    /// The tensor name of a graph input or output argument, or `None` (with a note)
-    /// when it is not a tensor.
-    fn graph_tensor_name<'j>(&mut self, a: &'j Json, what: &str, i: usize) -> Option<&'j str> {
-        let name = a
-            .get("as_tensor")
-            .and_then(|t| t.get("name"))
-            .and_then(Json::as_str);
-        if name.is_none() {
-            self.notes.line(format!(
-                "graph {what} {i} is not a tensor ({}); not imported",
-                truncate(&a.to_string(), 80)
-            ));
+    /// The tensor name of a graph input or output, or `None` (with a note) when it is
+    /// not a tensor.
+    fn graph_tensor_name(&mut self, a: &GraphValue<'p>, what: &str, i: usize) -> Option<&'p str> {
+        match *a {
+            GraphValue::Tensor(name) => Some(name),
+            GraphValue::Other(j) => {
+                self.notes.line(format!(
+                    "graph {what} {i} is not a tensor ({}); not imported",
+                    truncate(&j.to_string(), 80)
+                ));
+                None
+            }
         }
-        name
     }
 
     /// Imports one torch node: resolves its tensors, plans its lowering, adds the IR
     /// nodes and binds its outputs (and, for an in-place op, the tensor it mutates).
-    fn node(&mut self, i: usize, n: &'p RawNode) -> Result<(), ImportError> {
-        let target = short_target(&n.target);
-        let loc = node_loc(i, n);
+    /// `out_names` is scratch space.
+    fn node(
+        &mut self,
+        i: usize,
+        n: &NodeIn<'p>,
+        out_names: &mut Vec<&'p str>,
+    ) -> Result<(), ImportError> {
+        let target = short_target(n.target);
+        let loc = || node_loc(i, n);
         // Output tensor names, in order.
-        let mut out_names: Vec<&str> = Vec::new();
-        let mut other_outputs = 0usize;
-        for o in &n.outputs {
-            collect_output_tensors(o, &mut out_names, &mut other_outputs);
-        }
+        out_names.clear();
+        let other_outputs = n.outputs.names(out_names);
         if CHECK_TARGETS.contains(&target) {
-            self.notes.count(0, target.to_string());
-            for t in out_names {
-                self.dropped.insert(t.to_string());
-            }
+            self.notes.count(0, target);
+            self.dropped.extend(out_names.iter().copied());
             return Ok(());
         }
         if out_names.is_empty() && other_outputs > 0 && !looks_like_collective(target) {
-            self.notes.count(2, target.to_string());
+            self.notes.count(2, target);
             return Ok(());
         }
         let ins = self.node_inputs(n, &loc)?;
         let mut outs = Vec::with_capacity(out_names.len());
-        for t in &out_names {
-            if self.tensors.contains_key(*t) || self.dropped.contains(*t) {
+        for &t in out_names.iter() {
+            if self.tensors.contains_key(t) || self.dropped.contains(t) {
                 return Err(ImportError::malformed(
-                    loc,
+                    loc(),
                     format!("tensor {t:?} is produced twice"),
                 ));
             }
             outs.push(self.tensor_type(t, &loc)?);
         }
         let lowering = self.plan_node(i, target, n, &ins, &outs);
-        let made = self.apply(i, n, target, lowering, &out_names, &outs)?;
+        let made = self.apply(i, n, target, lowering, out_names, &outs)?;
         self.rebind_mutated(target, n, &made);
         Ok(())
     }
 
     /// The tensor arguments of `n`, resolved, in argument order.
-    fn node_inputs(&self, n: &RawNode, loc: &str) -> Result<Vec<Bound>, ImportError> {
+    fn node_inputs(
+        &self,
+        n: &NodeIn<'p>,
+        loc: &dyn Fn() -> String,
+    ) -> Result<Vec<Bound>, ImportError> {
         let mut ins: Vec<Bound> = Vec::new();
         let mut missing = None;
-        for a in &n.inputs {
-            for_each_tensor(&a.arg, &mut |t| {
+        for (_, a) in n.args {
+            a.each_tensor(&mut |t| {
                 if missing.is_some() {
                     return;
                 }
                 match self.tensors.get(t) {
                     Some(b) => ins.push(*b),
-                    None => missing = Some(t.to_string()),
+                    None => missing = Some(t),
                 }
             });
         }
         match missing {
             None => Ok(ins),
-            Some(t) if self.dropped.contains(&t) => Err(ImportError::MissingTensor {
-                node: loc.to_string(),
+            Some(t) if self.dropped.contains(t) => Err(ImportError::MissingTensor {
+                node: loc(),
                 tensor: format!("{t} (the output of a dropped check)"),
             }),
             Some(t) => Err(ImportError::MissingTensor {
-                node: loc.to_string(),
-                tensor: t,
+                node: loc(),
+                tensor: t.to_string(),
             }),
         }
     }
@@ -836,27 +879,28 @@ impl<'p> Builder<'p> {
         &mut self,
         i: usize,
         target: &str,
-        n: &RawNode,
+        n: &NodeIn<'p>,
         ins: &[Bound],
         outs: &[(TensorType, bool)],
     ) -> Lowering {
-        if let Some(sum_out) = self.folds.divisions.get(&i) {
+        if let Some(&sum_out) = self.folds.divisions.get(&i) {
             // Only when the sum did become a mean (it stays opaque if it failed to map).
             let mean = self
                 .tensors
                 .get(sum_out)
                 .filter(|b| matches!(self.g.node(b.value.node).op, Op::Mean { .. }));
             if let Some(b) = mean {
+                let value = b.value;
                 self.notes.count(
                     1,
-                    format!("{target} (a division of a sum by its element count, now a mean)"),
+                    &format!("{target} (a division of a sum by its element count, now a mean)"),
                 );
-                return Lowering::Forward(b.value);
+                return Lowering::Forward(value);
             }
         }
         let view = ops::NodeView {
             target,
-            args: &n.inputs,
+            args: n.args,
             ins,
             outs,
             g: &self.g,
@@ -873,14 +917,14 @@ impl<'p> Builder<'p> {
                 Err(why) => {
                     self.notes.count(
                         4,
-                        format!("{target} opaque: the mapped op does not type-check ({why})"),
+                        &format!("{target} opaque: the mapped op does not type-check ({why})"),
                     );
                     None
                 }
             },
             Err(why) => {
                 if let Some(why) = why {
-                    self.notes.count(4, format!("{target} opaque: {why}"));
+                    self.notes.count(4, &format!("{target} opaque: {why}"));
                 }
                 None
             }
@@ -889,15 +933,33 @@ impl<'p> Builder<'p> {
             if looks_like_collective(target) {
                 self.notes.count(
                     5,
-                    format!(
+                    &format!(
                         "{target}: looks like a collective but is not an all-reduce arfuse \
                          understands; kept opaque, so the sites it stands for may be missed \
                          (a framework's all-reduce can be named with --all-reduce-op NAME)"
                     ),
                 );
             }
-            Lowering::Nodes(vec![self.opaque(target, &n.inputs, ins, outs)])
+            Lowering::Nodes(vec![self.opaque(target, n.args, ins, outs)])
         })
+    }
+
+    /// The module path of a node, prefix removed.
+    fn module_of(&self, m: Module<'_>) -> Option<String> {
+        match m {
+            Module::None => None,
+            Module::Stack(s) => innermost_module(s).and_then(|m| self.strip_module(m)),
+            // The innermost entry of the stack `{m},{m},?`: `m` trimmed, unless `m`
+            // holds the stack's separators.
+            Module::Path(m) if m.contains([',', ';']) => {
+                let stack = format!("{m},{m},?");
+                innermost_module(&stack).and_then(|m| self.strip_module(m))
+            }
+            Module::Path(m) => {
+                let m = m.trim();
+                (!m.is_empty()).then(|| self.strip_module(m)).flatten()
+            }
+        }
     }
 
     /// Adds the planned nodes of torch node `i` and binds its output tensors; returns
@@ -905,39 +967,32 @@ impl<'p> Builder<'p> {
     fn apply(
         &mut self,
         i: usize,
-        n: &RawNode,
+        n: &NodeIn<'p>,
         target: &str,
         lowering: Lowering,
-        out_names: &[&str],
+        out_names: &[&'p str],
         outs: &[(TensorType, bool)],
     ) -> Result<Vec<Value>, ImportError> {
-        let module = n
-            .metadata
-            .get("nn_module_stack")
-            .and_then(Json::as_str)
-            .and_then(innermost_module)
-            .and_then(|m| self.strip_module(m));
-        let name = n
-            .name
-            .clone()
-            .or_else(|| out_names.first().map(|s| s.to_string()))
-            .unwrap_or_else(|| format!("{target}_{i}"));
         match lowering {
             Lowering::Forward(v) => {
                 let folded = self.folds.divisions.contains_key(&i)
                     && matches!(self.g.node(v.node).op, Op::Mean { .. });
                 if !folded {
-                    self.notes.count(1, target.to_string());
+                    self.notes.count(1, target);
                 }
                 let is_bool = outs.first().map(|o| o.1).unwrap_or(false);
-                if let Some(t) = out_names.first() {
-                    self.tensors
-                        .insert(t.to_string(), Bound { value: v, is_bool });
-                    self.produced.insert(t.to_string(), v);
+                if let Some(&t) = out_names.first() {
+                    self.tensors.insert(t, Bound { value: v, is_bool });
+                    self.produced.push((t, v));
                 }
                 Ok(vec![v])
             }
             Lowering::Nodes(nodes) => {
+                let module = self.module_of(n.module);
+                let name: Cow<'_, str> = match n.name.or_else(|| out_names.first().copied()) {
+                    Some(s) => Cow::Borrowed(s),
+                    None => Cow::Owned(format!("{target}_{i}")),
+                };
                 let mut made: Vec<NodeId> = Vec::with_capacity(nodes.len());
                 for pn in nodes {
                     let id = match pn.suffix {
@@ -965,16 +1020,16 @@ impl<'p> Builder<'p> {
                     return Ok(Vec::new());
                 };
                 let mut values = Vec::with_capacity(out_names.len());
-                for (j, t) in out_names.iter().enumerate() {
+                for (j, &t) in out_names.iter().enumerate() {
                     let value = Value::new(last, j as u32);
                     self.tensors.insert(
-                        t.to_string(),
+                        t,
                         Bound {
                             value,
                             is_bool: outs[j].1,
                         },
                     );
-                    self.produced.insert(t.to_string(), value);
+                    self.produced.push((t, value));
                     values.push(value);
                 }
                 Ok(values)
@@ -985,22 +1040,22 @@ impl<'p> Builder<'p> {
     /// After an in-place op, later readers of the tensors of its first argument read
     /// its outputs (torch's graphs run in order, so a mutation is seen by every node
     /// after it). Output `k` stands for the `k`-th mutated tensor when the types agree.
-    fn rebind_mutated(&mut self, target: &str, n: &RawNode, made: &[Value]) {
+    fn rebind_mutated(&mut self, target: &str, n: &NodeIn<'p>, made: &[Value]) {
         if !ops::mutates_first_argument(target) {
             return;
         }
-        let Some(first) = n.inputs.first() else {
+        let Some((_, first)) = n.args.first() else {
             return;
         };
-        let mut mutated: Vec<String> = Vec::new();
-        for_each_tensor(&first.arg, &mut |t| mutated.push(t.to_string()));
-        for (k, name) in mutated.iter().enumerate() {
+        let mut mutated: Vec<&'p str> = Vec::new();
+        first.each_tensor(&mut |t| mutated.push(t));
+        for (k, &name) in mutated.iter().enumerate() {
             let (Some(old), Some(&new)) = (self.tensors.get(name).copied(), made.get(k)) else {
                 continue;
             };
             if self.g.value_type(old.value) == self.g.value_type(new) {
                 self.tensors.insert(
-                    name.clone(),
+                    name,
                     Bound {
                         value: new,
                         is_bool: old.is_bool,
@@ -1076,14 +1131,14 @@ impl<'p> Builder<'p> {
     fn opaque(
         &self,
         target: &str,
-        args: &[NamedArg],
+        args: &[(String, Arg)],
         ins: &[Bound],
         outs: &[(TensorType, bool)],
     ) -> PNode {
         let mut attrs = serde_json::Map::new();
         let mut k = 0usize;
-        for a in args {
-            attrs.insert(a.name.clone(), self.render_arg(&a.arg, &mut k));
+        for (name, a) in args {
+            attrs.insert(name.clone(), self.render_arg(a, &mut k));
         }
         PNode {
             suffix: None,
@@ -1097,7 +1152,65 @@ impl<'p> Builder<'p> {
     }
 
     /// An argument as attribute JSON; tensors become `{"input": k}` in order.
-    fn render_arg(&self, a: &Json, k: &mut usize) -> Json {
+    fn render_arg(&self, a: &Arg, k: &mut usize) -> Json {
+        let mut tensor = || {
+            let j = json!({ "input": *k });
+            *k += 1;
+            j
+        };
+        match a {
+            Arg::Tensor(_) | Arg::OptionalTensor(Some(_)) => tensor(),
+            Arg::Tensors(l) => Json::Array(l.iter().map(|_| tensor()).collect()),
+            Arg::OptionalTensor(None) | Arg::None => Json::Null,
+            Arg::OptionalTensors(l) => Json::Array(
+                l.iter()
+                    .map(|t| if t.is_some() { tensor() } else { Json::Null })
+                    .collect(),
+            ),
+            Arg::Int(i) => Json::from(*i),
+            Arg::Float(f) if f.is_finite() => Json::from(*f),
+            Arg::Float(f) => Json::String(f.to_string()),
+            Arg::Bool(b) => Json::Bool(*b),
+            Arg::Str(s) => Json::String(s.clone()),
+            Arg::Ints(l) => Json::from(l.as_slice()),
+            Arg::Floats(l) => Json::Array(l.iter().map(|f| Json::from(*f)).collect()),
+            Arg::Bools(l) => Json::from(l.as_slice()),
+            Arg::Sym(s) => self.render_sym(s),
+            Arg::Syms(l) => Json::Array(l.iter().map(|s| self.render_sym(s)).collect()),
+            Arg::Dtype(c) => Json::String(scalar_type_name(*c)),
+            Arg::Other(j) => self.render_json_arg(j, k),
+        }
+    }
+
+    /// A symbolic int as a number or its size expression (`"s70"`, `"4*s70"`).
+    fn render_sym(&self, s: &SymInt) -> Json {
+        match s {
+            SymInt::Const(n) => Json::from(*n),
+            SymInt::Expr(text) => render_expr(text),
+            SymInt::Name { name } => self.render_sym_name(name),
+        }
+    }
+
+    /// A `sym_int_values` name as the size expression (or number) it holds, else as
+    /// itself.
+    fn render_sym_name(&self, name: &str) -> Json {
+        let expr = self
+            .sym_ints
+            .get(name)
+            .and_then(|s| s.get("as_expr"))
+            .and_then(|e| e.get("expr_str"))
+            .and_then(Json::as_str);
+        match expr {
+            Some(text) => render_expr(text),
+            None => match self.sym_ints.get(name).and_then(|s| s.get("as_int")) {
+                Some(i) => i.clone(),
+                None => Json::String(name.to_string()),
+            },
+        }
+    }
+
+    /// A schema argument ([`Arg::Other`]) as attribute JSON.
+    fn render_json_arg(&self, a: &Json, k: &mut usize) -> Json {
         let Some((kind, v)) = a.as_object().and_then(|o| o.iter().next()) else {
             return a.clone();
         };
@@ -1160,59 +1273,45 @@ impl<'p> Builder<'p> {
                     None => Json::String(ty.to_string()),
                 }
             }
-            "as_sym_int" => self.render_sym_int(v),
+            "as_sym_int" => self.render_json_sym_int(v),
             "as_sym_ints" => Json::Array(
                 v.as_array()
-                    .map(|l| l.iter().map(|x| self.render_sym_int(x)).collect())
+                    .map(|l| l.iter().map(|x| self.render_json_sym_int(x)).collect())
                     .unwrap_or_default(),
             ),
             _ => a.clone(),
         }
     }
 
-    /// A `SymIntArgument` (`{"as_name": n}` or `{"as_int": i}`) as a number or the
-    /// size expression it names (`"s70"`, `"4*s70"`).
-    fn render_sym_int(&self, v: &Json) -> Json {
+    /// A schema `SymIntArgument` (`{"as_name": n}` or `{"as_int": i}`) as a number or
+    /// the size expression it names.
+    fn render_json_sym_int(&self, v: &Json) -> Json {
         if let Some(i) = v.get("as_int") {
             return i.clone();
         }
-        let Some(name) = v.get("as_name").and_then(Json::as_str) else {
-            return v.clone();
-        };
-        let expr = self
-            .sym_ints
-            .get(name)
-            .and_then(|s| s.get("as_expr"))
-            .and_then(|e| e.get("expr_str"))
-            .and_then(Json::as_str);
-        match expr {
-            Some(text) => match symbolic::parse(text) {
-                Ok(e) => Json::String(symbolic::render(&e)),
-                Err(_) => Json::String(text.to_string()),
-            },
-            None => match self.sym_ints.get(name).and_then(|s| s.get("as_int")) {
-                Some(i) => i.clone(),
-                None => Json::String(name.to_string()),
-            },
+        match v.get("as_name").and_then(Json::as_str) {
+            Some(name) => self.render_sym_name(name),
+            None => v.clone(),
         }
     }
 }
 
-/// An optional argument that is absent or `None`.
-fn is_absent(a: Option<&Json>) -> bool {
-    a.map_or(true, |a| a.get("as_none").is_some())
+/// A size expression's text in the canonical form (as it is when it does not parse).
+fn render_expr(text: &str) -> Json {
+    match symbolic::parse(text) {
+        Ok(e) => Json::String(symbolic::render(&e)),
+        Err(_) => Json::String(text.to_string()),
+    }
 }
 
-/// The tensor name of an `as_tensor` argument or output.
-fn tensor_of(a: &Json) -> Option<&str> {
-    a.get("as_tensor")
-        .and_then(|t| t.get("name"))
-        .and_then(Json::as_str)
+/// An optional argument that is absent or `None`.
+fn is_absent(a: Option<&Arg>) -> bool {
+    a.map_or(true, Arg::is_none)
 }
 
 /// A node's argument by name.
-fn arg<'n>(n: &'n RawNode, name: &str) -> Option<&'n Json> {
-    n.inputs.iter().find(|a| a.name == name).map(|a| &a.arg)
+fn arg<'n>(args: &'n [(String, Arg)], name: &str) -> Option<&'n Arg> {
+    args.iter().find(|(n, _)| n == name).map(|(_, a)| a)
 }
 
 fn truncate(s: &str, n: usize) -> String {
@@ -1224,83 +1323,6 @@ fn truncate(s: &str, n: usize) -> String {
         cut -= 1;
     }
     format!("{}...", &s[..cut])
-}
-
-/// `(tensor name, parameter/buffer FQN, kind)` of one input spec.
-fn input_spec(spec: &Json) -> Option<(&str, Option<&str>, InputKind)> {
-    let (kind, body) = spec.as_object()?.iter().next()?;
-    fn arg_name(b: &Json) -> Option<&str> {
-        let arg = b.get("arg")?;
-        arg.get("name")
-            .or_else(|| arg.get("as_tensor").and_then(|t| t.get("name")))
-            .and_then(Json::as_str)
-    }
-    match kind.as_str() {
-        "parameter" => Some((
-            arg_name(body)?,
-            body.get("parameter_name").and_then(Json::as_str),
-            InputKind::Parameter,
-        )),
-        "buffer" => Some((
-            arg_name(body)?,
-            body.get("buffer_name").and_then(Json::as_str),
-            InputKind::Buffer,
-        )),
-        "tensor_constant" => Some((
-            arg_name(body)?,
-            body.get("tensor_constant_name").and_then(Json::as_str),
-            InputKind::Buffer,
-        )),
-        "user_input" => Some((arg_name(body)?, None, InputKind::Activation)),
-        _ => None,
-    }
-}
-
-/// Tensor names of a node output (`as_tensor`, `as_tensors`, `as_optional_tensors`);
-/// other outputs (symbolic ints, None) are counted in `other`.
-fn collect_output_tensors<'a>(o: &'a Json, names: &mut Vec<&'a str>, other: &mut usize) {
-    let name_of = |t: &'a Json| t.get("name").and_then(Json::as_str);
-    if let Some(t) = o.get("as_tensor") {
-        if let Some(n) = name_of(t) {
-            names.push(n);
-        }
-    } else if let Some(l) = o.get("as_tensors").and_then(Json::as_array) {
-        names.extend(l.iter().filter_map(name_of));
-    } else if let Some(l) = o.get("as_optional_tensors").and_then(Json::as_array) {
-        names.extend(
-            l.iter()
-                .filter_map(|x| x.get("as_tensor"))
-                .filter_map(name_of),
-        );
-    } else {
-        *other += 1;
-    }
-}
-
-/// Calls `f` with every tensor name an argument holds, in order.
-fn for_each_tensor(a: &Json, f: &mut dyn FnMut(&str)) {
-    let name_of = |t: &Json| t.get("name").and_then(Json::as_str).map(str::to_string);
-    if let Some(t) = a.get("as_tensor") {
-        if let Some(n) = name_of(t) {
-            f(&n);
-        }
-    } else if let Some(l) = a.get("as_tensors").and_then(Json::as_array) {
-        for t in l {
-            if let Some(n) = name_of(t) {
-                f(&n);
-            }
-        }
-    } else if let Some(t) = a.get("as_optional_tensor").and_then(|t| t.get("as_tensor")) {
-        if let Some(n) = name_of(t) {
-            f(&n);
-        }
-    } else if let Some(l) = a.get("as_optional_tensors").and_then(Json::as_array) {
-        for x in l {
-            if let Some(n) = x.get("as_tensor").and_then(name_of) {
-                f(&n);
-            }
-        }
-    }
 }
 
 #[cfg(test)]

@@ -14,19 +14,17 @@
 mod collective;
 mod promote;
 
+use super::arg::Arg;
 use super::{Bound, Lowering, PIn, PNode};
 use crate::ImportOptions;
 use arfuse_ir::{Graph, Op, TensorType, Value};
-use serde_json::Value as Json;
-
-use super::schema::NamedArg;
 
 /// One torch node as the mapper sees it.
 pub(super) struct NodeView<'a> {
     /// The target without `torch.ops.`.
     pub target: &'a str,
     /// The named arguments.
-    pub args: &'a [NamedArg],
+    pub args: &'a [(String, Arg)],
     /// Its tensor arguments, resolved, in argument order.
     pub ins: &'a [Bound],
     /// Its tensor outputs' types (and whether each is bool).
@@ -76,30 +74,24 @@ const VIEWS: &[&str] = &[
 ];
 
 impl NodeView<'_> {
-    fn arg(&self, name: &str) -> Option<&Json> {
-        self.args.iter().find(|a| a.name == name).map(|a| &a.arg)
+    fn arg(&self, name: &str) -> Option<&Arg> {
+        super::arg(self.args, name)
     }
 
-    /// The argument's tensor, if it holds exactly one (`as_tensor`, or a present
-    /// optional tensor).
+    /// The argument's tensor, if it holds exactly one (a tensor, or a present optional
+    /// tensor).
     fn tensor_arg(&self, name: &str) -> Option<Bound> {
         // `ins` holds the tensors of every argument, in argument order.
         let mut k = 0;
-        for a in self.args {
-            let n = tensors_in(&a.arg);
-            if a.name == name {
-                let single = a.arg.get("as_tensor").is_some()
-                    || a.arg
-                        .get("as_optional_tensor")
-                        .and_then(|o| o.get("as_tensor"))
-                        .is_some();
-                return if single {
+        for (n, a) in self.args {
+            if n == name {
+                return if a.is_single_tensor() {
                     self.ins.get(k).copied()
                 } else {
                     None
                 };
             }
-            k += n;
+            k += a.tensor_count();
         }
         None
     }
@@ -107,13 +99,13 @@ impl NodeView<'_> {
     /// The first tensor of list argument `name`.
     fn tensor_in_list(&self, name: &str) -> Option<Bound> {
         let mut k = 0;
-        for a in self.args {
-            if a.name == name {
-                return (tensors_in(&a.arg) > 0)
+        for (n, a) in self.args {
+            if n == name {
+                return (a.tensor_count() > 0)
                     .then(|| self.ins.get(k).copied())
                     .flatten();
             }
-            k += tensors_in(&a.arg);
+            k += a.tensor_count();
         }
         None
     }
@@ -133,37 +125,15 @@ impl NodeView<'_> {
     }
 }
 
-/// How many tensors an argument holds.
-fn tensors_in(a: &Json) -> usize {
-    if a.get("as_tensor").is_some() {
-        1
-    } else if let Some(l) = a.get("as_tensors").and_then(Json::as_array) {
-        l.len()
-    } else if a
-        .get("as_optional_tensor")
-        .and_then(|o| o.get("as_tensor"))
-        .is_some()
-    {
-        1
-    } else if let Some(l) = a.get("as_optional_tensors").and_then(Json::as_array) {
-        l.iter().filter(|x| x.get("as_tensor").is_some()).count()
-    } else {
-        0
-    }
+/// A Python number argument (an int or a float).
+fn scalar(a: &Arg) -> Option<f64> {
+    a.number()
 }
 
-/// A Python number argument (`as_int` or `as_float`).
-fn scalar(a: &Json) -> Option<f64> {
-    if let Some(i) = a.get("as_int").and_then(Json::as_i64) {
-        return Some(i as f64);
-    }
-    a.get("as_float").and_then(Json::as_f64)
-}
-
-fn is_none(a: Option<&Json>) -> bool {
+fn is_none(a: Option<&Arg>) -> bool {
     match a {
         None => true,
-        Some(a) => a.get("as_none").is_some(),
+        Some(a) => a.is_none(),
     }
 }
 
@@ -367,17 +337,21 @@ pub(super) fn mean_of_sum(v: &NodeView<'_>) -> Plan {
 /// The divisor a division by the element count of `sum` must use: the product of the
 /// reduced dims of the f32 input, when every one of them is a constant and the sum
 /// keeps f32 (`dtype` absent). `None` when a `sum` cannot become a `mean`.
-pub(super) fn sum_divisor(args: &[NamedArg], input: &TensorType, out: &TensorType) -> Option<u64> {
-    let arg = |n: &str| args.iter().find(|a| a.name == n).map(|a| &a.arg);
+pub(super) fn sum_divisor(
+    args: &[(String, Arg)],
+    input: &TensorType,
+    out: &TensorType,
+) -> Option<u64> {
+    let arg = |n: &str| super::arg(args, n);
     if input.dtype != arfuse_ir::DType::F32 || out.dtype != input.dtype || !is_none(arg("dtype")) {
         return None;
     }
-    let dims = arg("dim")?.get("as_ints")?.as_array()?;
+    let dims = arg("dim")?.ints()?;
     let rank = input.shape.rank() as i64;
     let mut n: u64 = 1;
     let mut seen = Vec::new();
     for d in dims {
-        let d = d.as_i64()?;
+        let d = d?;
         let k = if d < 0 { d + rank } else { d };
         if k < 0 || k >= rank || seen.contains(&k) {
             return None;
@@ -396,16 +370,12 @@ fn mean(v: &NodeView<'_>) -> Plan {
     }
     let dims: Vec<i64> = v
         .arg("dim")
-        .and_then(|a| a.get("as_ints"))
-        .and_then(Json::as_array)
-        .map(|l| l.iter().filter_map(Json::as_i64).collect())
+        .and_then(Arg::ints)
+        .map(|l| l.into_iter().flatten().collect())
         .ok_or_else(|| why("no dim list"))?;
     let keepdim = match v.arg("keepdim") {
         None => false,
-        Some(a) => a
-            .get("as_bool")
-            .and_then(Json::as_bool)
-            .ok_or_else(|| why("keepdim is not a bool"))?,
+        Some(a) => a.bool().ok_or_else(|| why("keepdim is not a bool"))?,
     };
     Ok(Lowering::Nodes(vec![node(
         Op::Mean { dims, keepdim },
@@ -497,7 +467,9 @@ fn rms_norm(v: &NodeView<'_>) -> Plan {
                 "no explicit eps (torch's default depends on the dtype)",
             ))
         }
-        Some(a) => scalar(a).ok_or_else(|| why(format!("eps is not a number: {a}")))?,
+        Some(a) => {
+            scalar(a).ok_or_else(|| why(format!("eps is not a number: {}", a.schema_json())))?
+        }
         None => {
             return Err(why(
                 "no explicit eps (torch's default depends on the dtype)",
@@ -509,11 +481,7 @@ fn rms_norm(v: &NodeView<'_>) -> Plan {
             "eps = {eps} is not an RMSNorm epsilon (finite, in (0, 1), non-zero in f32)"
         )));
     }
-    let shape_len = v
-        .arg("normalized_shape")
-        .and_then(|a| a.get("as_ints").or_else(|| a.get("as_sym_ints")))
-        .and_then(Json::as_array)
-        .map(Vec::len);
+    let shape_len = v.arg("normalized_shape").and_then(Arg::int_list_len);
     if shape_len != Some(1) {
         return Err(why("normalized_shape is not one dimension"));
     }

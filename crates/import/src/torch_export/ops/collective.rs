@@ -9,15 +9,13 @@ use super::{is_none, node, why, NodeView, Plan};
 use crate::torch_export::{Bound, Lowering, PIn};
 use crate::CustomAllReduce;
 use arfuse_ir::{Op, ReduceOp, TensorType};
-use serde_json::Value as Json;
+use std::borrow::Cow;
 
 /// c10d's `ReduceOp::SUM` code (`torch.distributed.ReduceOp.SUM`).
 const C10D_SUM: i64 = 0;
 
-fn string_arg<'a>(v: &'a NodeView<'_>, name: &str) -> Option<&'a str> {
-    v.arg(name)
-        .and_then(|a| a.get("as_string"))
-        .and_then(Json::as_str)
+fn string_arg<'a>(v: &'a NodeView<'_>, name: &str) -> Option<Cow<'a, str>> {
+    v.arg(name).and_then(|a| a.string())
 }
 
 /// The all-reduce node, once its input, group and output are known.
@@ -75,9 +73,9 @@ pub(in crate::torch_export) fn functional(v: &NodeView<'_>) -> Plan {
         .or_else(|| v.tensor_arg("self"))
         .ok_or_else(|| why("no tensor `input` argument"))?;
     let reduce = string_arg(v, "reduce_op").ok_or_else(|| why("no reduce_op string"))?;
-    require_sum(reduce)?;
+    require_sum(&reduce)?;
     let group = string_arg(v, "group_name").ok_or_else(|| why("no group_name string"))?;
-    all_reduce(v, x, group)
+    all_reduce(v, x, &group)
 }
 
 /// `c10d.allreduce_(tensors, process_group, reduce_op, sparse_indices, async_op,
@@ -90,15 +88,16 @@ pub(in crate::torch_export) fn c10d_inplace(v: &NodeView<'_>) -> Plan {
     if !is_none(v.arg("sparse_indices")) {
         return Err(why("a sparse all-reduce (sparse_indices given)"));
     }
-    match v.arg("reduce_op") {
-        Some(a) if a.get("as_int").and_then(Json::as_i64) == Some(C10D_SUM) => {}
-        Some(a) if a.get("as_string").and_then(Json::as_str).is_some() => {
-            require_sum(a["as_string"].as_str().unwrap_or_default())?;
+    let reduce = v.arg("reduce_op");
+    match reduce {
+        Some(a) if a.int() == Some(C10D_SUM) => {}
+        Some(a) if a.string().is_some() => {
+            require_sum(&a.string().unwrap_or_default())?;
         }
-        Some(a) if a.get("as_int").is_some() => {
+        Some(a) if a.int_text().is_some() => {
             return Err(why(format!(
                 "reduce op code {} (only sum, code {C10D_SUM}, is modelled)",
-                a["as_int"]
+                a.int_text().unwrap_or_default()
             )))
         }
         _ => {
@@ -111,23 +110,21 @@ pub(in crate::torch_export) fn c10d_inplace(v: &NodeView<'_>) -> Plan {
     }
     let group = v
         .arg("process_group")
-        .and_then(|a| a.get("as_custom_obj"))
-        .and_then(|o| o.get("name"))
-        .and_then(Json::as_str)
+        .and_then(|a| a.custom_obj_name())
+        .map(Cow::Borrowed)
         .or_else(|| string_arg(v, "process_group"))
         .ok_or_else(|| why("no process_group object or name"))?;
-    all_reduce(v, x, group)
+    all_reduce(v, x, &group)
 }
 
 /// The one tensor of list argument `name` (or the first tensor argument when there is
 /// no such argument).
 fn single_tensor_of(v: &NodeView<'_>, name: &str) -> Result<Bound, Option<String>> {
     if let Some(a) = v.arg(name) {
-        if let Some(l) = a.get("as_tensors").and_then(Json::as_array) {
-            if l.len() != 1 {
+        if let Some(len) = a.tensor_list_len() {
+            if len != 1 {
                 return Err(why(format!(
-                    "an all-reduce of {} tensors at once (coalesced)",
-                    l.len()
+                    "an all-reduce of {len} tensors at once (coalesced)"
                 )));
             }
             return v.tensor_in_list(name).ok_or_else(|| why("unknown input"));
@@ -146,15 +143,15 @@ fn single_tensor_of(v: &NodeView<'_>, name: &str) -> Result<Bound, Option<String
 /// group (the option's, else the op's `group_name` or `group` string argument). A
 /// string argument `reduce_op`, `op` or `reduce`, when present, must say `sum`.
 pub(in crate::torch_export) fn custom(v: &NodeView<'_>, c: &CustomAllReduce) -> Plan {
-    let first_list = v.args.first().map(|a| a.name.as_str()).unwrap_or("");
+    let first_list = v.args.first().map(|(n, _)| n.as_str()).unwrap_or("");
     let x = single_tensor_of(v, first_list)?;
     for name in ["reduce_op", "op", "reduce"] {
         if let Some(r) = string_arg(v, name) {
-            require_sum(r)?;
+            require_sum(&r)?;
         }
     }
     let group = match &c.group {
-        Some(g) => g.as_str(),
+        Some(g) => Cow::Borrowed(g.as_str()),
         None => string_arg(v, "group_name")
             .or_else(|| string_arg(v, "group"))
             .ok_or_else(|| {
@@ -165,5 +162,5 @@ pub(in crate::torch_export) fn custom(v: &NodeView<'_>, c: &CustomAllReduce) -> 
                 ))
             })?,
     };
-    all_reduce(v, x, group)
+    all_reduce(v, x, &group)
 }
