@@ -49,7 +49,7 @@ pub use ops::ARFUSE_QUANT_FP8_PER_TOKEN;
 use crate::{check_size, Format, ImportError, ImportOptions, Imported};
 use arfuse_ir::{
     looks_like_collective, DType, Dim, Graph, InputKind, Node, NodeId, Op, SymbolRange, TensorType,
-    Value, MAX_ID_LEN,
+    Value, MAX_ID_LEN, MAX_PORTS,
 };
 use arg::{Arg, SymInt, SymInts};
 use schema::{Converted, Header, Program};
@@ -249,6 +249,7 @@ struct Builder<'p> {
     notes: Notes,
     opts: &'p ImportOptions,
     folds: Folds<'p>,
+    scratch: Scratch,
     /// A tensor whose dtype or sizes cannot be read is typed as an opaque-only `u8`
     /// scalar (noted) instead of failing the import: the FX front end ([`fx`]).
     lenient_types: bool,
@@ -260,6 +261,47 @@ struct Builder<'p> {
 struct Folds<'p> {
     sums: HashSet<usize>,
     divisions: HashMap<usize, &'p str>,
+}
+
+/// The graph [`Builder::check`] type-checks planned nodes in: every lowering checked
+/// so far (validation of a node reads only its inputs' types and the symbols), and one
+/// input node per value of the real graph they read. Started over when it grows large.
+#[derive(Default)]
+struct Scratch {
+    g: Graph,
+    /// The input node standing for each value of the real graph.
+    inputs: HashMap<Value, Value>,
+}
+
+impl Scratch {
+    /// Nodes the scratch graph may hold before it is started over.
+    const MAX_NODES: usize = 1 << 16;
+}
+
+/// `prefix` and the decimal digits of `n` (`n12`), without the formatting machinery.
+fn numbered(prefix: char, mut n: usize) -> String {
+    let mut digits = [0u8; 20];
+    let mut k = digits.len();
+    loop {
+        k -= 1;
+        digits[k] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let mut s = String::with_capacity(1 + digits.len() - k);
+    s.push(prefix);
+    s.extend(digits[k..].iter().map(|&d| d as char));
+    s
+}
+
+/// A failed validation as a note's reason: its first problem.
+fn first_problem(p: arfuse_ir::Problems) -> String {
+    p.list
+        .first()
+        .map(|x| format!("{}: {}", x.kind, x.message))
+        .unwrap_or_default()
 }
 
 /// Location text for a node: `nodes[12] (linear_3)`.
@@ -450,6 +492,7 @@ impl<'p> Builder<'p> {
             notes,
             opts,
             folds: Folds::default(),
+            scratch: Scratch::default(),
             lenient_types: false,
         })
     }
@@ -710,6 +753,20 @@ impl<'p> Builder<'p> {
 
     fn build(mut self) -> Result<Imported, ImportError> {
         let src = self.src;
+        // Room for every input and one IR node per torch node (most are one), and for
+        // an edge per tensor argument; as much again in the scratch graph of `check`.
+        let nodes = src.inputs.len() + src.nodes.len();
+        let edges: usize = src
+            .nodes
+            .iter()
+            .flat_map(|n| n.args)
+            .map(|(_, a)| a.tensor_count())
+            .sum();
+        self.g.reserve(nodes, edges);
+        self.scratch.g.reserve(
+            (2 * src.nodes.len()).min(Scratch::MAX_NODES),
+            edges.min(Scratch::MAX_NODES),
+        );
         let mut kinds: HashMap<&str, (InputKind, Option<&str>)> = HashMap::new();
         for &(name, fqn, kind) in &src.specs {
             kinds.insert(name, (kind, fqn));
@@ -1065,13 +1122,89 @@ impl<'p> Builder<'p> {
         }
     }
 
-    /// Type-checks a lowering with the IR's own validator, on a scratch graph holding
-    /// just its inputs and nodes.
-    fn check(&self, l: &Lowering) -> Result<(), String> {
+    /// Type-checks a lowering with the IR's own validator: its nodes, and an input
+    /// node standing for each value they read, are added to the scratch graph
+    /// ([`Scratch`]) and validated alone (the answer is the first problem, as a
+    /// validation of a graph holding just those nodes would give it).
+    fn check(&mut self, l: &Lowering) -> Result<(), String> {
         let nodes = match l {
             Lowering::Forward(_) => return Ok(()),
             Lowering::Nodes(n) => n,
         };
+        if nodes
+            .iter()
+            .any(|pn| pn.inputs.len() > MAX_PORTS || pn.outputs.len() > MAX_PORTS)
+        {
+            // The graph's own error names the node: keep the scratch graph's ids.
+            return self.check_alone(nodes);
+        }
+        let s = &mut self.scratch;
+        if s.g.len() + 4 * nodes.len() > Scratch::MAX_NODES {
+            *s = Scratch::default();
+        }
+        if s.g.symbols().len() != self.g.symbols().len() {
+            // Symbols are only ever added.
+            for (name, r) in self.g.symbols() {
+                if !s.g.symbols().contains_key(name) {
+                    s.g.set_symbol(name.clone(), *r);
+                }
+            }
+        }
+        // The nodes to validate, in the order of the graph `check_alone` builds.
+        let mut order: Vec<NodeId> = Vec::with_capacity(2 * nodes.len() + 2);
+        let mut made: Vec<NodeId> = Vec::with_capacity(nodes.len());
+        for pn in nodes {
+            let mut inputs = Vec::with_capacity(pn.inputs.len());
+            for p in &pn.inputs {
+                match *p {
+                    PIn::Ext(v) => {
+                        let x = match s.inputs.get(&v) {
+                            Some(x) => *x,
+                            None => {
+                                let ty = self.g.value_type(v).cloned().ok_or("missing value")?;
+                                let id =
+                                    s.g.add_node(Node {
+                                        id: numbered('i', s.g.len()),
+                                        op: Op::Input {
+                                            kind: InputKind::Activation,
+                                        },
+                                        inputs: vec![],
+                                        outputs: vec![ty],
+                                        module: None,
+                                    })
+                                    .map_err(|e| e.to_string())?;
+                                s.inputs.insert(v, Value::new(id, 0));
+                                Value::new(id, 0)
+                            }
+                        };
+                        if !order.contains(&x.node) {
+                            order.push(x.node);
+                        }
+                        inputs.push(x);
+                    }
+                    PIn::Local(j) => {
+                        inputs.push(Value::new(*made.get(j).ok_or("bad local input")?, 0))
+                    }
+                }
+            }
+            let id =
+                s.g.add_node(Node {
+                    id: numbered('n', s.g.len()),
+                    op: pn.op.clone(),
+                    inputs,
+                    outputs: pn.outputs.clone(),
+                    module: None,
+                })
+                .map_err(|e| e.to_string())?;
+            made.push(id);
+            order.push(id);
+        }
+        s.g.validate_nodes(order).map_err(first_problem)
+    }
+
+    /// [`Builder::check`] on a graph of its own, holding just the lowering's inputs and
+    /// nodes.
+    fn check_alone(&self, nodes: &[PNode]) -> Result<(), String> {
         let mut g = Graph::new();
         for (name, r) in self.g.symbols() {
             g.set_symbol(name.clone(), *r);
@@ -1118,12 +1251,7 @@ impl<'p> Builder<'p> {
                 .map_err(|e| e.to_string())?;
             made.push(id);
         }
-        g.validate().map_err(|p| {
-            p.list
-                .first()
-                .map(|x| format!("{}: {}", x.kind, x.message))
-                .unwrap_or_default()
-        })
+        g.validate().map_err(first_problem)
     }
 
     /// The opaque node of a torch node: every argument in attrs, tensors as
@@ -1355,6 +1483,13 @@ mod tests {
         assert!(scalar_type(8).unwrap_err().contains("DOUBLE"));
         assert!(scalar_type(-3).is_err());
         assert_eq!(scalar_type_name(12), "bool");
+    }
+
+    #[test]
+    fn numbered_ids() {
+        assert_eq!(numbered('n', 0), "n0");
+        assert_eq!(numbered('i', 1234), "i1234");
+        assert_eq!(numbered('n', usize::MAX), format!("n{}", usize::MAX));
     }
 
     #[test]

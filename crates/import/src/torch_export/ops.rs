@@ -214,10 +214,11 @@ fn quant_fp8_per_token(v: &NodeView<'_>) -> Plan {
 /// ends in `_`, `aten.add_.Tensor`, `aten.copy_.default`, `c10d.allreduce_.default`;
 /// dunder names such as `__and__` do not).
 pub(super) fn mutates_first_argument(target: &str) -> bool {
-    let mut parts = target.split('.');
-    let (Some(_ns), Some(name)) = (parts.next(), parts.next()) else {
+    // The name: what follows the namespace, up to the overload.
+    let Some((_ns, rest)) = target.split_once('.') else {
         return false;
     };
+    let name = rest.split_once('.').map_or(rest, |(name, _)| name);
     name.ends_with('_') && !name.starts_with("__")
 }
 
