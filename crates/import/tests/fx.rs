@@ -39,17 +39,24 @@ fn two_layer_llama_imports() {
         .collect();
     assert_eq!(
         all_reduces,
-        ["all_reduce", "all_reduce_1", "all_reduce_2", "all_reduce_3", "all_reduce_4"]
-            .map(|id| (id, "0", ReduceOp::Sum))
+        [
+            "all_reduce",
+            "all_reduce_1",
+            "all_reduce_2",
+            "all_reduce_3",
+            "all_reduce_4"
+        ]
+        .map(|id| (id, "0", ReduceOp::Sum))
     );
     // Every FX all-reduce became an IR one: none is left opaque.
-    assert!(!imp
-        .opaque_targets
-        .iter()
-        .any(|t| t.contains("all_reduce")));
+    assert!(!imp.opaque_targets.iter().any(|t| t.contains("all_reduce")));
     let bf16_h = |g: &arfuse_ir::Graph, id: &str| {
         let n = g.node(g.find(id).unwrap());
-        (n.outputs[0].dtype, n.outputs[0].shape.to_string(), n.module.clone())
+        (
+            n.outputs[0].dtype,
+            n.outputs[0].shape.to_string(),
+            n.module.clone(),
+        )
     };
     assert_eq!(
         bf16_h(g, "all_reduce_1"),
@@ -115,7 +122,11 @@ fn untypable() -> FxGraph {
             opaque_node(
                 "b",
                 "a",
-                tensor("b", 13, vec![FxSize::Expr("s0 +* 2".into()), FxSize::Const(8)]),
+                tensor(
+                    "b",
+                    13,
+                    vec![FxSize::Expr("s0 +* 2".into()), FxSize::Const(8)],
+                ),
             ),
             opaque_node("c", "b", tensor("c", 13, x())),
         ],
@@ -194,7 +205,10 @@ fn untypable_tensors_are_errors_in_torch_export_files() {
 fn every_kind() -> Vec<(String, FxArg)> {
     [
         ("tensor", FxArg::Tensor("x".into())),
-        ("tensors", FxArg::tensors(vec![Some("x".into()), Some("x".into())])),
+        (
+            "tensors",
+            FxArg::tensors(vec![Some("x".into()), Some("x".into())]),
+        ),
         ("optional", FxArg::tensors(vec![Some("x".into()), None])),
         ("none", FxArg::None),
         ("int", FxArg::Int(-3)),
@@ -291,4 +305,31 @@ fn arguments_of_every_kind_render_into_opaque_attrs() {
             "other": { "as_other": "list" },
         })
     );
+}
+
+#[test]
+fn a_huge_count_of_values_that_are_not_tensors_allocates_nothing() {
+    // Only tensors are values arfuse keeps: a node of none is skipped, whatever the
+    // count of its other values (the JSON this form was once turned into held one
+    // entry per value, and a count near usize::MAX made it panic).
+    let mut fx = untypable();
+    fx.nodes.insert(
+        1,
+        FxNode {
+            name: "sym_size".into(),
+            target: "aten.sym_size.int".into(),
+            args: vec![
+                ("self".into(), FxArg::Tensor("a".into())),
+                ("dim".into(), FxArg::Int(0)),
+            ],
+            outputs: vec![],
+            other_outputs: usize::MAX,
+            module: None,
+        },
+    );
+    let imp = fx::import(&fx, &ImportOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(imp.graph.len(), 4);
+    assert!(imp
+        .notes
+        .contains(&"skipped 1 aten.sym_size.int node(s) computing symbolic sizes only".into()));
 }
