@@ -102,7 +102,11 @@ fn build(spec: &Spec) -> Graph {
         let (norm, h_val) = match residual {
             None => {
                 let n = b.add(
-                    Op::RmsNorm { eps, weight_bias },
+                    Op::RmsNorm {
+                        eps,
+                        weight_bias,
+                        norm_rounding: Default::default(),
+                    },
                     vec![ar, w],
                     vec![x_t.clone()],
                 );
@@ -111,7 +115,12 @@ fn build(spec: &Spec) -> Graph {
             Some(r) if s.fused_add_op => {
                 let (a, c) = if s.ar_first { (ar, r) } else { (r, ar) };
                 let n = b.add(
-                    Op::FusedAddRmsNorm { eps, weight_bias },
+                    Op::FusedAddRmsNorm {
+                        eps,
+                        weight_bias,
+                        norm_rounding: Default::default(),
+                        norm_input: Default::default(),
+                    },
                     vec![a, c, w],
                     vec![x_t.clone(), x_t.clone()],
                 );
@@ -121,7 +130,11 @@ fn build(spec: &Spec) -> Graph {
                 let (a, c) = if s.ar_first { (ar, r) } else { (r, ar) };
                 let sum = Value::new(b.add(Op::Add, vec![a, c], vec![x_t.clone()]), 0);
                 let n = b.add(
-                    Op::RmsNorm { eps, weight_bias },
+                    Op::RmsNorm {
+                        eps,
+                        weight_bias,
+                        norm_rounding: Default::default(),
+                    },
                     vec![sum, w],
                     vec![x_t.clone()],
                 );

@@ -242,6 +242,7 @@ fn api_built_hostile_values_are_refused() {
                 op: Op::RmsNorm {
                     eps,
                     weight_bias: 0.0,
+                    norm_rounding: Default::default(),
                 },
                 inputs: vec![Value::new(ar, 0), Value::new(w, 0)],
                 outputs: vec![t()],

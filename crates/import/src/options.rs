@@ -14,6 +14,11 @@ pub struct ImportOptions {
     /// custom op computes, so naming it here asserts that it sums its first tensor
     /// argument over the group's ranks and returns the result.
     pub all_reduce_ops: Vec<CustomAllReduce>,
+    /// Ops to keep opaque whatever the importer knows of them, each with the reason the
+    /// notes give: `(target, reason)`, the target matched as in
+    /// [`CustomAllReduce::matches`] (vLLM's CPU `_C.fused_add_rms_norm`, whose kernel
+    /// computes neither of the fused norm forms, for instance).
+    pub opaque_ops: Vec<(String, String)>,
 }
 
 impl ImportOptions {
@@ -21,6 +26,20 @@ impl ImportOptions {
     pub fn with_all_reduce_op(mut self, op: CustomAllReduce) -> Self {
         self.all_reduce_ops.push(op);
         self
+    }
+
+    /// With one more op kept opaque, for `reason`.
+    pub fn with_opaque_op(mut self, target: impl Into<String>, reason: impl Into<String>) -> Self {
+        self.opaque_ops.push((target.into(), reason.into()));
+        self
+    }
+
+    /// Why `target` (without `torch.ops.`) is to be kept opaque, if the options say so.
+    pub fn opaque_reason(&self, target: &str) -> Option<&str> {
+        self.opaque_ops
+            .iter()
+            .find(|(t, _)| CustomAllReduce::new(t.as_str()).matches(target))
+            .map(|(_, why)| why.as_str())
     }
 
     /// The custom all-reduce a target (without `torch.ops.`) names, if any.

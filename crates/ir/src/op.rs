@@ -439,21 +439,32 @@ pub enum Op {
     Rsqrt,
     /// Reshape or view to the declared output shape.
     Reshape,
-    /// RMSNorm over the last dim: `x * rsqrt(mean(x^2) + eps) * (weight + weight_bias)`.
+    /// RMSNorm over the last dim: `x * rsqrt(mean(x^2) + eps) * (weight + weight_bias)`,
+    /// rounded to the activation dtype as `norm_rounding` says (default `once`).
     RmsNorm {
         /// Epsilon (> 0).
         eps: f64,
         /// 0, or 1 for offset (Gemma-style) weights.
         #[serde(default)]
         weight_bias: f64,
+        /// Where the norm rounds to the activation dtype (omitted from JSON when `once`).
+        #[serde(default, skip_serializing_if = "NormRounding::is_once")]
+        norm_rounding: NormRounding,
     },
-    /// `h = x + residual; (rms_norm(h), h)`.
+    /// `h = round(x + residual); (rms_norm(h), h)`: the norm of `h`, or of the unrounded
+    /// f32 sum with `norm_input = f32_sum` (vLLM's native `fused_add_rms_norm`).
     FusedAddRmsNorm {
         /// Epsilon (> 0).
         eps: f64,
         /// 0, or 1 for offset weights.
         #[serde(default)]
         weight_bias: f64,
+        /// Where the norm rounds to the activation dtype (omitted from JSON when `once`).
+        #[serde(default, skip_serializing_if = "NormRounding::is_once")]
+        norm_rounding: NormRounding,
+        /// What the norm normalises (omitted from JSON when `residual`).
+        #[serde(default, skip_serializing_if = "NormInput::is_residual")]
+        norm_input: NormInput,
     },
     /// Static per-tensor FP8 quantisation.
     QuantFp8Static,
@@ -592,7 +603,8 @@ fn parse_op(name: &str, attrs: serde_json::Map<String, serde_json::Value>) -> Re
     serde_json::from_value(serde_json::Value::Object(obj)).map_err(|e| e.to_string())
 }
 
-/// `unknown attribute(s) "epss" for op "rms_norm"; its attributes are eps, weight_bias`.
+/// `unknown attribute(s) "epss" for op "rms_norm"; its attributes are eps, weight_bias,
+/// norm_rounding`.
 fn unknown_attrs_message(name: &str, unknown: &[&str], expected: &[&str]) -> String {
     let quoted: Vec<String> = unknown.iter().map(|k| format!("{k:?}")).collect();
     let known = if expected.is_empty() {
@@ -667,12 +679,13 @@ mod tests {
             |name: &str, v: serde_json::Value| Op::from_name_attrs(name, &obj(v)).unwrap_err();
         assert_eq!(
             err("rms_norm", json!({"epss": 1e-6})),
-            "unknown attribute \"epss\" for op \"rms_norm\"; its attributes are eps, weight_bias"
+            "unknown attribute \"epss\" for op \"rms_norm\"; its attributes are eps, weight_bias, \
+             norm_rounding"
         );
         assert_eq!(
             err("rms_norm", json!({"eps": 1e-6, "foo": 1, "bar": 2})),
             "unknown attributes \"bar\", \"foo\" for op \"rms_norm\"; its attributes are eps, \
-             weight_bias"
+             weight_bias, norm_rounding"
         );
         assert_eq!(
             err("add", json!({"alpha": 1})),
@@ -703,7 +716,8 @@ mod tests {
             op,
             Op::RmsNorm {
                 eps: 1e-6,
-                weight_bias: 0.0
+                weight_bias: 0.0,
+                norm_rounding: Default::default(),
             }
         );
         let err =

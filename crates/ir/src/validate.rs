@@ -592,7 +592,9 @@ impl<'a> Checker<'a> {
                     }
                 }
             }
-            Op::RmsNorm { eps, weight_bias } => {
+            Op::RmsNorm {
+                eps, weight_bias, ..
+            } => {
                 self.eps(*eps, *weight_bias);
                 if self.arity(&[2], 1) && self.float_input(0) {
                     let x = self.input(0);
@@ -602,7 +604,9 @@ impl<'a> Checker<'a> {
                     self.expect_output(0, x);
                 }
             }
-            Op::FusedAddRmsNorm { eps, weight_bias } => {
+            Op::FusedAddRmsNorm {
+                eps, weight_bias, ..
+            } => {
                 self.eps(*eps, *weight_bias);
                 if self.arity(&[3], 2) && self.float_input(0) {
                     let x = self.input(0);

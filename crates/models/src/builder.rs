@@ -254,6 +254,7 @@ impl<'a> Ctx<'a> {
                 let op = Op::RmsNorm {
                     eps: self.spec.eps,
                     weight_bias: self.weight_bias(),
+                    norm_rounding: Default::default(),
                 };
                 self.one(id, op, vec![x, w], self.act(h), &module)
             }
@@ -280,6 +281,8 @@ impl<'a> Ctx<'a> {
                 let op = Op::FusedAddRmsNorm {
                     eps: self.spec.eps,
                     weight_bias: self.weight_bias(),
+                    norm_rounding: Default::default(),
+                    norm_input: Default::default(),
                 };
                 let n = self.node(
                     id,

@@ -56,7 +56,9 @@ fn llama_8b_tp8_per_rank_shapes() {
         Some("model.layers.0.mlp.down_proj")
     );
     match node(&g, "layers.1.input_layernorm").op {
-        Op::FusedAddRmsNorm { eps, weight_bias } => assert_eq!((eps, weight_bias), (1e-5, 0.0)),
+        Op::FusedAddRmsNorm {
+            eps, weight_bias, ..
+        } => assert_eq!((eps, weight_bias), (1e-5, 0.0)),
         ref op => panic!("{}", op.name()),
     }
     // First layer: no residual; the embedding all-reduce is also layer 0's residual.
@@ -180,7 +182,9 @@ fn gemma3_sandwich_norms() {
         ["layers.0.post_attention_layernorm"]
     );
     match node(&g, "layers.0.post_attention_layernorm").op {
-        Op::RmsNorm { eps, weight_bias } => assert_eq!((eps, weight_bias), (1e-6, 1.0)),
+        Op::RmsNorm {
+            eps, weight_bias, ..
+        } => assert_eq!((eps, weight_bias), (1e-6, 1.0)),
         ref op => panic!("{}", op.name()),
     }
     // Weight parameter bf16, read as f32 (HF: 1 + w.float()).

@@ -252,16 +252,20 @@ mod compact {
 /// and splices the result back (`arfuse::splice`). Returns (report JSON, report table,
 /// splice JSON, import notes).
 #[pyfunction]
-#[pyo3(signature = (walked, target, group = None, all_reduce_ops = Vec::new()))]
+#[pyo3(signature = (walked, target, group = None, all_reduce_ops = Vec::new(), opaque_ops = Vec::new()))]
 pub fn _fx_lower_walked(
     py: Python<'_>,
     walked: &Bound<'_, PyAny>,
     target: &PyTarget,
     group: Option<String>,
     all_reduce_ops: Vec<String>,
+    opaque_ops: Vec<(String, String)>,
 ) -> PyResult<(String, String, String, Vec<String>)> {
     let fx = compact::graph(walked)?;
-    let opts = import_options(py, &all_reduce_ops)?;
+    let mut opts = import_options(py, &all_reduce_ops)?;
+    for (op, why) in opaque_ops {
+        opts = opts.with_opaque_op(op, why);
+    }
     let imported =
         arfuse::import::torch_export::fx::import(&fx, &opts).map_err(|e| load_error(py, &e))?;
     fx_finish(py, imported, target, group)

@@ -564,23 +564,47 @@ fn eval_node(
                 }])
             })
         }
-        Op::RmsNorm { eps, weight_bias } => per_rank(&|r| {
+        Op::RmsNorm {
+            eps,
+            weight_bias,
+            norm_rounding,
+        } => per_rank(&|r| {
             let (x, wt) = (&ins[0][r], &ins[1][r]);
             let fmt = float_of(x)?;
-            let y = contract::rms_norm(f32s(x)?, f32s(wt)?, *eps, *weight_bias, fmt)
-                .map_err(|er| er.to_string())?;
+            let y = contract::rms_norm_with(
+                f32s(x)?,
+                f32s(wt)?,
+                *eps,
+                *weight_bias,
+                *norm_rounding,
+                fmt,
+            )
+            .map_err(|er| er.to_string())?;
             Ok(vec![like(x, y)?])
         }),
-        Op::FusedAddRmsNorm { eps, weight_bias } => per_rank(&|r| {
+        Op::FusedAddRmsNorm {
+            eps,
+            weight_bias,
+            norm_rounding,
+            norm_input,
+        } => per_rank(&|r| {
             let (x, res, wt) = (&ins[0][r], &ins[1][r], &ins[2][r]);
             let fmt = float_of(x)?;
             if res.shape != x.shape || res.dtype != x.dtype {
                 return Err("residual differs from the input in shape or dtype".into());
             }
-            let h =
-                contract::residual_add(f32s(x)?, f32s(res)?, fmt).map_err(|er| er.to_string())?;
-            let y = contract::rms_norm(&h, f32s(wt)?, *eps, *weight_bias, fmt)
-                .map_err(|er| er.to_string())?;
+            let (h, norm_in) =
+                contract::residual_and_norm_input(f32s(x)?, Some(f32s(res)?), *norm_input, fmt)
+                    .map_err(|er| er.to_string())?;
+            let y = contract::rms_norm_with(
+                &norm_in,
+                f32s(wt)?,
+                *eps,
+                *weight_bias,
+                *norm_rounding,
+                fmt,
+            )
+            .map_err(|er| er.to_string())?;
             Ok(vec![like(x, y)?, like(x, h)?])
         }),
         Op::QuantFp8Static => {

@@ -327,6 +327,8 @@ fn max_nodes_graph() -> Graph {
             Op::FusedAddRmsNorm {
                 eps: 1e-6,
                 weight_bias: 0.0,
+                norm_rounding: Default::default(),
+                norm_input: Default::default(),
             },
             vec![Value::new(ar, 0), res, Value::new(w, 0)],
             vec![act(), act()],

@@ -9,7 +9,7 @@ use crate::lang::{Fx, Leaf, NormAttrs, QKind};
 use crate::uses::Uses;
 use arfuse_ir::op::is_wait_target as is_wait;
 use arfuse_ir::op::FusedQuant;
-use arfuse_ir::{DType, Graph, Node, NodeId, Op, Shape, Value};
+use arfuse_ir::{DType, Graph, Node, NodeId, NormInput, NormRounding, Op, Shape, Value};
 use egg::{EGraph, Id};
 
 /// The collectives of a graph, by node index, in graph order.
@@ -60,8 +60,17 @@ enum Form {
     Mean,
     Rsqrt,
     Reshape,
-    RmsNorm { eps: f64, bias: f64 },
-    FusedAddRmsNorm { eps: f64, bias: f64 },
+    RmsNorm {
+        eps: f64,
+        bias: f64,
+        twice: bool,
+    },
+    FusedAddRmsNorm {
+        eps: f64,
+        bias: f64,
+        twice: bool,
+        f32_sum: bool,
+    },
     Quant(QKind),
 }
 
@@ -103,16 +112,26 @@ fn form(g: &Graph, id: NodeId, n: &Node) -> Form {
         Op::Mean { dims, keepdim } if ins == 1 && *keepdim && is_last_dim(g, n, dims) => Form::Mean,
         Op::Rsqrt if ins == 1 => Form::Rsqrt,
         Op::Reshape if ins == 1 => Form::Reshape,
-        Op::RmsNorm { eps, weight_bias } if ins == 2 => Form::RmsNorm {
+        Op::RmsNorm {
+            eps,
+            weight_bias,
+            norm_rounding,
+        } if ins == 2 => Form::RmsNorm {
             eps: *eps,
             bias: *weight_bias,
+            twice: *norm_rounding == NormRounding::Twice,
         },
-        Op::FusedAddRmsNorm { eps, weight_bias } if ins == 3 && n.outputs.len() == 2 => {
-            Form::FusedAddRmsNorm {
-                eps: *eps,
-                bias: *weight_bias,
-            }
-        }
+        Op::FusedAddRmsNorm {
+            eps,
+            weight_bias,
+            norm_rounding,
+            norm_input,
+        } if ins == 3 && n.outputs.len() == 2 => Form::FusedAddRmsNorm {
+            eps: *eps,
+            bias: *weight_bias,
+            twice: *norm_rounding == NormRounding::Twice,
+            f32_sum: *norm_input == NormInput::F32Sum,
+        },
         _ => Form::Opaque,
     }
 }
@@ -293,8 +312,13 @@ fn enodes(eg: &mut FxGraph, idx: u32, n: &Node, form: Form, ins: [Id; 3]) -> ([I
                 ([q0, q0], 1)
             }
         }
-        Form::FusedAddRmsNorm { eps, bias } => {
-            let a = norm_leaf(eg, eps, bias);
+        Form::FusedAddRmsNorm {
+            eps,
+            bias,
+            twice,
+            f32_sum,
+        } => {
+            let a = norm_leaf(eg, eps, bias, twice, f32_sum);
             let a = eg.add(Fx::Leaf(a));
             let t = eg.add(Fx::FusedAddRmsNorm([a, x, ins[1], ins[2]]));
             ([get(eg, t, 0), get(eg, t, 1)], 2)
@@ -325,20 +349,20 @@ fn enodes(eg: &mut FxGraph, idx: u32, n: &Node, form: Form, ins: [Id; 3]) -> ([I
             let s = eg.add(Fx::Leaf(Leaf::Shape(s)));
             one(eg.add(Fx::Reshape([s, x])))
         }
-        Form::RmsNorm { eps, bias } => {
-            let a = norm_leaf(eg, eps, bias);
+        Form::RmsNorm { eps, bias, twice } => {
+            let a = norm_leaf(eg, eps, bias, twice, false);
             let a = eg.add(Fx::Leaf(a));
             one(eg.add(Fx::RmsNorm([a, x, ins[1]])))
         }
     }
 }
 
-fn norm_leaf(eg: &mut FxGraph, eps: f64, bias: f64) -> Leaf {
+fn norm_leaf(eg: &mut FxGraph, eps: f64, bias: f64, twice: bool, f32_sum: bool) -> Leaf {
     eg.analysis.attrs.norm_leaf(NormAttrs {
         eps: eps.to_bits(),
         bias: bias.to_bits(),
-        twice: false,
-        f32_sum: false,
+        twice,
+        f32_sum,
     })
 }
 

@@ -22,7 +22,7 @@
 //! let w = add("w", Op::Input { kind: InputKind::Parameter }, vec![], w_ty)?;
 //! let reduce = Op::AllReduce { group: "tp".into(), reduce: Default::default() };
 //! let ar = add("ar", reduce, vec![x], act())?;
-//! let norm = Op::RmsNorm { eps: 1e-6, weight_bias: 0.0 };
+//! let norm = Op::RmsNorm { eps: 1e-6, weight_bias: 0.0, norm_rounding: Default::default() };
 //! let y = add("norm", norm, vec![ar, w], act())?;
 //! g.set_outputs(vec![y])?;
 //!

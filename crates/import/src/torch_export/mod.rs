@@ -968,30 +968,33 @@ impl<'p> Builder<'p> {
         } else {
             ops::lower(&view)
         };
+        // An `auto_functionalized` node is named by the op it wraps in notes.
+        let wrapped = ops::wrapped_op_name(&view);
+        let label: &str = wrapped.as_deref().unwrap_or(target);
         let lowering = match planned {
             Ok(l) => match self.check(&l) {
                 Ok(()) => Some(l),
                 Err(why) => {
                     self.notes.count(
                         4,
-                        &format!("{target} opaque: the mapped op does not type-check ({why})"),
+                        &format!("{label} opaque: the mapped op does not type-check ({why})"),
                     );
                     None
                 }
             },
             Err(why) => {
                 if let Some(why) = why {
-                    self.notes.count(4, &format!("{target} opaque: {why}"));
+                    self.notes.count(4, &format!("{label} opaque: {why}"));
                 }
                 None
             }
         };
         lowering.unwrap_or_else(|| {
-            if looks_like_collective(target) {
+            if looks_like_collective(target) || wrapped.is_some() && looks_like_collective(label) {
                 self.notes.count(
                     5,
                     &format!(
-                        "{target}: looks like a collective but is not an all-reduce arfuse \
+                        "{label}: looks like a collective but is not an all-reduce arfuse \
                          understands; kept opaque, so the sites it stands for may be missed \
                          (a framework's all-reduce can be named with --all-reduce-op NAME)"
                     ),

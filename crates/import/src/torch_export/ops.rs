@@ -13,6 +13,7 @@
 
 mod collective;
 mod promote;
+mod vllm;
 
 use super::arg::Arg;
 use super::{Bound, Lowering, PIn, PNode};
@@ -153,6 +154,10 @@ fn node(op: Op, inputs: Vec<PIn>, outputs: Vec<TensorType>) -> PNode {
 /// Plans the IR nodes of one torch node.
 pub(super) fn lower(v: &NodeView<'_>) -> Plan {
     let t = v.target;
+    let inner = vllm::wrapped_op(v);
+    if let Some(reason) = v.opts.opaque_reason(inner.as_deref().unwrap_or(t)) {
+        return Err(why(reason));
+    }
     if let Some(c) = v.opts.custom_all_reduce(t) {
         return collective::custom(v, c);
     }
@@ -180,9 +185,21 @@ pub(super) fn lower(v: &NodeView<'_>) -> Plan {
         "aten.mm.default" | "aten.matmul.default" => matmul(v),
         "aten.embedding.default" => embedding(v),
         "aten.rms_norm.default" => rms_norm(v),
+        "higher_order.auto_functionalized" => vllm::auto_functionalized(v),
+        "vllm_ir.rms_norm.default" => vllm::ir_rms_norm(v),
+        "vllm_ir.fused_add_rms_norm.default" => vllm::ir_fused_add_rms_norm(v),
         ARFUSE_QUANT_FP8_PER_TOKEN => quant_fp8_per_token(v),
         _ => Err(None),
     }
+}
+
+/// `auto_functionalized(OP)` for a node that wraps OP (the name notes and warnings
+/// give it), or `None`.
+pub(super) fn wrapped_op_name(v: &NodeView<'_>) -> Option<String> {
+    if !v.target.starts_with("higher_order.auto_functionalized") {
+        return None;
+    }
+    vllm::wrapped_op(v).map(|op| format!("{}({op})", v.target))
 }
 
 /// arfuse's own dynamic per-token FP8 quant op, `torch.ops.arfuse.quant_fp8_per_token`
@@ -491,6 +508,7 @@ fn rms_norm(v: &NodeView<'_>) -> Plan {
         Op::RmsNorm {
             eps,
             weight_bias: 0.0,
+            norm_rounding: Default::default(),
         },
         vec![PIn::Ext(x.value), PIn::Ext(w.value)],
         vec![out.0.clone()],

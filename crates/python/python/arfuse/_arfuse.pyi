@@ -164,6 +164,7 @@ def _fx_lower_walked(
     target: Target,
     group: Optional[str] = None,
     all_reduce_ops: Sequence[str] = ...,
+    opaque_ops: Sequence[Tuple[str, str]] = ...,
 ) -> Tuple[str, str, str, List[str]]: ...
 def _fx_walked_json(walked: Any) -> str: ...
 def _fused_allreduce_rms_norm_cpu(

@@ -36,7 +36,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from . import _arfuse, fx
 from ._api import Report
 
-__all__ = ["FusionPass", "fused_allreduce_rms_norm", "quant_fp8_per_token"]
+__all__ = ["FusionPass", "fused_allreduce_rms_norm", "quant_fp8_per_token", "register_group_resolver"]
 
 # The fused op's outputs, in order (the IR's output names).
 OUTPUTS = ("norm", "residual", "quant", "scale")
@@ -78,6 +78,28 @@ def _check_quant(quant: str) -> None:
         raise ValueError(f"arfuse: quant {quant!r} is not one of {CPU_QUANT_KINDS}")
 
 
+_GROUP_RESOLVERS: List[Any] = []
+
+
+def register_group_resolver(resolver) -> None:
+    """Adds `resolver(group_name) -> ProcessGroup | None`, asked (newest first) for the
+    process group of a fused op's `group_name` before torch.distributed's own group
+    names: an engine whose graphs name its own groups (vLLM's `tp:0`) registers one
+    (`arfuse.vllm` does). Registering the same resolver twice keeps one."""
+    if resolver not in _GROUP_RESOLVERS:
+        _GROUP_RESOLVERS.insert(0, resolver)
+
+
+def _process_group(group_name: str):
+    for resolve in _GROUP_RESOLVERS:
+        pg = resolve(group_name)
+        if pg is not None:
+            return pg
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
 def _gather_ranks(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Every rank's `x`, in rank order: `[world, *x.shape]` (a one-rank group needs no
     collective)."""
@@ -86,9 +108,7 @@ def _gather_ranks(x: torch.Tensor, group_name: str) -> torch.Tensor:
             f"arfuse.fused_allreduce_rms_norm: process group {group_name!r} needs an "
             "initialised torch.distributed"
         )
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    pg = _resolve_process_group(group_name)
+    pg = _process_group(group_name)
     world = dist.get_world_size(pg)
     out = torch.empty((world,) + tuple(x.shape), dtype=x.dtype)
     if world == 1:
@@ -220,7 +240,8 @@ class FusionPass(CustomGraphPass):
     FusionPass(target)`.
 
     On each post-grad graph it imports the graph, lowers it for `target` (`group`,
-    `all_reduce_ops` as for `arfuse.lower`) and replaces each fused site by one call of
+    `all_reduce_ops` as for `arfuse.lower`; `opaque_ops`: `(op, reason)` pairs the
+    importer keeps opaque, with the reason in the report's notes) and replaces each fused site by one call of
     `torch.ops.arfuse.fused_allreduce_rms_norm`; `reports` holds one `Report` per graph
     it ran on (a graph served from inductor's FX graph cache is not passed again).
     `on_error`: `"raise"` (default) raises the error, failing the compilation; `"skip"`
@@ -242,6 +263,7 @@ class FusionPass(CustomGraphPass):
         *,
         group: Optional[str] = None,
         all_reduce_ops: Iterable[str] = (),
+        opaque_ops: Iterable[Tuple[str, str]] = (),
         on_error: str = "raise",
     ) -> None:
         if not isinstance(target, _arfuse.Target):
@@ -251,6 +273,7 @@ class FusionPass(CustomGraphPass):
         self.target = target
         self.group = group
         self.all_reduce_ops: List[str] = list(all_reduce_ops)
+        self.opaque_ops: List[Tuple[str, str]] = [tuple(o) for o in opaque_ops]
         self.on_error = on_error
         self.reports: List[Report] = []
         self.errors: List[BaseException] = []
@@ -270,16 +293,25 @@ class FusionPass(CustomGraphPass):
             type(self).__module__ + "." + type(self).__qualname__,
             _arfuse.__version__,
             _sources_digest(),
-            self.target.to_toml(),
+            self._target_key(),
             json.dumps(self._options(), sort_keys=True),
         ):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()
 
+    def _target_key(self) -> str:
+        """The target's part of `uuid`."""
+        return self.target.to_toml()
+
     def _options(self) -> Dict[str, Any]:
         """The options that change what the pass does (part of `uuid`)."""
-        return {"group": self.group, "all_reduce_ops": self.all_reduce_ops, "on_error": self.on_error}
+        return {
+            "group": self.group,
+            "all_reduce_ops": self.all_reduce_ops,
+            "opaque_ops": self.opaque_ops,
+            "on_error": self.on_error,
+        }
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         try:
@@ -301,7 +333,7 @@ class FusionPass(CustomGraphPass):
         the graph unchanged (every site is planned before the graph is touched)."""
         walked = fx.walk(graph)
         report_json, table, splice_json, _notes = _arfuse._fx_lower_walked(
-            walked, self.target, self.group, self.all_reduce_ops
+            walked, self.target, self.group, self.all_reduce_ops, self.opaque_ops
         )
         report = Report(json.loads(report_json), table)
         left = apply_splice(graph, json.loads(splice_json))
@@ -330,9 +362,9 @@ def _view_sizes(v: torch.fx.Node) -> Any:
 class _Planned:
     """One site, resolved against the graph before anything changes."""
 
-    __slots__ = ("site", "args", "call_args", "anchor", "ports", "x")
+    __slots__ = ("site", "args", "call_args", "anchor", "ports", "x", "all_reduce")
 
-    def __init__(self, site, args, call_args, anchor, ports, x) -> None:
+    def __init__(self, site, args, call_args, anchor, ports, x, all_reduce) -> None:
         self.site = site
         # Per fused input: an FX node, or (earlier site index, output index).
         self.args = args
@@ -342,6 +374,9 @@ class _Planned:
         # Per written output: (replaced nodes, [(view node, sizes)]).
         self.ports = ports
         self.x = x
+        # The FX nodes holding the all-reduce's value (the node, or the getitem
+        # reading it from a tuple): the splice erases them.
+        self.all_reduce = all_reduce
 
 
 def apply_splice(graph: torch.fx.Graph, splice: Dict[str, Any]) -> List[str]:
@@ -364,7 +399,12 @@ def apply_splice(graph: torch.fx.Graph, splice: Dict[str, Any]) -> List[str]:
             planned.append(None)
             left.append(f"{site['fused_node']} left unfused: {e}")
     removed = set(splice["removed"])
-    vals = _Vals(graph, removed) if any(p is not None for p in planned) else None
+    vals = None
+    if any(p is not None for p in planned):
+        # Every erased node may lend its value when every site is spliced (a skipped
+        # site keeps its chain, whose nodes are then not erased).
+        pool = [nodes[name] for name in removed if name in nodes] if all(planned) and not left else []
+        vals = _Vals(graph, removed, pool)
     outs: List[Optional[List[torch.fx.Node]]] = []
     tail: Dict[torch.fx.Node, torch.fx.Node] = {}
     for p in planned:
@@ -394,36 +434,66 @@ def _fake_empty(mode, shape, dtype, device) -> torch.Tensor:
 
 class _Vals:
     """The FakeTensor values (`meta["val"]`) of the fused calls of one graph, made
-    without running the op under the fake mode for every site (a fake dispatch with
-    symbolic sizes costs about half a millisecond): an output that replaces a node the
-    splice erases takes that node's value (the same tensor, which no node keeps); any
-    other one is made under the graph's fake mode; the unwritten quant outputs of
-    every site share one empty pair (nothing reads them)."""
+    without a fake tensor per output where it can (one with symbolic sizes takes up to a
+    millisecond to make): an output takes the value of a node the splice erases (the
+    node it replaces, the all-reduce, or, when every site is spliced, any erased node of
+    its type), each value lent once, so that no two live nodes share a tensor; any other
+    output is made (`_fake_empty`); the unwritten quant outputs of every site share one
+    empty pair (nothing reads them)."""
 
-    def __init__(self, graph: torch.fx.Graph, removed: set) -> None:
+    def __init__(self, graph: torch.fx.Graph, removed: set, pool: List[torch.fx.Node]) -> None:
         self.mode = _fake_mode(graph)
         self.removed = removed
         self._empty: Dict[Any, Tuple[torch.Tensor, torch.Tensor]] = {}
+        # Values of erased nodes by (sizes, dtype), each lent once.
+        self._pool: Dict[Tuple[Any, Any], List[torch.Tensor]] = {}
+        for n in pool:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                self._pool.setdefault((tuple(fx._sizes(v)), v.dtype), []).append(v)
+        self._used: set = set()
 
-    def for_site(self, x: torch.fx.Node, quant: str, ports) -> Tuple[torch.Tensor, ...]:
-        xv = x.meta["val"]
+    def _donor(self, n: torch.fx.Node, xv: torch.Tensor, same_dtype: bool) -> Optional[torch.Tensor]:
+        """`n`'s value when the splice erases `n`, no site took it yet, and it has x's
+        sizes (and dtype)."""
+        v = n.meta.get("val")
+        if (
+            n.name in self.removed
+            and isinstance(v, torch.Tensor)
+            and id(v) not in self._used
+            and (not same_dtype or v.dtype == xv.dtype)
+            # Compared as text: comparing symbolic sizes would add guards.
+            and fx._sizes(v) == fx._sizes(xv)
+        ):
+            self._used.add(id(v))
+            return v
+        return None
+
+    def _lend(self, xv: torch.Tensor) -> Optional[torch.Tensor]:
+        bucket = self._pool.get((tuple(fx._sizes(xv)), xv.dtype), [])
+        while bucket:
+            v = bucket.pop()
+            if id(v) not in self._used:
+                self._used.add(id(v))
+                return v
+        return None
+
+    def for_site(self, p: "_Planned", quant: str) -> Tuple[torch.Tensor, ...]:
+        xv = p.x.meta["val"]
         got: Dict[str, torch.Tensor] = {}
-        for output, replaced, _ in ports:
+        for output, replaced, _ in p.ports:
             for n in replaced:
-                v = n.meta.get("val")
-                if (
-                    n.name in self.removed
-                    and isinstance(v, torch.Tensor)
-                    and (output not in ("norm", "residual") or v.dtype == xv.dtype)
-                    # Compared as text: comparing symbolic sizes would add guards.
-                    and fx._sizes(v) == fx._sizes(xv)
-                ):
+                v = self._donor(n, xv, output in ("norm", "residual"))
+                if v is not None:
                     got[output] = v
                     break
+        # The all-reduce's value has x's type: it stands in for norm or residual.
+        spare = [v for v in (self._donor(n, xv, True) for n in p.all_reduce) if v is not None]
         shape, dtype, device = tuple(xv.shape), xv.dtype, xv.device
         for name in ("norm", "residual"):
             if name not in got:
-                got[name] = _fake_empty(self.mode, shape, dtype, device)
+                v = spare.pop() if spare else self._lend(xv)
+                got[name] = v if v is not None else _fake_empty(self.mode, shape, dtype, device)
         if quant == "none":
             if device not in self._empty:
                 self._empty[device] = (
@@ -491,7 +561,9 @@ def _plan_site(
         replaced = [nodes[name] for name in port["replaces"]]
         views = [(nodes[name], _view_sizes(nodes[name])) for name in port["views"]]
         ports.append((port["output"], replaced, views))
-    return _Planned(site, args, call_args, anchor, ports, x)
+    ar = nodes.get(site["all_reduce"])
+    all_reduce = [] if ar is None else [ar] + [u for u in ar.users if u.target is operator.getitem]
+    return _Planned(site, args, call_args, anchor, ports, x, all_reduce)
 
 
 def _insert_site(
@@ -518,7 +590,7 @@ def _insert_site(
     group, eps, weight_bias, twice, f32_sum, quant = p.call_args
     call_args = (x, res, weight, group, eps, weight_bias, twice, f32_sum, quant)
     op = torch.ops.arfuse.fused_allreduce_rms_norm.default
-    vals = site_vals.for_site(x, quant, p.ports)
+    vals = site_vals.for_site(p, quant)
     after = tail.get(p.anchor, p.anchor)
     with graph.inserting_after(after):
         call = graph.call_function(op, call_args)

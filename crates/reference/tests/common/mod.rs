@@ -104,7 +104,16 @@ impl Builder {
 
     pub fn rms_norm(&mut self, id: &str, x: Value, w: Value, eps: f64, weight_bias: f64) -> Value {
         let t = self.ty(x);
-        self.node(id, Op::RmsNorm { eps, weight_bias }, vec![x, w], vec![t])
+        self.node(
+            id,
+            Op::RmsNorm {
+                eps,
+                weight_bias,
+                norm_rounding: Default::default(),
+            },
+            vec![x, w],
+            vec![t],
+        )
     }
 
     pub fn set_outputs(&mut self, outs: Vec<Value>) {
@@ -314,6 +323,8 @@ pub fn build_stack(s: &Stack, t_max: u64, fused: bool) -> Graph {
                         Op::FusedAddRmsNorm {
                             eps: site.eps,
                             weight_bias: wb,
+                            norm_rounding: Default::default(),
+                            norm_input: Default::default(),
                         },
                         vec![a, r, w],
                         vec![act.clone(), act.clone()],

@@ -174,6 +174,7 @@ impl B {
             Op::RmsNorm {
                 eps,
                 weight_bias: bias,
+                norm_rounding: Default::default(),
             },
             &[x, w],
             vec![t],
@@ -195,6 +196,8 @@ impl B {
             Op::FusedAddRmsNorm {
                 eps,
                 weight_bias: bias,
+                norm_rounding: Default::default(),
+                norm_input: Default::default(),
             },
             &[x, r, w],
             vec![t.clone(), t],
