@@ -1,0 +1,123 @@
+"""The pass's FX front end (arfuse.fx.walk) on graphs with what real engines put in them,
+and the guarantee of `on_error="skip"`: whatever fails, the graph is left as it was and
+nothing reaches the compiler."""
+
+import operator
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import arfuse  # noqa: E402
+import arfuse.torch as at  # noqa: E402
+from arfuse import fx  # noqa: E402
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
+
+    def forward(self, x, res):
+        y = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "tp"))
+        h = y + res
+        hf = h.to(torch.float32)
+        n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * n.to(torch.bfloat16), h
+
+
+class ScriptObjectStandIn:
+    """What a FakeScriptObject is to the walk: a graph input that is no tensor."""
+
+
+def script_op(handle, x):
+    """An op arfuse does not know: a script object and a tensor in, a tuple out."""
+    return None, x
+
+
+def side_effect(x):
+    """An op with no output."""
+    return None
+
+
+def engine_graph():
+    """The Block's graph with an engine's extras around the chain: a script-object input,
+    an unknown op returning (None, tensor) read through getitem, an op with no output,
+    and a symbolic size read by an op (torch.export's graph has a symbolic token dim)."""
+    t = torch.export.Dim("t", min=2, max=64)
+    ep = torch.export.export(
+        Block(),
+        (torch.zeros(4, 256, dtype=torch.bfloat16), torch.zeros(4, 256, dtype=torch.bfloat16)),
+        dynamic_shapes=({0: t}, {0: t}),
+    )
+    gm = ep.graph_module
+    g = gm.graph
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    x = placeholders[1]  # after the weight parameter
+    with g.inserting_after(placeholders[-1]):
+        obj = g.placeholder("handle")
+    obj.meta["val"] = ScriptObjectStandIn()
+    with g.inserting_after(obj):
+        call = g.call_function(script_op, (obj, x))
+        call.meta["val"] = (None, x.meta["val"])
+    with g.inserting_after(call):
+        item = g.call_function(operator.getitem, (call, 1))
+        item.meta["val"] = x.meta["val"]
+    with g.inserting_after(item):
+        nothing = g.call_function(side_effect, (item,))
+        nothing.meta["val"] = None
+    out = g.output_node()
+    out.args = (tuple(out.args[0]) + (item,),)
+    return gm
+
+
+def test_engine_extras_are_opaque_and_the_chain_still_fuses():
+    gm = engine_graph()
+    walked = fx.walk(gm.graph)
+    assert "test_fx_front_end.script_op" in walked.targets
+    i = walked.targets.index("test_fx_front_end.script_op")
+    # The script object is no tensor input (a Python function has no schema: its
+    # arguments are arg0, arg1, ...); the tuple's tensor is named by its getitem.
+    assert walked.args[i][0] == ("arg0", fx.K_OTHER, "ScriptObjectStandIn")
+    assert [o[0] for o in walked.outputs[i][0]] == ["getitem"] and walked.outputs[i][1] == 1
+    p = at.FusionPass(arfuse.Target.preset("h200-sxm-x2"), group="tp", on_error="raise")
+    p(gm.graph)
+    gm.graph.lint()
+    code = gm.graph.python_code("self").src
+    assert code.count("torch.ops.arfuse.fused_allreduce_rms_norm.default(") == 1
+    assert "all_reduce" not in code.replace("fused_allreduce", "")
+    assert p.reports[0]["all_reduces_fused"] == 1 and not p.errors
+
+
+@pytest.mark.parametrize("where", ["walk", "lower", "splice"])
+def test_skip_leaves_the_graph_unchanged_and_raises_nothing(where, monkeypatch):
+    gm = engine_graph()
+    before = gm.graph.python_code("self").src
+
+    def boom(*a, **k):
+        raise AssertionError(f"injected failure in {where}")
+
+    target = {"walk": (fx, "walk"), "lower": (at._arfuse, "_fx_lower_walked"), "splice": (at, "_plan_site")}[where]
+    monkeypatch.setattr(*target, boom)
+    p = at.FusionPass(arfuse.Target.preset("h200-sxm-x2"), group="tp", on_error="skip")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p(gm.graph)
+        p(gm.graph)
+    # Recorded, warned about once, the graph as it was (a failure while planning the
+    # splice comes before the graph is touched).
+    assert [type(e) for e in p.errors] == [AssertionError, AssertionError] and not p.reports
+    assert len([w for w in caught if "arfuse" in str(w.message)]) == 1
+    assert gm.graph.python_code("self").src == before
+    with pytest.raises(AssertionError):
+        at.FusionPass(arfuse.Target.preset("h200-sxm-x2"), group="tp")(gm.graph)
+
+
+def test_the_pass_pickles_and_keeps_its_uuid():
+    import pickle
+
+    p = at.FusionPass(arfuse.Target.preset("b200-x4"), group="tp", all_reduce_ops=["vllm.all_reduce"])
+    q = pickle.loads(pickle.dumps(p))
+    assert q.uuid() == p.uuid() and q.target.to_toml() == p.target.to_toml()
+    assert at.FusionPass(arfuse.Target.preset("b200-x2"), group="tp").uuid() != p.uuid()
