@@ -1,5 +1,5 @@
 //! The Rust part of `arfuse.torch.FusionPass` on one FX graph in the compact form
-//! (`arfuse._arfuse._fx_walked_json`, gzip or plain): import, lower and splice, each
+//! (`arfuse._arfuse._fx_graph_json`, gzip or plain): import, lower and splice, each
 //! timed, the first call (what one compilation pays) and the median of warm calls.
 //!
 //!     cargo run --release --example fx_pass_cost -- GRAPH.fx.json[.gz] [PRESET] [RUNS]

@@ -27,7 +27,8 @@
 //   h   = round_T(float(a) + float(residual))     -> residual_out
 //   n   = float(h), or with p.norm_f32_sum the unrounded float(a) + float(residual)
 //         (the contract's NormInput::F32Sum, vLLM's native fused_add_rms_norm); the
-//         lines below read n where they say h
+//         lines below read n where they say h. For f32 T the two are the same value,
+//         and f32 builds compile only the first (the second spilled on sm_100a)
 //   r   = 1.0f / sqrtf(sum_i(float(h_i)^2) / H + eps)   sum in fp32 in the block
 //         tree of arf_block_sum over blockDim = arfuse_block_threads(H, e) threads
 //         (the contract's SumOrder::KernelTree): it depends on H and e only, never
@@ -523,7 +524,8 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
       arf_unpack(arf_ld(res_in + row + (u64)idx * 16u), rf);
 #pragma unroll
       for (int i = 0; i < ARF_VEC; ++i) af[i] = af[i] + rf[i];
-#if ARF_NORM
+#if ARF_NORM && ARF_DTYPE != 2
+      // For f32 T, rounding the f32 sum is the identity: both norm inputs are one path.
       if (p.norm_f32_sum) {
         // The norm reads the unrounded sum: a[v] keeps the all-reduce output, and the
         // second pass adds the residual again (and only then writes residual_out, so
@@ -553,7 +555,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
     if (v < vpt && idx < nvec) {
       float hf[ARF_VEC], gf[ARF_VEC];
       arf_unpack(a[v], hf);
-#if ARF_RESIDUAL
+#if ARF_RESIDUAL && ARF_DTYPE != 2
       if (p.norm_f32_sum) {
         float rf[ARF_VEC];
         arf_unpack(arf_ld(res_in + row + (u64)idx * 16u), rf);

@@ -1,6 +1,6 @@
 //! The compact FX form end to end: the 2-layer Llama post-grad graph as
-//! `arfuse.fx.walk` hands it over (`ir-fixtures/fx/`), imported, lowered and spliced as
-//! `arfuse.torch.FusionPass` does, and its JSON form (what `_fx_walked_json` writes).
+//! the Python extension hands it over (`ir-fixtures/fx/`), imported, lowered and spliced as
+//! `arfuse.torch.FusionPass` does, and its JSON form (what `_fx_graph_json` writes).
 
 use arfuse::import::torch_export::fx::{self, FxArg, FxGraph};
 use arfuse::import::ImportOptions;

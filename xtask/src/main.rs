@@ -198,7 +198,10 @@ fn main() -> ExitCode {
                 print!("{}", targets_table());
                 return ExitCode::SUCCESS;
             }
-            let import = arfuse::import::ImportOptions { all_reduce_ops };
+            let import = arfuse::import::ImportOptions {
+                all_reduce_ops,
+                ..Default::default()
+            };
             lower_cmd(
                 &root,
                 path,

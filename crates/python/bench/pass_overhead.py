@@ -1,27 +1,38 @@
-"""Benchmark (not a test): the time arfuse.torch.FusionPass takes inside torch.compile,
-next to inductor's whole post-grad stage and the whole compilation, for a 32-layer
-Hugging Face Llama (one tensor-parallel rank, the shapes of crates/python/tests).
+"""Benchmark (not a test): what arfuse.torch.FusionPass costs inside torch.compile, side
+by side with inductor's pattern matcher registered and applied the way vLLM's
+AllReduceFusionPass does it, on the same post-grad graph of a 32-layer Hugging Face Llama
+(one tensor-parallel rank, the shapes of crates/python/tests).
 
     python crates/python/bench/pass_overhead.py [--layers 32] [--world 2] [--tokens 16]
+                                                [--reps 7] [--json FILE]
 
 One process: the all-reduces are functional collectives of a one-rank gloo group (the
 graph is the one a rank of a `--world` group compiles; the pass is planned for the
-h200-sxm-x<world> preset). Measured per compilation:
+h200-sxm-x<world> preset). The model is compiled once; inductor's post-grad custom pass
+receives its graph, copies it (`--reps` copies per contender) and times, alternating:
 
-- the pass: serialize (arfuse.fx_json), import + lower + splice (Rust), rewrite the FX
-  graph (Python), each in seconds (the real FusionPass, its steps wrapped with timers);
-- inductor's post-grad stage (`_recursive_post_grad_passes`, which includes the pass),
-  from torch._dynamo.utils.compilation_time_metrics;
-- the first call of the compiled model (dynamo, AOT autograd, inductor, C++ compile,
-  one run), wall clock, with a cold inductor cache (a fresh TORCHINDUCTOR_CACHE_DIR).
+- arfuse: the whole FusionPass (walk the FX graph, import, lower, splice, rewrite the
+  FX graph), with its two halves timed as well: the Rust call `_fx_lower_graph` (walk +
+  import + lower + splice) and the FX rewrite (`apply_splice`);
+- the pattern matcher: `torch._inductor.pattern_matcher.PatternMatcherPass.apply` with
+  the patterns vLLM 0.32's AllReduceFusionPass registers (`register_replacement` with
+  `fwd_only` traces, per epsilon in (1e-5, 1e-6): all-reduce -> RMSNorm returning
+  both; all-reduce -> residual add -> RMSNorm returning both, and returning the norm
+  only), written for this graph's spellings (the functional all-reduce and wait, the
+  Hugging Face RMSNorm decomposed), replaced by arfuse's fused op so that both
+  contenders produce the same graph. Registration is timed apart (vLLM does it once when
+  its pass is built).
 
-Prints one table; `--json` also writes the figures.
+Both contenders must fuse the same number of sites; the script fails otherwise. The
+real graph is then compiled with arfuse's rewrite. Prints one table (medians, and the
+first of each); `--json` also writes the figures.
 """
 
 import argparse
 import json
 import os
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -32,46 +43,152 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="arfuse
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch._inductor.pattern_matcher as pm  # noqa: E402
 
 import arfuse  # noqa: E402
 import arfuse.torch as at  # noqa: E402
 import gloo_worker  # noqa: E402
 
+FUSED = "arfuse.fused_allreduce_rms_norm"
 
-def timed_pass(target):
-    """The real FusionPass, with its three steps timed: the serializer, the Rust call and
-    the FX rewrite are wrapped where arfuse.torch looks them up."""
-    times = {"serialize_s": 0.0, "rust_s": 0.0, "fx_rewrite_s": 0.0, "calls": 0}
 
-    def timing(key, fn):
-        def wrapped(*a, **k):
+def register_vllm_style(group: str, dtype: torch.dtype) -> pm.PatternMatcherPass:
+    """The patterns of vLLM's AllReduceFusionPass.register_patterns (AllReduceRMSNorm,
+    AllReduceFusedAddRMSNorm and its norm-only form, per epsilon), for this graph."""
+    patterns = pm.PatternMatcherPass(pass_name="bench_all_reduce_fusion")
+
+    def all_reduce(x):
+        return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", group))
+
+    def hf_rms_norm(x, weight, eps):
+        h = x.to(torch.float32)
+        var = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(var + eps)
+        return weight * h.to(x.dtype)
+
+    def fused(x, residual, weight, eps):
+        return torch.ops.arfuse.fused_allreduce_rms_norm(x, residual, weight, group, eps, 0.0, True, False, "none")
+
+    def empty(*shape):
+        return torch.empty(*shape, dtype=dtype)
+
+    def for_eps(eps):
+        """The three (pattern, replacement, example inputs) of one epsilon (a function
+        of its own: the pattern matcher traces the search function again when it checks
+        a match's constants, so each closure must keep its own eps)."""
+
+        def norm_pattern(x, weight):
+            a = all_reduce(x)
+            return hf_rms_norm(a, weight, eps), a
+
+        def norm_replacement(x, weight):
+            out = fused(x, None, weight, eps)
+            return out[0], out[1]
+
+        def add_pattern(residual, x, weight):
+            h = residual + all_reduce(x)
+            return hf_rms_norm(h, weight, eps), h
+
+        def add_replacement(residual, x, weight):
+            out = fused(x, residual, weight, eps)
+            return out[0], out[1]
+
+        def add_norm_only_pattern(residual, x, weight):
+            return add_pattern(residual, x, weight)[0]
+
+        def add_norm_only_replacement(residual, x, weight):
+            return add_replacement(residual, x, weight)[0]
+
+        two = [empty(5, 16), empty(16)]
+        three = [empty(5, 16), empty(5, 16), empty(16)]
+        return (
+            (norm_pattern, norm_replacement, two),
+            (add_pattern, add_replacement, three),
+            # The norm only: the last site of a graph, whose residual is not read.
+            (add_norm_only_pattern, add_norm_only_replacement, three),
+        )
+
+    for eps in (1e-5, 1e-6):
+        for pattern, replacement, inputs in for_eps(eps):
+            pm.register_replacement(pattern, replacement, inputs, pm.fwd_only, patterns)
+        # vLLM clears this between epsilons so that the second one registers too.
+        pm._seen_patterns.clear()
+    return patterns
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of `graph` (nodes and their meta) in a GraphModule sharing the original's
+    attributes."""
+    g = torch.fx.Graph()
+    g.output(g.graph_copy(graph, {}))
+    return torch.fx.GraphModule(graph.owning_module, g).graph
+
+
+def fused_calls(graph: torch.fx.Graph) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function" and FUSED in str(n.target))
+
+
+class SideBySide(torch._inductor.custom_graph_pass.CustomGraphPass):
+    def __init__(self, target, patterns, reps):
+        self.fusion = at.FusionPass(target)
+        self.patterns = patterns
+        self.reps = reps
+        self.times = {"arfuse": [], "rust": [], "fx_rewrite": [], "pattern_matcher": []}
+        self.fig = {}
+
+    def uuid(self):
+        return f"bench-{time.time()}"
+
+    def _arfuse(self, graph):
+        rust = at._arfuse._fx_lower_graph
+        splice = at.apply_splice
+        part = {}
+
+        def timed(key, fn):
+            def w(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    part[key] = time.perf_counter() - t
+
+            return w
+
+        at._arfuse._fx_lower_graph = timed("rust", rust)
+        at.apply_splice = timed("fx_rewrite", splice)
+        try:
             t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                times[key] += time.perf_counter() - t
+            self.fusion(graph)
+            total = time.perf_counter() - t
+        finally:
+            at._arfuse._fx_lower_graph = rust
+            at.apply_splice = splice
+        if self.fusion.errors:
+            raise RuntimeError(f"arfuse failed: {self.fusion.errors}")
+        self.times["arfuse"].append(total)
+        self.times["rust"].append(part["rust"])
+        self.times["fx_rewrite"].append(part["fx_rewrite"])
+        return fused_calls(graph)
 
-        return wrapped
+    def _pattern_matcher(self, graph):
+        t = time.perf_counter()
+        count = self.patterns.apply(graph)
+        self.times["pattern_matcher"].append(time.perf_counter() - t)
+        graph.eliminate_dead_code()
+        return count, fused_calls(graph)
 
-    serialize, fx_lower, apply_splice = at.fx_json.serialize, at._arfuse._fx_lower, at.apply_splice
-
-    def serialize_and_count(gm, *a):
-        data = serialize(gm, *a)
-        times["json_bytes"] = len(data)
-        times["graph_nodes_before"] = len(gm.graph.nodes)
-        times["calls"] += 1
-        return data
-
-    def splice_and_count(graph, splice):
-        left = apply_splice(graph, splice)
-        times["graph_nodes_after"] = len(graph.nodes)
-        times["left_unfused"] = left
-        return left
-
-    at.fx_json.serialize = timing("serialize_s", serialize_and_count)
-    at._arfuse._fx_lower = timing("rust_s", fx_lower)
-    at.apply_splice = timing("fx_rewrite_s", splice_and_count)
-    return at.FusionPass(target), times
+    def __call__(self, graph):
+        self.fig["post_grad_graph_nodes"] = len(graph.nodes)
+        copies = [(copy_graph(graph), copy_graph(graph)) for _ in range(self.reps)]
+        for a, b in copies:
+            fused_a = self._arfuse(a)
+            matched, fused_b = self._pattern_matcher(b)
+            if fused_a != fused_b or matched != fused_b:
+                raise RuntimeError(f"arfuse fused {fused_a} sites, the pattern matcher {matched} ({fused_b} calls)")
+        self.fig["sites_fused_each"] = fused_a
+        self.fig["graph_nodes_after_arfuse"] = len(a.nodes)
+        self.fig["graph_nodes_after_pattern_matcher"] = len(b.nodes)
+        self.fusion(graph)
 
 
 def main():
@@ -79,6 +196,7 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
 
@@ -97,39 +215,23 @@ def main():
     ids = torch.randint(0, cfg.vocab_size, (1, args.tokens))
     torch._dynamo.mark_dynamic(ids, 1, min=2, max=8192)
 
-    fusion, times = timed_pass(arfuse.Target.preset(f"h200-sxm-x{args.world}"))
-    torch._inductor.config.post_grad_custom_post_pass = fusion
-    metrics = torch._dynamo.utils.compilation_time_metrics
-    metrics.clear()
-    t0 = time.perf_counter()
+    t = time.perf_counter()
+    patterns = register_vllm_style(group, torch.bfloat16)
+    registration = time.perf_counter() - t
+    bench = SideBySide(arfuse.Target.preset(f"h200-sxm-x{args.world}"), patterns, args.reps)
+    torch._inductor.config.post_grad_custom_post_pass = bench
     with torch.no_grad():
         torch.compile(model, fullgraph=True)(ids)
-    first_call = time.perf_counter() - t0
-    post_grad = sum(metrics.get("_recursive_post_grad_passes", []))
-    report = fusion.reports[0]
-    # The rest of FusionPass.__call__ (json parsing of the report, graph.lint) is not
-    # counted; it is part of inductor's post-grad total below.
-    ours = times["serialize_s"] + times["rust_s"] + times["fx_rewrite_s"]
-    fig = {
-        "layers": args.layers,
-        "sites_fused": report["all_reduces_fused"],
-        "sites_seen": report["all_reduces_seen"],
-        "pass_calls": times["calls"],
-        "post_grad_graph_nodes_before": times["graph_nodes_before"],
-        "post_grad_graph_nodes_after": times["graph_nodes_after"],
-        "fx_json_bytes": times["json_bytes"],
-        "pass_serialize_s": round(times["serialize_s"], 3),
-        "pass_import_lower_splice_rust_s": round(times["rust_s"], 3),
-        "pass_fx_rewrite_s": round(times["fx_rewrite_s"], 3),
-        "pass_total_s": round(ours, 3),
-        "inductor_post_grad_total_s": round(post_grad, 3),
-        "inductor_post_grad_without_pass_s": round(post_grad - ours, 3),
-        "first_call_s": round(first_call, 2),
-        "e_graph_iterations": report["runner"]["iterations"],
-        "left_unfused": times["left_unfused"],
-        "arfuse_extension": arfuse._arfuse.__file__,
-        "torch": torch.__version__,
-    }
+
+    sites = bench.fig["sites_fused_each"]
+    fig = {"layers": args.layers, **bench.fig, "reps": args.reps}
+    for key, xs in bench.times.items():
+        fig[f"{key}_first_ms"] = round(xs[0] * 1e3, 1)
+        fig[f"{key}_median_ms"] = round(statistics.median(xs) * 1e3, 1)
+    for key in ("arfuse", "pattern_matcher"):
+        fig[f"{key}_median_ms_per_site"] = round(statistics.median(bench.times[key]) * 1e3 / sites, 2)
+    fig["pattern_registration_ms"] = round(registration * 1e3, 1)
+    fig["torch"] = torch.__version__
     width = max(len(k) for k in fig)
     for k, v in fig.items():
         print(f"{k:<{width}}  {v}")

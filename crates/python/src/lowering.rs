@@ -102,166 +102,20 @@ fn fx_finish(
     Ok((json, table, splice, notes))
 }
 
-/// The compact FX form (`arfuse.fx.walk`'s lists) as the importer's [`FxGraph`]. A value
-/// of the wrong Python type is a `LoadError` naming the node and argument.
-mod compact {
-    use arfuse::import::torch_export::fx::{
-        FxArg, FxGraph, FxNode, FxSize, FxSymbol, FxTensor, SymInt,
-    };
-    use pyo3::exceptions::PyValueError;
-    use pyo3::prelude::*;
-    use pyo3::types::{PyList, PyTuple};
-
-    // The argument kinds of `arfuse/fx.py` (K_*).
-    const K_TENSOR: u8 = 0;
-    const K_TENSORS: u8 = 1;
-    const K_NONE: u8 = 2;
-    const K_INT: u8 = 3;
-    const K_FLOAT: u8 = 4;
-    const K_BOOL: u8 = 5;
-    const K_STR: u8 = 6;
-    const K_INTS: u8 = 7;
-    const K_FLOATS: u8 = 8;
-    const K_SYM: u8 = 9;
-    const K_SYMS: u8 = 10;
-    const K_DTYPE: u8 = 11;
-    const K_BOOLS: u8 = 12;
-    const K_OTHER: u8 = 13;
-
-    fn bad(what: String) -> PyErr {
-        PyValueError::new_err(format!("arfuse.fx: {what}"))
-    }
-
-    fn size(v: &Bound<'_, PyAny>) -> PyResult<FxSize> {
-        match v.extract::<i64>() {
-            Ok(n) => Ok(FxSize::Const(n)),
-            Err(_) => Ok(FxSize::Expr(v.extract::<String>()?)),
-        }
-    }
-
-    fn tensor(v: &Bound<'_, PyAny>) -> PyResult<FxTensor> {
-        let (name, dtype, sizes): (String, i64, Bound<'_, PyList>) = v.extract()?;
-        let sizes = sizes.iter().map(|s| size(&s)).collect::<PyResult<_>>()?;
-        Ok(FxTensor { name, dtype, sizes })
-    }
-
-    fn arg(kind: u8, v: &Bound<'_, PyAny>) -> PyResult<FxArg> {
-        Ok(match kind {
-            K_TENSOR => FxArg::Tensor(v.extract()?),
-            K_TENSORS => FxArg::tensors(v.extract()?),
-            K_NONE => FxArg::None,
-            K_INT => FxArg::Int(v.extract()?),
-            K_FLOAT => FxArg::Float(v.extract()?),
-            K_BOOL => FxArg::Bool(v.extract()?),
-            K_STR => FxArg::Str(v.extract()?),
-            K_INTS => FxArg::Ints(v.extract()?),
-            K_FLOATS => FxArg::Floats(v.extract()?),
-            K_SYM => FxArg::Sym(SymInt::Expr(v.extract()?)),
-            K_SYMS => FxArg::Syms(
-                v.cast::<PyList>()?
-                    .iter()
-                    .map(|s| size(&s).map(SymInt::from))
-                    .collect::<PyResult<_>>()?,
-            ),
-            K_DTYPE => FxArg::Dtype(v.extract()?),
-            K_BOOLS => FxArg::Bools(v.extract()?),
-            K_OTHER => FxArg::other(v.extract::<String>()?),
-            k => return Err(bad(format!("unknown argument kind {k}"))),
-        })
-    }
-
-    fn node(
-        name: String,
-        target: String,
-        args: &Bound<'_, PyAny>,
-        outputs: &Bound<'_, PyAny>,
-        module: Option<String>,
-    ) -> PyResult<FxNode> {
-        let mut parsed = Vec::new();
-        for a in args.cast::<PyList>()?.iter() {
-            let t = a.cast::<PyTuple>()?;
-            let (arg_name, kind): (String, u8) =
-                (t.get_item(0)?.extract()?, t.get_item(1)?.extract()?);
-            let value = arg(kind, &t.get_item(2)?)
-                .map_err(|e| bad(format!("node {name:?} argument {arg_name:?}: {e}")))?;
-            parsed.push((arg_name, value));
-        }
-        let (tensors, other_outputs): (Bound<'_, PyList>, usize) = outputs.extract()?;
-        let outputs = tensors
-            .iter()
-            .map(|t| tensor(&t))
-            .collect::<PyResult<_>>()
-            .map_err(|e| bad(format!("node {name:?} outputs: {e}")))?;
-        Ok(FxNode {
-            name,
-            target,
-            args: parsed,
-            outputs,
-            other_outputs,
-            module,
-        })
-    }
-
-    /// Reads an `arfuse.fx.Walked`.
-    pub fn graph(w: &Bound<'_, PyAny>) -> PyResult<FxGraph> {
-        let names: Bound<'_, PyList> = w.getattr("names")?.cast_into()?;
-        let targets: Bound<'_, PyList> = w.getattr("targets")?.cast_into()?;
-        let args: Bound<'_, PyList> = w.getattr("args")?.cast_into()?;
-        let outputs: Bound<'_, PyList> = w.getattr("outputs")?.cast_into()?;
-        let modules: Bound<'_, PyList> = w.getattr("modules")?.cast_into()?;
-        let n = names.len();
-        if [targets.len(), args.len(), outputs.len(), modules.len()] != [n; 4] {
-            return Err(bad("the node lists differ in length".into()));
-        }
-        let mut nodes = Vec::with_capacity(n);
-        for i in 0..n {
-            nodes.push(node(
-                names.get_item(i)?.extract()?,
-                targets.get_item(i)?.extract()?,
-                &args.get_item(i)?,
-                &outputs.get_item(i)?,
-                modules.get_item(i)?.extract()?,
-            )?);
-        }
-        let inputs = w
-            .getattr("inputs")?
-            .cast::<PyList>()?
-            .iter()
-            .map(|t| tensor(&t))
-            .collect::<PyResult<_>>()?;
-        let symbols = w
-            .getattr("symbols")?
-            .cast::<PyList>()?
-            .iter()
-            .map(|s| {
-                let (name, min, max): (String, Option<i64>, Option<i64>) = s.extract()?;
-                Ok(FxSymbol { name, min, max })
-            })
-            .collect::<PyResult<_>>()?;
-        Ok(FxGraph {
-            inputs,
-            nodes,
-            outputs: w.getattr("graph_outputs")?.extract()?,
-            symbols,
-            torch_version: None,
-        })
-    }
-}
-
-/// Imports an FX graph in the compact form (`arfuse.fx.walk`), lowers it for `target`
-/// and splices the result back (`arfuse::splice`). Returns (report JSON, report table,
-/// splice JSON, import notes).
+/// Walks an FX graph (`crate::walk`), imports it, lowers it for `target` and splices the
+/// result back (`arfuse::splice`). `opaque_ops`: `(op, reason)` pairs kept opaque. Returns
+/// (report JSON, report table, splice JSON, import notes).
 #[pyfunction]
-#[pyo3(signature = (walked, target, group = None, all_reduce_ops = Vec::new(), opaque_ops = Vec::new()))]
-pub fn _fx_lower_walked(
+#[pyo3(signature = (graph, target, group = None, all_reduce_ops = Vec::new(), opaque_ops = Vec::new()))]
+pub fn _fx_lower_graph(
     py: Python<'_>,
-    walked: &Bound<'_, PyAny>,
+    graph: &Bound<'_, PyAny>,
     target: &PyTarget,
     group: Option<String>,
     all_reduce_ops: Vec<String>,
     opaque_ops: Vec<(String, String)>,
 ) -> PyResult<(String, String, String, Vec<String>)> {
-    let fx = compact::graph(walked)?;
+    let fx = crate::walk::walk(graph)?;
     let mut opts = import_options(py, &all_reduce_ops)?;
     for (op, why) in opaque_ops {
         opts = opts.with_opaque_op(op, why);
@@ -271,11 +125,11 @@ pub fn _fx_lower_walked(
     fx_finish(py, imported, target, group)
 }
 
-/// The compact FX form (`arfuse.fx.walk`) as JSON text (`arfuse_import::torch_export::fx::
-/// FxGraph`'s serde form): what the pass imports, for a bug report or a benchmark.
+/// An FX graph in the compact form as JSON text (`arfuse_import::torch_export::fx::FxGraph`'s
+/// serde form): what the pass imports, for a bug report or a benchmark
+/// (`examples/fx_pass_cost.rs`).
 #[pyfunction]
-pub fn _fx_walked_json(walked: &Bound<'_, PyAny>) -> PyResult<String> {
-    let fx = compact::graph(walked)?;
-    serde_json::to_string(&fx)
-        .map_err(|e| lower_argument_error(walked.py(), "walked", e.to_string()))
+pub fn _fx_graph_json(graph: &Bound<'_, PyAny>) -> PyResult<String> {
+    let fx = crate::walk::walk(graph)?;
+    serde_json::to_string(&fx).map_err(|e| lower_argument_error(graph.py(), "graph", e.to_string()))
 }

@@ -1,7 +1,8 @@
-"""The pass's FX front end (arfuse.fx.walk) on graphs with what real engines put in them,
+"""The pass's FX front end (the Rust walk of crates/python/src/walk.rs) on graphs with what real engines put in them,
 and the guarantee of `on_error="skip"`: whatever fails, the graph is left as it was and
 nothing reaches the compiler."""
 
+import json
 import operator
 import warnings
 
@@ -11,7 +12,6 @@ torch = pytest.importorskip("torch")
 
 import arfuse  # noqa: E402
 import arfuse.torch as at  # noqa: E402
-from arfuse import fx  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -74,13 +74,22 @@ def engine_graph():
 
 def test_engine_extras_are_opaque_and_the_chain_still_fuses():
     gm = engine_graph()
-    walked = fx.walk(gm.graph)
-    assert "test_fx_front_end.script_op" in walked.targets
-    i = walked.targets.index("test_fx_front_end.script_op")
+    walked = json.loads(at._arfuse._fx_graph_json(gm.graph))
+    nodes = {n["name"]: n for n in walked["nodes"]}
+    call = nodes["script_op"]
+    assert call["target"] == "test_fx_front_end.script_op"
     # The script object is no tensor input (a Python function has no schema: its
-    # arguments are arg0, arg1, ...); the tuple's tensor is named by its getitem.
-    assert walked.args[i][0] == ("arg0", fx.K_OTHER, "ScriptObjectStandIn")
-    assert [o[0] for o in walked.outputs[i][0]] == ["getitem"] and walked.outputs[i][1] == 1
+    # arguments are arg0, arg1, ...); the tuple's tensor is named by its getitem,
+    # which is not a node of its own.
+    assert call["args"][0] == ["arg0", {"kind": "other", "value": "ScriptObjectStandIn"}]
+    assert call["args"][1] == ["arg1", {"kind": "tensor", "value": "x"}]
+    assert [o["name"] for o in call["outputs"]] == ["getitem"] and call["other_outputs"] == 1
+    assert "getitem" not in nodes and nodes["side_effect"]["outputs"] == []
+    assert nodes["side_effect"]["args"] == [["arg0", {"kind": "tensor", "value": "getitem"}]]
+    assert [i["name"] for i in walked["inputs"]] == ["p_weight", "x", "res"]
+    # The token dim is symbolic, with the range the export gave it.
+    t, h = walked["inputs"][1]["sizes"]
+    assert h == 256 and {"name": t, "min": 2, "max": 64} in walked["symbols"]
     p = at.FusionPass(arfuse.Target.preset("h200-sxm-x2"), group="tp", on_error="raise")
     p(gm.graph)
     gm.graph.lint()
@@ -90,7 +99,7 @@ def test_engine_extras_are_opaque_and_the_chain_still_fuses():
     assert p.reports[0]["all_reduces_fused"] == 1 and not p.errors
 
 
-@pytest.mark.parametrize("where", ["walk", "lower", "splice"])
+@pytest.mark.parametrize("where", ["lower", "splice"])
 def test_skip_leaves_the_graph_unchanged_and_raises_nothing(where, monkeypatch):
     gm = engine_graph()
     before = gm.graph.python_code("self").src
@@ -98,14 +107,15 @@ def test_skip_leaves_the_graph_unchanged_and_raises_nothing(where, monkeypatch):
     def boom(*a, **k):
         raise AssertionError(f"injected failure in {where}")
 
-    target = {"walk": (fx, "walk"), "lower": (at._arfuse, "_fx_lower_walked"), "splice": (at, "_plan_site")}[where]
+    target = {"lower": (at._arfuse, "_fx_lower_graph"), "splice": (at, "_plan_site")}[where]
     monkeypatch.setattr(*target, boom)
     p = at.FusionPass(arfuse.Target.preset("h200-sxm-x2"), group="tp", on_error="skip")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         p(gm.graph)
         p(gm.graph)
-    # Recorded, warned about once, the graph as it was (a failure while planning the
+    # Recorded, warned about once, the graph as it was (a failure while walking or
+    # lowering raises from `_fx_lower_graph`; one while planning the
     # splice comes before the graph is touched).
     assert [type(e) for e in p.errors] == [AssertionError, AssertionError] and not p.reports
     assert len([w for w in caught if "arfuse" in str(w.message)]) == 1

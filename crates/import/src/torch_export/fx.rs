@@ -1,6 +1,6 @@
 //! The compact form of an FX graph: what a torch.compile pass hands the importer in
 //! memory instead of JSON text (`docs/fx-graph-format.md`, "The compact form"; the
-//! Python package's `arfuse.fx.walk` writes it).
+//! Python extension walks an FX graph into it, `crates/python/src/walk.rs`).
 //!
 //! [`FxGraph`] holds the graph as owned Rust values (nodes in FX order, arguments typed,
 //! tensors named by the FX node that produced them). [`import`] reads it with the same

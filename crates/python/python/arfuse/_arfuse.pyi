@@ -159,14 +159,14 @@ def _fx_lower(
     group: Optional[str] = None,
     all_reduce_ops: Sequence[str] = ...,
 ) -> Tuple[str, str, str, List[str]]: ...
-def _fx_lower_walked(
-    walked: Any,
+def _fx_lower_graph(
+    graph: Any,
     target: Target,
     group: Optional[str] = None,
     all_reduce_ops: Sequence[str] = ...,
     opaque_ops: Sequence[Tuple[str, str]] = ...,
 ) -> Tuple[str, str, str, List[str]]: ...
-def _fx_walked_json(walked: Any) -> str: ...
+def _fx_graph_json(graph: Any) -> str: ...
 def _fused_allreduce_rms_norm_cpu(
     dtype: str,
     ranks: int,

@@ -2,8 +2,9 @@
 
 - `FusionPass(target)`: a `torch._inductor.custom_graph_pass.CustomGraphPass` for
   `torch._inductor.config.post_grad_custom_post_pass`. It walks the post-grad FX graph
-  once (`arfuse.fx.walk`: nodes, targets, arguments, FakeTensor dtypes and sizes, as
-  Python lists; the op mapping is the Rust importer's), lowers it for the target, and
+  once, in Rust (nodes, targets, arguments, FakeTensor dtypes and sizes, into the
+  importer's compact form, docs/fx-graph-format.md; the op mapping is the importer's),
+  lowers it for the target, and
   rewrites the graph so that each fused site is one call of
   `torch.ops.arfuse.fused_allreduce_rms_norm` (`arfuse::splice` says what to change).
 - `torch.ops.arfuse.fused_allreduce_rms_norm(input, residual, weight, group_name, eps,
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import _arfuse, fx
+from . import _arfuse
 from ._api import Report
 
 __all__ = ["FusionPass", "fused_allreduce_rms_norm", "quant_fp8_per_token", "register_group_resolver"]
@@ -228,7 +229,7 @@ def _sources_digest() -> str:
     global _SOURCES_DIGEST
     if _SOURCES_DIGEST is None:
         h = hashlib.sha256()
-        for path in (__file__, fx.__file__, _arfuse.__file__):
+        for path in (__file__, _arfuse.__file__):
             with open(path, "rb") as f:
                 h.update(hashlib.sha256(f.read()).digest())
         _SOURCES_DIGEST = h.hexdigest()
@@ -331,9 +332,8 @@ class FusionPass(CustomGraphPass):
     def lower_graph(self, graph: torch.fx.Graph) -> Report:
         """Lowers and splices one graph; returns its report. Raises on any failure, with
         the graph unchanged (every site is planned before the graph is touched)."""
-        walked = fx.walk(graph)
-        report_json, table, splice_json, _notes = _arfuse._fx_lower_walked(
-            walked, self.target, self.group, self.all_reduce_ops, self.opaque_ops
+        report_json, table, splice_json, _notes = _arfuse._fx_lower_graph(
+            graph, self.target, self.group, self.all_reduce_ops, self.opaque_ops
         )
         report = Report(json.loads(report_json), table)
         left = apply_splice(graph, json.loads(splice_json))
@@ -413,6 +413,13 @@ def apply_splice(graph: torch.fx.Graph, splice: Dict[str, Any]) -> List[str]:
     return left
 
 
+def _sizes_key(t: torch.Tensor) -> Tuple[Any, ...]:
+    """A tensor's sizes with each symbolic one as its sympy expression (`SymInt.node.expr`,
+    after the shape environment's replacements): hashable and compared structurally,
+    without adding a guard (comparing symbolic sizes would) or printing the expression."""
+    return tuple(d if type(d) is int else d.node.expr for d in t.shape)
+
+
 def _fake_empty(mode, shape, dtype, device) -> torch.Tensor:
     """A contiguous FakeTensor of `mode`: a meta tensor wrapped directly (about a tenth
     of the time of `torch.empty` under the mode with symbolic sizes), or, should the
@@ -450,7 +457,7 @@ class _Vals:
         for n in pool:
             v = n.meta.get("val")
             if isinstance(v, torch.Tensor):
-                self._pool.setdefault((tuple(fx._sizes(v)), v.dtype), []).append(v)
+                self._pool.setdefault((_sizes_key(v), v.dtype), []).append(v)
         self._used: set = set()
 
     def _donor(self, n: torch.fx.Node, xv: torch.Tensor, same_dtype: bool) -> Optional[torch.Tensor]:
@@ -462,15 +469,15 @@ class _Vals:
             and isinstance(v, torch.Tensor)
             and id(v) not in self._used
             and (not same_dtype or v.dtype == xv.dtype)
-            # Compared as text: comparing symbolic sizes would add guards.
-            and fx._sizes(v) == fx._sizes(xv)
+            # Compared as expressions: comparing symbolic sizes would add guards.
+            and _sizes_key(v) == _sizes_key(xv)
         ):
             self._used.add(id(v))
             return v
         return None
 
     def _lend(self, xv: torch.Tensor) -> Optional[torch.Tensor]:
-        bucket = self._pool.get((tuple(fx._sizes(xv)), xv.dtype), [])
+        bucket = self._pool.get((_sizes_key(xv), xv.dtype), [])
         while bucket:
             v = bucket.pop()
             if id(v) not in self._used:
