@@ -24,6 +24,7 @@
 Importing this module registers the ops. Inference only (no autograd formulas).
 """
 
+import gc
 import hashlib
 import json
 import operator
@@ -332,11 +333,19 @@ class FusionPass(CustomGraphPass):
     def lower_graph(self, graph: torch.fx.Graph) -> Report:
         """Lowers and splices one graph; returns its report. Raises on any failure, with
         the graph unchanged (every site is planned before the graph is touched)."""
-        report_json, table, splice_json, _notes = _arfuse._fx_lower_graph(
-            graph, self.target, self.group, self.all_reduce_ops, self.opaque_ops
-        )
-        report = Report(json.loads(report_json), table)
-        left = apply_splice(graph, json.loads(splice_json))
+        # The walk and the rewrite make tens of thousands of short-lived objects that form
+        # no cycles; the collections they would start scan the compiler's whole heap.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            report_json, table, splice_json, _notes = _arfuse._fx_lower_graph(
+                graph, self.target, self.group, self.all_reduce_ops, self.opaque_ops
+            )
+            report = Report(json.loads(report_json), table)
+            left = apply_splice(graph, json.loads(splice_json))
+        finally:
+            if collecting:
+                gc.enable()
         if left:
             report["warnings"].extend(left)
             report._table = table + "".join(f"warning: {w}\n" for w in left)
