@@ -91,12 +91,16 @@ pub(super) fn ir_rms_norm(v: &NodeView<'_>) -> Plan {
     let x = tensor(v, "x")?;
     let w = norm_weight(v)?;
     let eps = epsilon(v)?;
+    rms_norm(v, x, w, eps, native_rounding(v, x, w)?)
+}
+
+fn rms_norm(v: &NodeView<'_>, x: Bound, w: Bound, eps: f64, norm_rounding: NormRounding) -> Plan {
     let out = v.one_out()?;
     Ok(Lowering::Nodes(vec![node(
         Op::RmsNorm {
             eps,
             weight_bias: 0.0,
-            norm_rounding: native_rounding(v, x, w)?,
+            norm_rounding,
         },
         vec![PIn::Ext(x.value), PIn::Ext(w.value)],
         vec![out.0.clone()],
@@ -167,16 +171,7 @@ pub(super) fn auto_functionalized(v: &NodeView<'_>) -> Plan {
             let x = tensor(v, "input")?;
             let w = tensor(v, "weight")?;
             let eps = epsilon(v)?;
-            let out = v.one_out()?;
-            Ok(Lowering::Nodes(vec![node(
-                Op::RmsNorm {
-                    eps,
-                    weight_bias: 0.0,
-                    norm_rounding: NormRounding::Once,
-                },
-                vec![PIn::Ext(x.value), PIn::Ext(w.value)],
-                vec![out.0.clone()],
-            )]))
+            rms_norm(v, x, w, eps, NormRounding::Once)
         }
         "_C.fused_add_rms_norm.default" => {
             let x = tensor(v, "input")?;
