@@ -131,3 +131,15 @@ def test_the_pass_pickles_and_keeps_its_uuid():
     q = pickle.loads(pickle.dumps(p))
     assert q.uuid() == p.uuid() and q.target.to_toml() == p.target.to_toml()
     assert at.FusionPass(arfuse.Target.preset("b200-x2"), group="tp").uuid() != p.uuid()
+
+
+def test_vllm_compilation_config_refuses_a_competing_fusion():
+    vllm_adapter = pytest.importorskip("arfuse.vllm")
+    cc = vllm_adapter.compilation_config(pass_config={"enable_noop": True}, mode=3)
+    assert cc["pass_config"] == {"enable_noop": True, "fuse_allreduce_rms": False}
+    assert cc["mode"] == 3
+    assert isinstance(cc["inductor_compile_config"]["post_grad_custom_post_pass"], vllm_adapter.FusionPass)
+    with pytest.raises(ValueError, match="fuse_allreduce_rms"):
+        vllm_adapter.compilation_config(pass_config={"fuse_allreduce_rms": True})
+    with pytest.raises(ValueError, match="post_grad_custom_post_pass"):
+        vllm_adapter.compilation_config(inductor_compile_config={"post_grad_custom_post_pass": object()})

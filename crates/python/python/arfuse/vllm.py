@@ -339,9 +339,21 @@ def compilation_config(
     pass and vLLM's own all-reduce fusion off. `target`: the machine (default: from
     vLLM's config and the GPU, see `target_from_vllm_config`); `on_error`, `report_dir`:
     as for `FusionPass`; `config`: further `CompilationConfig` fields (an
-    `inductor_compile_config` or `pass_config` given here is merged)."""
+    `inductor_compile_config` or `pass_config` given here is merged). Raises ValueError
+    for a config that asks for vLLM's all-reduce fusion or another post-grad custom
+    post pass: either would compete with arfuse's for the same sites."""
     inductor = dict(config.pop("inductor_compile_config", None) or {})
+    if inductor.get("post_grad_custom_post_pass") is not None:
+        raise ValueError(
+            "arfuse.vllm.compilation_config: inductor_compile_config already has a "
+            "post_grad_custom_post_pass; arfuse's pass takes that slot"
+        )
     inductor["post_grad_custom_post_pass"] = FusionPass(target, on_error=on_error, report_dir=report_dir)
     passes = dict(config.pop("pass_config", None) or {})
+    if passes.get("fuse_allreduce_rms"):
+        raise ValueError(
+            "arfuse.vllm.compilation_config: pass_config.fuse_allreduce_rms=True asks for "
+            "vLLM's own all-reduce fusion, which arfuse replaces; leave it out"
+        )
     passes["fuse_allreduce_rms"] = False
     return {"inductor_compile_config": inductor, "pass_config": passes, **config}
