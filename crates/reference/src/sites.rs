@@ -100,7 +100,7 @@ impl SitesReport {
 }
 
 /// Sites checked alike: the same hidden size, token counts and skipped token counts.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct SiteGroup {
     /// Hidden size H (elements), when constant.
     pub hidden: Option<u64>,

@@ -1,9 +1,9 @@
-//! `cargo xtask lower` end to end: the binary run on the bundled graphs and targets.
+//! `arfuse lower` end to end: the binary run on the bundled graphs and targets.
 //!
-//! Outputs go to a temporary directory (`--out`) except where the default output name
-//! is what is tested; those use unique names under `target/arfuse/` and remove them.
+//! Runs start in the checkout's root (so that the fixtures' relative paths hold) and
+//! write to a temporary directory (`--out`), except where the default output is what is
+//! tested: those run in a temporary directory ([`lower_in`]), where default outputs go.
 
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -11,7 +11,8 @@ use arfuse::Target;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
+        .ancestors()
+        .nth(2)
         .unwrap()
         .to_path_buf()
 }
@@ -20,14 +21,19 @@ const EXAMPLE_TARGET: &str = "ir-fixtures/targets/example-h100-x8.toml";
 const LLAMA: &str = "ir-fixtures/models/llama31_8b_tp8.json";
 const EXPORTED: &str = "ir-fixtures/exported/llama31_8b_L2_tp8.exported_program.json";
 
-/// Runs `xtask lower ARGS` in the checkout's root.
+/// Runs `arfuse lower ARGS` in the checkout's root.
 fn lower(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .current_dir(root())
+    lower_in(&root(), args)
+}
+
+/// Runs `arfuse lower ARGS` in `dir`, where default outputs are written.
+fn lower_in(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_arfuse"))
+        .current_dir(dir)
         .arg("lower")
         .args(args)
         .output()
-        .expect("running xtask")
+        .expect("running arfuse")
 }
 
 fn stderr(o: &Output) -> String {
@@ -45,7 +51,7 @@ struct TempDir(PathBuf);
 
 impl TempDir {
     fn new(name: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("arfuse-xtask-{name}-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("arfuse-cli-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         TempDir(dir)
@@ -104,17 +110,17 @@ fn every_target_file_parses_and_the_example_shows_every_field() {
 }
 
 #[test]
-fn readme_names_every_target_field() {
-    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+fn the_cli_docs_name_every_target_field() {
+    let docs = std::fs::read_to_string(root().join("docs/cli.md")).unwrap();
     for field in target_fields() {
         assert!(
-            readme.contains(&format!("`{field}`")),
-            "README.md does not name the target field `{field}`"
+            docs.contains(&format!("`{field}`")),
+            "docs/cli.md does not name the target field `{field}`"
         );
     }
     assert!(
-        readme.contains(EXAMPLE_TARGET),
-        "README.md does not point at the example"
+        docs.contains(EXAMPLE_TARGET),
+        "docs/cli.md does not point at the example"
     );
 }
 
@@ -144,47 +150,40 @@ fn example_target_lowers_the_bundled_graph() {
 #[test]
 fn relowering_a_lowered_graph_does_not_stack_names_or_overwrite_it() {
     let tmp = TempDir::new("relower");
-    let unique = format!("xtask-test-relower-{}", std::process::id());
-    // A lowered graph outside target/arfuse: its default output drops `.lowered`.
-    let first = tmp.path(&format!("{unique}.lowered.json"));
+    let out_dir = TempDir::new("relower-out");
+    // A lowered graph: its default output drops `.lowered`.
+    let first = tmp.path("x.lowered.json");
     let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", &first]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let expected = root().join(format!("target/arfuse/{unique}.h200-sxm-x8.lowered.json"));
-    let o = lower(&[&first, "--target", "h200-sxm-x8"]);
-    let written = expected.is_file();
-    let bytes = std::fs::read(&expected).unwrap_or_default();
-    let _ = std::fs::remove_file(&expected);
+    let o = lower_in(&out_dir.0, &[&first, "--target", "h200-sxm-x8"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(
-        written,
-        "expected {} to be written; stderr: {}",
-        expected.display(),
-        stderr(&o)
-    );
-    assert!(
-        !stderr(&o).contains(".lowered.h200-sxm-x8"),
-        "{}",
-        stderr(&o)
-    );
+    let expected = out_dir.0.join("x.h200-sxm-x8.lowered.json");
+    assert_says(&o, format!("wrote ./x.h200-sxm-x8.lowered.json"));
     // Idempotent: the same graph again.
-    assert_eq!(bytes, std::fs::read(&first).unwrap());
-
-    // The default output of a graph lowered into target/arfuse is that graph itself:
-    // refused, asking for --out, and the input untouched.
-    std::fs::create_dir_all(expected.parent().unwrap()).unwrap();
-    std::fs::copy(&first, &expected).unwrap();
-    let before = std::fs::metadata(&expected).unwrap().modified().unwrap();
-    let input = format!("target/arfuse/{unique}.h200-sxm-x8.lowered.json");
-    let o = lower(&[&input, "--target", "h200-sxm-x8"]);
-    let after = std::fs::metadata(&expected).unwrap().modified().unwrap();
-    let _ = std::fs::remove_file(&expected);
-    assert!(!o.status.success());
-    let e = stderr(&o);
-    assert!(
-        e.contains("refusing to overwrite") && e.contains("--out"),
-        "{e}"
+    assert_eq!(
+        std::fs::read(&expected).unwrap(),
+        std::fs::read(&first).unwrap()
     );
-    assert_eq!(before, after);
+
+    // Lowered again where it lies, its default output is the graph itself: refused,
+    // asking for --out, and the input untouched.
+    let before = std::fs::metadata(&expected).unwrap().modified().unwrap();
+    let o = lower_in(
+        &out_dir.0,
+        &["x.h200-sxm-x8.lowered.json", "-t", "h200-sxm-x8"],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert_says(
+        &o,
+        "error: the default output ./x.h200-sxm-x8.lowered.json is an input graph (for \
+         x.h200-sxm-x8.lowered.json on h200-sxm-x8); refusing to overwrite it: pass --out FILE",
+    );
+    assert_eq!(
+        before,
+        std::fs::metadata(&expected).unwrap().modified().unwrap()
+    );
+    // Nothing but the graph is left in the directory (no temporary file).
+    assert_eq!(std::fs::read_dir(&out_dir.0).unwrap().count(), 1);
 }
 
 #[test]
@@ -195,12 +194,11 @@ fn shared_hidden_zero_is_a_usage_error_reported_once_for_a_directory() {
     assert_eq!(o.status.code(), Some(2));
     let e = stderr(&o);
     assert_eq!(
-        e.matches("invalid value '0' for '--shared-hidden").count(),
+        e.matches("invalid value '0' for '--shared-hidden <H>': 0 is not in 1..")
+            .count(),
         1,
         "{e}"
     );
-    assert!(e.contains("an integer from 1 to"), "{e}");
-    assert!(e.contains("refused next, with the reason"), "{e}");
     assert!(!e.contains("pair(s) failed"), "{e}");
 }
 
@@ -265,11 +263,18 @@ fn two_inputs_with_one_default_output_are_refused_before_lowering() {
         &tmp.path("x.lowered.json"),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = lower(&[tmp.0.to_str().unwrap(), "--target", "h200-sxm-x8"]);
+    let o = lower_in(&tmp.0, &[".", "--target", "h200-sxm-x8"]);
     assert!(!o.status.success());
     let e = stderr(&o);
-    assert!(e.contains("would both be written to"), "{e}");
+    assert!(
+        e.contains(
+            "./x.json on h200-sxm-x8 and ./x.lowered.json on h200-sxm-x8 would both be \
+             written to ./x.h200-sxm-x8.lowered.json"
+        ),
+        "{e}"
+    );
     assert!(!e.contains("wrote "), "{e}");
+    assert_eq!(std::fs::read_dir(&tmp.0).unwrap().count(), 2);
 }
 
 #[test]
@@ -282,7 +287,9 @@ fn out_never_overwrites_a_file_the_run_reads_and_a_missing_directory_fails_first
     assert!(!o.status.success());
     assert_says(
         &o,
-        format!("--out {target} is the --target file; refusing to overwrite it"),
+        format!(
+            "--out {target} is a target file (for {LLAMA} on {target}); refusing to overwrite it"
+        ),
     );
     assert_eq!(
         std::fs::read(&target).unwrap(),
@@ -300,12 +307,8 @@ fn out_never_overwrites_a_file_the_run_reads_and_a_missing_directory_fails_first
     let missing = tmp.path("nodir/x.json");
     let o = lower(&[LLAMA, "--target", "h200-sxm-x8", "--out", &missing]);
     assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains(&format!("--out {missing}: directory "))
-            && stderr(&o).contains("does not exist"),
-        "{}",
-        stderr(&o)
-    );
+    assert_says(&o, format!("--out {missing}: no file can be made in "));
+    assert_says(&o, "No such file or directory");
     assert!(
         o.stdout.is_empty(),
         "{}",
@@ -334,8 +337,7 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
-        e.contains("--dot takes one input graph;")
-            && e.contains("has 2 entries to lower as graphs"),
+        e.contains("--dot takes one input graph; the directory has 2 graphs"),
         "{e}"
     );
     assert!(!e.contains("note:"), "{e}");
@@ -406,84 +408,51 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     }
     assert!(!Path::new(&missing).exists() && !Path::new(&out).exists());
     // What the rename would replace or cannot write, refused before lowering: a
-    // device, a name ending in `/`, a file as its directory, a directory no file can
-    // be made in (`/sys`, even for root).
+    // device, a name ending in `/` or `/.`, a file as its directory.
     for (bad, why) in [
         (
             "/dev/null".to_string(),
-            "is not a regular file (a device, FIFO or socket)",
-        ),
-        (
-            "/sys/x.dot".to_string(),
-            "is under /sys, which holds the system's",
-        ),
-        (
-            tmp.path(&format!("{}.dot", "n".repeat(252))),
-            "its name is 256 bytes, over the 255 a file name may have",
+            " is not a regular file (a device, FIFO or socket)",
         ),
         (
             tmp.path("nofile/"),
-            "names a directory; it takes a file name",
+            " names a directory; it takes a file name",
         ),
-        (format!("{input}/x.json"), "is not a directory"),
+        (
+            tmp.path("nofile/."),
+            " names a directory; it takes a file name",
+        ),
+        (format!("{input}/x.json"), ": no file can be made in "),
     ] {
         let o = lower(&[LLAMA, "-t", "h200-sxm-x8", "--dot", &bad]);
         assert_eq!(o.status.code(), Some(1));
         let e = stderr(&o);
-        assert!(
-            e.starts_with(&format!("error: --dot {bad}")) && e.contains(why),
-            "{e}"
-        );
+        assert!(e.starts_with(&format!("error: --dot {bad}{why}")), "{e}");
         assert!(o.stdout.is_empty());
     }
     assert!(!tmp.0.join("nofile").exists());
-    // A default output whose name would be too long; a graph whose name is not UTF-8
-    // (its options file and outputs are named after it).
-    let long = tmp.path(&format!("{}.json", "g".repeat(240)));
-    std::fs::copy(root().join(LLAMA), &long).unwrap();
-    let o = lower(&[&long, "-t", "h200-sxm-x8"]);
-    let e = stderr(&o);
-    assert!(
-        e.starts_with("error: the default output ")
-            && e.contains("its name is 265 bytes, over the 255")
-            && e.ends_with("; lower the graph alone with --out FILE\n"),
-        "{e}"
-    );
-    assert!(o.stdout.is_empty());
-    let odd = tmp.0.join(std::ffi::OsStr::from_bytes(b"g\xff.json"));
-    std::fs::copy(root().join(LLAMA), &odd).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_xtask"))
-        .current_dir(root())
-        .arg("lower")
-        .arg(&odd)
-        .output()
-        .unwrap();
-    assert_says(&o, ": the file name is not UTF-8;");
-    // `--dot` at the default output, an options file that does not exist yet, and a
-    // trailing `/.`: refused before lowering too.
-    // (Its directory must exist for `--dot`, as it does once anything was lowered: a
-    // clean checkout has none.)
-    std::fs::create_dir_all(root().join("target/arfuse")).unwrap();
-    let default_out = root().join("target/arfuse/llama31_8b_tp8.h200-sxm-x8.lowered.json");
-    let default_out = default_out.to_string_lossy().into_owned();
+    // `--dot` at the default output and an options file that does not exist yet:
+    // refused before lowering too.
     let fresh = tmp.path("fresh.json");
     std::fs::copy(root().join(LLAMA), &fresh).unwrap();
     let its_options = tmp.path("fresh.options.json");
     for (args, why) in [
         (
-            vec![LLAMA, "-t", "h200-sxm-x8", "--dot", &default_out],
-            "is where the lowered graph goes by default",
+            vec![
+                fresh.as_str(),
+                "-t",
+                "h200-sxm-x8",
+                "--dot",
+                "fresh.h200-sxm-x8.lowered.json",
+            ],
+            "is where the lowered graph goes; give --dot another file",
         ),
         (
-            vec![&fresh, "-t", "h200-sxm-x8", "--out", &its_options],
+            vec![fresh.as_str(), "-t", "h200-sxm-x8", "--out", &its_options],
             "is an options file (the targets of a graph)",
         ),
-        (
-            vec![LLAMA, "-t", "h200-sxm-x8", "--out", "nofile/."],
-            "names a directory",
-        ),
     ] {
-        let o = lower(&args);
+        let o = lower_in(&tmp.0, &args);
         assert_eq!(o.status.code(), Some(1), "{args:?}");
         assert_says(&o, why);
         assert!(o.stdout.is_empty());
@@ -494,7 +463,11 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     let o = lower(&[&fresh, "--out", &out]);
     assert_says(
         &o,
-        format!("{its_options}: \"targets\" is \"h200-sxm-x8\", not a list"),
+        format!("{its_options}: an options file is a JSON object with a \"targets\" list"),
+    );
+    assert_says(
+        &o,
+        "invalid type: string \"h200-sxm-x8\", expected a sequence",
     );
 }
 
@@ -515,11 +488,11 @@ fn options_files_and_their_targets_are_checked_before_lowering() {
         ),
         (
             r#"{"targets": ["h200-sxm-x8", 7]}"#,
-            format!("error: {options}: \"targets\"[1] is 7, not a string"),
+            format!("error: {options}: an options file is a JSON object with a \"targets\" list"),
         ),
         (
-            r#"["h200-sxm-x8"]"#,
-            format!("error: {options} is not a JSON object"),
+            r#""h200-sxm-x8""#,
+            format!("error: {options}: an options file is a JSON object with a \"targets\" list"),
         ),
         (
             r#"{"targets": [], "notes": "x"}"#,
@@ -543,12 +516,12 @@ fn options_files_and_their_targets_are_checked_before_lowering() {
     let (xa, xb) = (ta.join("x.toml"), tb.join("x.toml"));
     let (xa, xb) = (xa.to_string_lossy(), xb.to_string_lossy());
     std::fs::write(&options, format!(r#"{{"targets": ["{xa}", "{xb}"]}}"#)).unwrap();
-    let o = lower(&[&graph]);
+    let o = lower_in(&tmp.0, &[&graph]);
     let e = stderr(&o);
     assert!(
         e.contains(&format!(
-            "{graph} on {xa} and on {xb} would both be written to"
-        )) && e.contains("(the targets share the name x)"),
+            "{graph} on {xa} and {graph} on {xb} would both be written to ./g.x.lowered.json"
+        )),
         "{e}"
     );
     assert!(!e.contains("wrote "), "{e}");
@@ -557,20 +530,11 @@ fn options_files_and_their_targets_are_checked_before_lowering() {
     std::fs::remove_file(&options).unwrap();
     std::fs::create_dir(&options).unwrap();
     let o = lower(&[&graph]);
-    assert!(
-        stderr(&o).starts_with(&format!("error: {options} is not a regular file")),
-        "{}",
-        stderr(&o)
+    assert_says(
+        &o,
+        format!("error: failed to read from file `{options}`: Is a directory"),
     );
     std::fs::remove_dir(&options).unwrap();
-    std::os::unix::fs::symlink(tmp.0.join("nowhere"), &options).unwrap();
-    let o = lower(&[&graph]);
-    assert!(
-        stderr(&o).starts_with(&format!("error: reading {options}: ")),
-        "{}",
-        stderr(&o)
-    );
-    std::fs::remove_file(&options).unwrap();
     for (bytes, want) in [
         (vec![b' '; (1 << 20) + 1], "is over 1048576 bytes"),
         (
@@ -618,7 +582,7 @@ fn options_files_and_their_targets_are_checked_before_lowering() {
     let o = lower(&[&graph, "-t", "h200-sxm-x8", "--out", &under]);
     assert_says(
         &o,
-        format!("--out {under}: {} is a broken symlink", link.display()),
+        format!("--out {under}: no file can be made in {}", link.display()),
     );
     assert!(o.stdout.is_empty() && !Path::new(&out).exists());
 }
@@ -785,12 +749,9 @@ fn a_failed_pair_is_in_the_json_report_with_its_error() {
     std::fs::create_dir(&dir).unwrap();
     std::fs::write(dir.join("x.json"), "garbage").unwrap();
     std::fs::write(dir.join("x.pt2"), "garbage").unwrap();
-    let stem = format!("xtask_test_unreadable_{}", std::process::id());
-    std::fs::copy(root().join(LLAMA), dir.join(format!("{stem}.json"))).unwrap();
-    let o = lower(&[&dir.to_string_lossy(), "--report", "json"]);
-    let written = root().join(format!("target/arfuse/{stem}.h200-sxm-x8.lowered.json"));
-    let lowered = written.is_file();
-    let _ = std::fs::remove_file(&written);
+    std::fs::copy(root().join(LLAMA), dir.join("y.json")).unwrap();
+    let o = lower_in(&tmp.0, &["stems", "--report", "json"]);
+    let lowered = tmp.0.join("y.h200-sxm-x8.lowered.json").is_file();
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert_says(&o, "2 of 3 (graph, target) pair(s) failed");
     assert!(lowered, "{}", stderr(&o));
@@ -813,9 +774,18 @@ fn list_targets_and_help() {
     let t = String::from_utf8_lossy(&o.stdout).into_owned();
     let lines: Vec<&str> = t.lines().collect();
     assert_eq!(lines.len(), 1 + Target::preset_names().len(), "{t}");
-    assert!(
-        lines[0].starts_with("preset")
-            && lines[0].ends_with("interconnect    driver-multicast  backend"),
+    assert_eq!(
+        lines[0].split_whitespace().collect::<Vec<_>>(),
+        [
+            "preset",
+            "GPU",
+            "SM",
+            "W",
+            "nodes",
+            "interconnect",
+            "driver-multicast",
+            "backend"
+        ],
         "{t}"
     );
     let h200x2 = lines
@@ -855,17 +825,13 @@ fn list_targets_and_help() {
     let o = lower(&["--help"]);
     let help = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(
-        help.contains("Usage: cargo xtask lower [OPTIONS] [GRAPH|DIR]"),
+        help.contains("Usage: arfuse lower [OPTIONS] [GRAPH|DIR]"),
         "{help}"
     );
     // A usage error names the positional argument as the README does.
     let o = lower(&["--check", "--check-all"]);
     assert_eq!(o.status.code(), Some(2));
-    assert_says(
-        &o,
-        "Usage: cargo xtask lower [OPTIONS] [GRAPH|DIR]\n       cargo xtask lower \
-             --list-targets\n",
-    );
+    assert_says(&o, "Usage: arfuse lower ");
 }
 
 #[test]
@@ -985,13 +951,9 @@ fn a_directory_as_out_a_zero_world_size_and_ignored_all_reduce_ops_are_said() {
     for bad in ["0", "-1", "8.0", "eight", "4294967296"] {
         let o = lower(&[EXPORTED, "--world-size", bad]);
         assert_eq!(o.status.code(), Some(2), "{bad}");
-        assert!(
-            stderr(&o).contains(&format!(
-                "invalid value '{bad}' for '--world-size <N>': a world size is the number \
-                 of ranks in the tensor-parallel group, an integer from 1 to 4294967295"
-            )),
-            "{bad}: {}",
-            stderr(&o)
+        assert_says(
+            &o,
+            format!("invalid value '{bad}' for '--world-size <N>': "),
         );
     }
 
@@ -1020,10 +982,12 @@ fn a_directory_as_target_an_options_file_as_graph_and_a_negative_world_size_are_
     let o = lower(&[LLAMA, "--target", &dir.to_string_lossy()]);
     assert!(!o.status.success());
     let e = stderr(&o);
-    assert!(e.contains("is a directory; give a preset name"), "{e}");
+    assert!(
+        e.contains("target file ") && e.contains("Is a directory"),
+        "{e}"
+    );
     // A preset's name is the preset, whatever the current directory holds: here a
-    // W = 4 target file and a directory named like W = 8 presets. A FIFO as a target
-    // file is refused, not read (the read would wait for a writer).
+    // W = 4 target file and a directory named like W = 8 presets.
     let tmp = TempDir::new("preset-names");
     let w4 = std::fs::read_to_string(root().join(EXAMPLE_TARGET))
         .unwrap()
@@ -1031,21 +995,11 @@ fn a_directory_as_target_an_options_file_as_graph_and_a_negative_world_size_are_
     assert!(w4.contains("world_size = 4"));
     std::fs::write(tmp.0.join("h200-sxm-x8"), w4).unwrap();
     std::fs::create_dir(tmp.0.join("b200-x8")).unwrap();
-    let fifo = tmp.0.join("fifo.toml");
-    assert!(Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .unwrap()
-        .success());
     let llama = root().join(LLAMA);
     let in_tmp = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_xtask"))
-            .current_dir(&tmp.0)
-            .arg("lower")
-            .arg(&llama)
-            .args(args)
-            .output()
-            .unwrap()
+        let mut all = vec![llama.to_str().unwrap()];
+        all.extend(args);
+        lower_in(&tmp.0, &all)
     };
     for preset in ["h200-sxm-x8", "b200-x8"] {
         let o = in_tmp(&["--target", preset, "--out", "o.json", "--report", "json"]);
@@ -1054,8 +1008,6 @@ fn a_directory_as_target_an_options_file_as_graph_and_a_negative_world_size_are_
         assert_eq!(v[0]["target"], preset);
         assert_eq!(v[0]["report"]["target"]["world_size"], 8);
     }
-    let o = in_tmp(&["--target", "fifo.toml", "--out", "o.json"]);
-    assert_says(&o, "fifo.toml is not a regular file; a target file is TOML");
 
     let options = root().join("ir-fixtures/models/llama31_8b_tp8.options.json");
     let o = lower(&[&options.to_string_lossy()]);
