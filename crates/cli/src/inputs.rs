@@ -1,7 +1,7 @@
 //! The inputs of a run: graph files, their options files, and the (graph, target) pairs
 //! they make.
 
-use crate::targets::{self, presets_by_world_size, target_from_graph};
+use crate::targets::{self, target_from_graph};
 use anyhow::{bail, Context, Result};
 use arfuse::import::ImportOptions;
 use arfuse::Graph;
@@ -21,13 +21,6 @@ pub(crate) fn graph_stem(name: &str) -> Option<&str> {
 pub(crate) fn file_name(p: &Path) -> String {
     p.file_name()
         .map_or(String::new(), |n| n.to_string_lossy().into_owned())
-}
-
-/// The options file beside graph `input`, `<stem>.options.json`, there or not.
-fn options_file_of(input: &Path) -> PathBuf {
-    let name = file_name(input);
-    let stem = graph_stem(&name).unwrap_or(&name);
-    input.with_file_name(format!("{stem}.options.json"))
 }
 
 /// The part of an options file the command reads; the corpus's files hold more (how
@@ -69,7 +62,11 @@ pub(crate) fn graph_files(path: &Path) -> Result<Vec<PathBuf>> {
 /// The targets its options file lists for `input` (each once, in order), each loaded and
 /// checked; `None` when there is no options file or it lists none. Errors name the file.
 fn listed_targets(input: &Path) -> Result<Option<Vec<String>>> {
-    let path = options_file_of(input);
+    let name = file_name(input);
+    let path = input.with_file_name(format!(
+        "{}.options.json",
+        graph_stem(&name).unwrap_or(&name)
+    ));
     let shown = path.display();
     if !path.exists() {
         return Ok(None);
@@ -146,20 +143,16 @@ pub(crate) struct Job {
 /// The jobs of the run: each input with the given target, else the targets its options
 /// file lists, else the preset of the tensor-parallel size it records (the graph is read
 /// for it, and kept). Refused before any graph is lowered: `--out`/`--dot` (`outputs`)
-/// with several graphs or targets, a bad options file or listed target, and graphs that
-/// record no size (all named in one error).
+/// with several graphs, a bad options file or listed target, and graphs that record no
+/// size (all named in one error).
 pub(crate) fn plan_jobs(
     inputs: &[PathBuf],
     given: Option<&str>,
     outputs: &[(&str, PathBuf)],
     import: &ImportOptions,
 ) -> Result<Vec<Job>> {
-    let flags = match outputs {
-        [(flag, _)] => format!("{flag} takes"),
-        _ => "--out and --dot take".to_string(),
-    };
     if inputs.len() > 1 && !outputs.is_empty() {
-        let n = inputs.len();
+        let (flags, n) = (crate::outputs::flags_take(outputs), inputs.len());
         bail!("{flags} one input graph; the directory has {n} graphs: lower one of them");
     }
     let mut jobs = Vec::new();
@@ -175,15 +168,6 @@ pub(crate) fn plan_jobs(
             None => listed_targets(input)?,
         };
         if let Some(list) = listed {
-            if list.len() > 1 && !outputs.is_empty() {
-                bail!(
-                    "{flags} one target; {} is lowered for the {} targets its options file \
-                     lists ({}): pick one with --target",
-                    input.display(),
-                    list.len(),
-                    list.join(", ")
-                );
-            }
             jobs.push(job(list, None));
             continue;
         }
@@ -202,10 +186,10 @@ pub(crate) fn plan_jobs(
     if !unplannable.is_empty() {
         bail!(
             "{}\npass --target PRESET|FILE.toml, or --world-size N for the tensor-parallel \
-             size the model was exported for (N picks {}-xN); the presets by world size:\n{}",
+             size the model was exported for (N picks {}-xN; --list-targets lists every \
+             preset with its W)",
             unplannable.join("\n"),
             arfuse::policy::DEFAULT_PRESET_FAMILY,
-            presets_by_world_size()
         );
     }
     Ok(jobs)

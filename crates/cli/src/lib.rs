@@ -85,20 +85,19 @@ pub struct LowerArgs {
     pub check_all: bool,
     /// List the target presets (GPU, W, nodes, interconnect, the backend each resolves
     /// to) and exit.
-    #[arg(long, conflicts_with_all = [
-        "path", "target", "world_size", "out", "report", "dot", "group",
-        "shared_hidden", "all_reduce_ops", "sites", "check", "check_all",
-    ])]
+    #[arg(long, exclusive = true)]
     pub list_targets: bool,
 }
 
-/// What a run does with what the user left out.
-#[derive(Clone, Debug)]
+/// What a run does with what the user left out. The default (the installed command's):
+/// a graph is required, and default outputs go to the current directory.
+#[derive(Clone, Debug, Default)]
 pub struct Defaults {
     /// The graph lowered when no path is given, on [`DEFAULT_TARGET`]; `None`: a path is
     /// required.
     pub graph: Option<PathBuf>,
-    /// The directory of the default outputs (made when missing).
+    /// The directory of the default outputs (made when missing; empty: the current
+    /// directory).
     pub out_dir: PathBuf,
 }
 
@@ -122,27 +121,10 @@ pub fn lower(args: LowerArgs, defaults: &Defaults) -> Result<ExitCode> {
         .into_iter()
         .filter_map(|(flag, p)| Some((flag, p.clone()?)))
         .collect();
-    outputs::refuse_before_reading(&inputs, &requested)?;
-    let import = arfuse::import::ImportOptions {
-        all_reduce_ops: args.all_reduce_ops.clone(),
-        ..Default::default()
-    };
-    let jobs = inputs::plan_jobs(&inputs, target.as_deref(), &requested, &import)?;
+    let settings = run::Settings::new(&args);
+    let jobs = inputs::plan_jobs(&inputs, target.as_deref(), &requested, &settings.import)?;
     let dests = outputs::destinations(&jobs, &requested, &defaults.out_dir)?;
-    let options = arfuse::LowerOptions {
-        group: args.group.clone(),
-        shared_hidden_sizes: args.shared_hidden.clone(),
-        ..Default::default()
-    };
-    run::run_jobs(
-        &run::Settings {
-            args: &args,
-            options,
-            import,
-        },
-        jobs,
-        dests,
-    )
+    run::run_jobs(&settings, jobs, dests)
 }
 
 /// Puts SIGPIPE back to its default action, so that printing into a closed pipe

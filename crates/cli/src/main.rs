@@ -31,11 +31,7 @@ enum Command {
 fn main() -> ExitCode {
     arfuse_cli::restore_sigpipe();
     let Command::Lower(args) = Cli::parse().command;
-    let defaults = arfuse_cli::Defaults {
-        graph: None,
-        out_dir: ".".into(),
-    };
-    match arfuse_cli::lower(args, &defaults) {
+    match arfuse_cli::lower(args, &arfuse_cli::Defaults::default()) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -16,21 +16,24 @@ fn same(a: &Path, b: &Path) -> bool {
     abs(a) == abs(b) || same_file::is_same_file(a, b).unwrap_or(false)
 }
 
-/// What `--out`/`--dot` (`requested`) may not be, known before any file is read: a
-/// directory, something other than a regular file (`/dev/null`, which the rename would
-/// replace), an input graph, an options file (any `*.options.json`), both flags one file.
-pub(crate) fn refuse_before_reading(
-    inputs: &[PathBuf],
-    requested: &[(&str, PathBuf)],
-) -> Result<()> {
+/// "--out takes", "--dot takes" or "--out and --dot take": the flags of `requested`.
+pub(crate) fn flags_take(requested: &[(&str, PathBuf)]) -> String {
+    match requested {
+        [(flag, _)] => format!("{flag} takes"),
+        _ => "--out and --dot take".to_string(),
+    }
+}
+
+/// What `--out`/`--dot` (`requested`) may never be: a directory, something other than a
+/// regular file (`/dev/null`, which the rename would replace), an options file (any
+/// `*.options.json`), both flags one file.
+fn check_requested(requested: &[(&str, PathBuf)]) -> Result<()> {
     for (flag, o) in requested {
         let text = o.to_string_lossy();
         let why = if o.is_dir() || text.ends_with('/') || text.ends_with("/.") {
             "names a directory; it takes a file name"
         } else if o.exists() && !o.is_file() {
             "is not a regular file (a device, FIFO or socket); give a file name"
-        } else if inputs.iter().any(|i| same(i, o)) {
-            "is an input graph; refusing to overwrite it"
         } else if file_name(o).ends_with(".options.json") {
             "is an options file (the targets of a graph); refusing to overwrite it"
         } else {
@@ -91,6 +94,7 @@ pub(crate) fn destinations(
     requested: &[(&str, PathBuf)],
     out_dir: &Path,
 ) -> Result<Vec<Vec<Writer>>> {
+    check_requested(requested)?;
     let given = |flag: &str| requested.iter().find(|(f, _)| *f == flag).map(|(_, p)| p);
     let (out, dot) = (given("--out"), given("--dot"));
     let what = if out.is_some() {
@@ -113,13 +117,25 @@ pub(crate) fn destinations(
             let path = out.cloned().unwrap_or_else(default);
             let shown = path.display();
             if jobs.iter().any(|j| same(&j.input, &path)) {
-                bail!("{what} {shown} is an input graph (for {pair}); refusing to overwrite it: pass --out FILE");
+                bail!("{what} {shown} is an input graph (for {pair}); refusing to overwrite it");
             }
             if targets.iter().any(|t| same(t, &path)) {
                 bail!("{what} {shown} is a target file (for {pair}); refusing to overwrite it");
             }
             if dot.is_some_and(|d| same(d, &path)) {
                 bail!("--dot {shown} is where the lowered graph goes; give --dot another file");
+            }
+            if !made.is_empty() && !requested.is_empty() {
+                let (input, n, list) = (
+                    job.input.display(),
+                    job.targets.len(),
+                    job.targets.join(", "),
+                );
+                bail!(
+                    "{} one target; {input} is lowered for the {n} targets its options file \
+                     lists ({list}): pick one with --target",
+                    flags_take(requested)
+                );
             }
             if let Some((_, other)) = made.iter().find(|(p, _)| same(p, &path)) {
                 bail!("{other} and {pair} would both be written to {shown}; lower them one at a time with --out FILE");

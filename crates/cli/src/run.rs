@@ -19,6 +19,21 @@ pub(crate) struct Settings<'a> {
     pub import: arfuse::import::ImportOptions,
 }
 
+impl Settings<'_> {
+    pub fn new(args: &crate::LowerArgs) -> Settings<'_> {
+        let mut options = arfuse::LowerOptions::default();
+        options.group.clone_from(&args.group);
+        options.shared_hidden_sizes.clone_from(&args.shared_hidden);
+        let mut import = arfuse::import::ImportOptions::default();
+        import.all_reduce_ops.clone_from(&args.all_reduce_ops);
+        Settings {
+            args,
+            options,
+            import,
+        }
+    }
+}
+
 /// Lowers every pair (each graph read once), writing what succeeds; prints the JSON
 /// report when asked. Exit status 1 when any pair failed, saying how many.
 pub(crate) fn run_jobs(

@@ -2,7 +2,7 @@
 //! `--list-targets`.
 
 use crate::LowerArgs;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use arfuse::policy::{self, PRESETS};
 use arfuse::{Graph, Target};
 use std::path::Path;
@@ -83,12 +83,8 @@ pub(crate) fn check_target(spec: &str) -> Result<()> {
 pub(crate) fn given_target(default_graph: bool, args: &LowerArgs) -> Result<Option<String>> {
     for &h in &args.shared_hidden {
         // bf16 has the smallest elements: a size refused at bf16 is refused at any dtype.
-        match policy::check_hidden(h, policy::ActDtype::Bf16) {
-            Err(policy::PolicyError::InvalidHidden { reason, .. }) => {
-                bail!("--shared-hidden {h}: {reason}")
-            }
-            other => other.with_context(|| format!("--shared-hidden {h}"))?,
-        }
+        let checked = policy::check_hidden(h, policy::ActDtype::Bf16);
+        checked.with_context(|| format!("--shared-hidden {h}"))?;
     }
     let target = match (args.world_size, &args.target) {
         (Some(w), _) => {
@@ -141,24 +137,9 @@ pub(crate) fn target_from_graph(graph: &Graph) -> Result<(String, Option<String>
     Ok((name, Some(note)))
 }
 
-/// Every preset name grouped by world size, one line per W: `  W=2: a, b, c`.
-pub(crate) fn presets_by_world_size() -> String {
-    let mut sizes: Vec<u32> = PRESETS.iter().map(|p| p.world_size).collect();
-    sizes.sort_unstable();
-    sizes.dedup();
-    let line = |w: u32| {
-        let names: Vec<&str> = policy::presets_with_world_size(w).map(|p| p.name).collect();
-        format!("  W={w}: {}", names.join(", "))
-    };
-    sizes.into_iter().map(line).collect::<Vec<_>>().join("\n")
-}
-
-/// True when the graph has an all-reduce (plain or already fused).
+/// True when the graph has an all-reduce (plain or already fused: its collectives).
 fn has_all_reduce(graph: &Graph) -> bool {
-    use arfuse::ir::Op;
-    graph
-        .nodes()
-        .any(|(_, n)| matches!(n.op, Op::AllReduce { .. } | Op::FusedAllreduceNorm(_)))
+    graph.nodes().any(|(_, n)| n.op.is_collective())
 }
 
 /// The note for a graph with all-reduces that records no tensor-parallel size: nothing

@@ -158,7 +158,7 @@ fn relowering_a_lowered_graph_does_not_stack_names_or_overwrite_it() {
     let o = lower_in(&out_dir.0, &[&first, "--target", "h200-sxm-x8"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let expected = out_dir.0.join("x.h200-sxm-x8.lowered.json");
-    assert_says(&o, format!("wrote ./x.h200-sxm-x8.lowered.json"));
+    assert_says(&o, "wrote x.h200-sxm-x8.lowered.json");
     // Idempotent: the same graph again.
     assert_eq!(
         std::fs::read(&expected).unwrap(),
@@ -175,8 +175,8 @@ fn relowering_a_lowered_graph_does_not_stack_names_or_overwrite_it() {
     assert_eq!(o.status.code(), Some(1));
     assert_says(
         &o,
-        "error: the default output ./x.h200-sxm-x8.lowered.json is an input graph (for \
-         x.h200-sxm-x8.lowered.json on h200-sxm-x8); refusing to overwrite it: pass --out FILE",
+        "error: the default output x.h200-sxm-x8.lowered.json is an input graph (for \
+         x.h200-sxm-x8.lowered.json on h200-sxm-x8); refusing to overwrite it",
     );
     assert_eq!(
         before,
@@ -269,7 +269,7 @@ fn two_inputs_with_one_default_output_are_refused_before_lowering() {
     assert!(
         e.contains(
             "./x.json on h200-sxm-x8 and ./x.lowered.json on h200-sxm-x8 would both be \
-             written to ./x.h200-sxm-x8.lowered.json"
+             written to x.h200-sxm-x8.lowered.json"
         ),
         "{e}"
     );
@@ -354,13 +354,13 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
     let e = stderr(&o);
     assert!(
         e.contains(&format!(
-            "--out {input} is an input graph; refusing to overwrite it"
+            "--out {input} is an input graph (for {input} on h200-sxm-x8); refusing to overwrite it"
         )),
         "{e}"
     );
     assert_eq!(std::fs::read(&input).unwrap(), before);
-    // So is its options file, before the targets it lists are counted; and a graph of
-    // a directory of several.
+    // So is its options file, before the targets it lists are counted. With a directory
+    // of several graphs, --out is refused before any is read.
     let options = tmp.path("a.options.json");
     let o = lower(&[&input, "--dot", &options]);
     let e = stderr(&o);
@@ -371,10 +371,9 @@ fn out_with_several_graphs_or_targets_names_which_and_an_input_as_out_comes_firs
         "{e}"
     );
     let o = lower(&[tmp.0.to_str().unwrap(), "--out", &input]);
-    let e = stderr(&o);
-    assert!(
-        e.contains("is an input graph; refusing to overwrite it"),
-        "{e}"
+    assert_says(
+        &o,
+        "--out takes one input graph; the directory has 2 graphs",
     );
     // A directory of one graph with several targets: the graph is named.
     std::fs::remove_file(tmp.0.join("b.json")).unwrap();
@@ -520,7 +519,7 @@ fn options_files_and_their_targets_are_checked_before_lowering() {
     let e = stderr(&o);
     assert!(
         e.contains(&format!(
-            "{graph} on {xa} and {graph} on {xb} would both be written to ./g.x.lowered.json"
+            "{graph} on {xa} and {graph} on {xb} would both be written to g.x.lowered.json"
         )),
         "{e}"
     );
@@ -606,11 +605,7 @@ fn a_graph_without_a_tp_size_needs_a_target_or_a_world_size() {
         "{e}"
     );
     assert!(
-        e.contains("  W=2: h100-sxm-x2, h200-sxm-x2, b200-x2\n"),
-        "{e}"
-    );
-    assert!(
-        e.contains("  W=4: h100-sxm-x4, h200-sxm-x4, b200-x4, b300-x4, rtx-pro-6000-x4\n"),
+        e.ends_with("(N picks h200-sxm-xN; --list-targets lists every preset with its W)\n"),
         "{e}"
     );
     assert!(
@@ -818,7 +813,8 @@ fn list_targets_and_help() {
     assert!(o.stdout.is_empty());
     assert_says(
         &o,
-        "the argument '--list-targets' cannot be used with:\n  --out <OUT>\n  [GRAPH|DIR]",
+        "the argument '--list-targets' cannot be used with one or more of the other specified \
+         arguments",
     );
     let o = lower(&["--report", "json", "--list-targets"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
