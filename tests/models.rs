@@ -1,6 +1,8 @@
 //! The snapshot corpus: every model graph under ir-fixtures/models/, lowered for every
-//! target preset its options file names. Snapshots hold the report and the canonical
-//! lowered text; assertions hold the site counts.
+//! target preset its options file names. Snapshots hold the report and a per-site
+//! summary a reviewer can read (each kind of site: the nodes it replaced and its fused
+//! node); the whole lowered graph's canonical text is a checked fixture under
+//! ir-fixtures/lowered/ (`ARFUSE_BLESS=1` rewrites it); assertions hold the site counts.
 
 use arfuse::policy::{resolve_backend, BackendDecision};
 use arfuse::{Graph, LowerOptions, Target};
@@ -91,10 +93,95 @@ fn every_model_lowers_for_every_target_with_the_expected_sites() {
             settings.set_prepend_module_to_snapshot(false);
             settings.bind(|| {
                 insta::assert_snapshot!("report", report.to_string());
-                insta::assert_snapshot!("lowered", lowered.graph.canonical_text());
+                insta::assert_snapshot!("sites", site_summary(&f.graph, &lowered));
             });
+            check_lowered_fixture(&format!("{}@{t}", f.name), &lowered.graph.canonical_text());
         }
     }
+}
+
+/// One node without its operands, as the canonical text writes it: op, attributes,
+/// output types, module; a layer index in the module written `*`.
+fn node_text(n: &arfuse::ir::Node) -> String {
+    let mut out = n.op.name().to_string();
+    let attrs = n.op.attrs_json();
+    if !attrs.is_empty() {
+        out += &format!(" {}", serde_json::Value::Object(attrs));
+    }
+    let types: Vec<String> = n.outputs.iter().map(|t| t.to_string()).collect();
+    out += &format!(" : {}", types.join(", "));
+    if let Some(m) = &n.module {
+        let parts: Vec<&str> = m
+            .split('.')
+            .map(|p| match p.parse::<u64>() {
+                Ok(_) => "*",
+                Err(_) => p,
+            })
+            .collect();
+        out += &format!("  # {}", parts.join("."));
+    }
+    out
+}
+
+/// The reviewable summary of a lowering: for each kind of site (the same fused node and
+/// replaced nodes, but for layer indices), how many there are, the first one's
+/// all-reduce, the nodes it replaced and the fused node, in the order of first use.
+fn site_summary(original: &Graph, lowered: &arfuse::Lowered) -> String {
+    let mut kinds: Vec<(String, usize, String)> = Vec::new();
+    for site in &lowered.sites {
+        let node = |g: &Graph, id: &str| node_text(g.node(g.find(id).unwrap()));
+        let mut block = String::from("  replaced:\n");
+        for id in &site.replaced_nodes {
+            block += &format!("    {}\n", node(original, id));
+        }
+        block += &format!("  fused:\n    {}\n", node(&lowered.graph, &site.fused_node));
+        match kinds.iter_mut().find(|(b, ..)| *b == block) {
+            Some((_, n, _)) => *n += 1,
+            None => kinds.push((block, 1, site.all_reduce.clone())),
+        }
+    }
+    let mut out = format!("{} sites, {} kinds\n", lowered.sites.len(), kinds.len());
+    for (block, n, first) in kinds {
+        out += &format!("{n} site(s), the first at all-reduce `{first}`:\n{block}");
+    }
+    out
+}
+
+/// Compares a lowered graph's canonical text with its checked fixture,
+/// `ir-fixtures/lowered/<name>.txt.gz`, naming the first line that differs;
+/// `ARFUSE_BLESS=1` writes the fixture instead.
+fn check_lowered_fixture(name: &str, text: &str) {
+    use std::io::{Read, Write};
+    let path = root().join(format!("ir-fixtures/lowered/{name}.txt.gz"));
+    if std::env::var("ARFUSE_BLESS").is_ok_and(|v| v == "1") {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let mut gz = flate2::GzBuilder::new()
+            .mtime(0)
+            .write(Vec::new(), flate2::Compression::best());
+        gz.write_all(text.as_bytes()).unwrap();
+        std::fs::write(&path, gz.finish().unwrap()).unwrap();
+        return;
+    }
+    let bless = "ARFUSE_BLESS=1 cargo test -p arfuse --test models rewrites it";
+    let gz = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e} ({bless})", path.display()));
+    let mut want = String::new();
+    flate2::read::GzDecoder::new(&gz[..])
+        .read_to_string(&mut want)
+        .unwrap();
+    if want == text {
+        return;
+    }
+    let (got_lines, want_lines) = (text.lines().count(), want.lines().count());
+    let first = text.lines().zip(want.lines()).position(|(a, b)| a != b);
+    let at = first.unwrap_or(got_lines.min(want_lines));
+    panic!(
+        "{name}: the lowered graph differs from {} at line {} ({got_lines} lines, fixture \
+         {want_lines})\n  now:     {}\n  fixture: {}\nif the change is intended, {bless}",
+        path.display(),
+        at + 1,
+        text.lines().nth(at).unwrap_or("(end)"),
+        want.lines().nth(at).unwrap_or("(end)"),
+    );
 }
 
 #[test]
