@@ -83,11 +83,8 @@ fn main() -> ExitCode {
     let root = workspace_root();
     let result = match cli.command {
         Command::Lower(args) => {
-            let defaults = arfuse_cli::Defaults {
-                graph: Some(root.join(DEFAULT_GRAPH)),
-                out_dir: root.join("target/arfuse"),
-            };
-            arfuse_cli::lower(args, &defaults)
+            let graph = root.join(DEFAULT_GRAPH);
+            arfuse_cli::lower(args, Some(&graph), &root.join("target/arfuse"))
         }
         Command::GpuCheck { build_only, args } => gpu_check(&root, build_only, &args),
         Command::HostCheck { args } => host_check(&root, &args),

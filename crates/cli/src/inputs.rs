@@ -63,10 +63,8 @@ pub(crate) fn graph_files(path: &Path) -> Result<Vec<PathBuf>> {
 /// checked; `None` when there is no options file or it lists none. Errors name the file.
 fn listed_targets(input: &Path) -> Result<Option<Vec<String>>> {
     let name = file_name(input);
-    let path = input.with_file_name(format!(
-        "{}.options.json",
-        graph_stem(&name).unwrap_or(&name)
-    ));
+    let stem = graph_stem(&name).unwrap_or(&name);
+    let path = input.with_file_name(format!("{stem}.options.json"));
     let shown = path.display();
     if !path.exists() {
         return Ok(None);
@@ -105,13 +103,8 @@ fn read_limited(path: &Path, limit: u64) -> Result<Vec<u8>> {
 /// The text of a small file the user gives besides graphs (an options file, a target
 /// file): at most 1 MiB of UTF-8, a byte order mark read past. Errors name the file.
 pub(crate) fn read_small_text(path: &Path) -> Result<String> {
-    let text = String::from_utf8(read_limited(path, 1 << 20)?).map_err(|e| {
-        let at = e.utf8_error().valid_up_to();
-        anyhow::anyhow!(
-            "{} is not UTF-8 text (invalid byte at offset {at})",
-            path.display()
-        )
-    })?;
+    let text = String::from_utf8(read_limited(path, 1 << 20)?)
+        .with_context(|| format!("{} is not UTF-8 text", path.display()))?;
     Ok(text.strip_prefix('\u{feff}').unwrap_or(&text).to_string())
 }
 

@@ -1,6 +1,6 @@
 //! The `arfuse` command line: `arfuse lower` lowers graph files for a target, prints the
 //! report and writes the lowered graphs. `cargo xtask lower` in a checkout runs the same
-//! code ([`lower`]) with the checkout's defaults ([`Defaults`]).
+//! code ([`lower`]) with the checkout's defaults.
 //!
 //! What a run promises: a (graph, target) pair whose lowering fails writes nothing, an
 //! input (graph, options file, target file) is never overwritten, and every error names
@@ -9,7 +9,7 @@
 
 use anyhow::{bail, Result};
 use clap::{value_parser, Args, ValueEnum};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 mod inputs;
@@ -89,41 +89,29 @@ pub struct LowerArgs {
     pub list_targets: bool,
 }
 
-/// What a run does with what the user left out. The default (the installed command's):
-/// a graph is required, and default outputs go to the current directory.
-#[derive(Clone, Debug, Default)]
-pub struct Defaults {
-    /// The graph lowered when no path is given, on [`DEFAULT_TARGET`]; `None`: a path is
-    /// required.
-    pub graph: Option<PathBuf>,
-    /// The directory of the default outputs (made when missing; empty: the current
-    /// directory).
-    pub out_dir: PathBuf,
-}
-
 /// Runs `lower`: exit status 0 when every pair lowered (and checked, with `--check`),
-/// 1 when any failed (each said on stderr, and in the JSON report). Errors: whatever
-/// stops the run before any pair is lowered (a missing input, a bad target or options
-/// file, an output that would overwrite an input, two pairs with one output).
-pub fn lower(args: LowerArgs, defaults: &Defaults) -> Result<ExitCode> {
+/// 1 when any failed (each said on stderr, and in the JSON report). `default_graph` is
+/// lowered, on [`DEFAULT_TARGET`], when no path is given (`None`: a path is required);
+/// default outputs go to `out_dir` (made when missing; empty: the current directory).
+/// Errors: whatever stops the run before any pair is lowered (a missing input, a bad
+/// target or options file, an output that would overwrite an input).
+pub fn lower(args: LowerArgs, default_graph: Option<&Path>, out_dir: &Path) -> Result<ExitCode> {
     if args.list_targets {
         print!("{}", targets_table());
         return Ok(ExitCode::SUCCESS);
     }
-    let default_graph = args.path.is_none();
-    let path = match args.path.clone().or_else(|| defaults.graph.clone()) {
-        Some(p) => p,
-        None => bail!("give a graph file or directory to lower (arfuse lower --help)"),
+    let Some(path) = args.path.as_deref().or(default_graph) else {
+        bail!("give a graph file or directory to lower (arfuse lower --help)")
     };
-    let inputs = inputs::graph_files(&path)?;
-    let target = targets::given_target(default_graph, &args)?;
+    let inputs = inputs::graph_files(path)?;
+    let target = targets::given_target(args.path.is_none(), &args)?;
     let requested: Vec<(&str, PathBuf)> = [("--out", &args.out), ("--dot", &args.dot)]
         .into_iter()
         .filter_map(|(flag, p)| Some((flag, p.clone()?)))
         .collect();
     let settings = run::Settings::new(&args);
     let jobs = inputs::plan_jobs(&inputs, target.as_deref(), &requested, &settings.import)?;
-    let dests = outputs::destinations(&jobs, &requested, &defaults.out_dir)?;
+    let dests = outputs::destinations(&jobs, &requested, out_dir)?;
     run::run_jobs(&settings, jobs, dests)
 }
 

@@ -3,9 +3,7 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
-/// mimalloc, as in every arfuse binary: a lowering makes about 150 small allocations
-/// per site (mostly egg's e-classes), which glibc's malloc serves about a third slower
-/// (`crates/rewrite/benches/lower.rs` measures both).
+/// mimalloc, as in every arfuse binary (the root `Cargo.toml` says why).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -31,7 +29,7 @@ enum Command {
 fn main() -> ExitCode {
     arfuse_cli::restore_sigpipe();
     let Command::Lower(args) = Cli::parse().command;
-    match arfuse_cli::lower(args, &arfuse_cli::Defaults::default()) {
+    match arfuse_cli::lower(args, None, std::path::Path::new("")) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -97,11 +97,7 @@ pub(crate) fn destinations(
     check_requested(requested)?;
     let given = |flag: &str| requested.iter().find(|(f, _)| *f == flag).map(|(_, p)| p);
     let (out, dot) = (given("--out"), given("--dot"));
-    let what = if out.is_some() {
-        "--out"
-    } else {
-        "the default output"
-    };
+    let what = out.map_or("the default output", |_| "--out");
     let specs = jobs.iter().flat_map(|j| &j.targets);
     let targets: Vec<&Path> = specs.filter(|t| is_target_file(t)).map(Path::new).collect();
     if out.is_none() && jobs.iter().any(|j| !j.targets.is_empty()) {
@@ -126,15 +122,11 @@ pub(crate) fn destinations(
                 bail!("--dot {shown} is where the lowered graph goes; give --dot another file");
             }
             if !made.is_empty() && !requested.is_empty() {
-                let (input, n, list) = (
-                    job.input.display(),
-                    job.targets.len(),
-                    job.targets.join(", "),
-                );
+                let (flags, list) = (flags_take(requested), job.targets.join(", "));
+                let (input, n) = (job.input.display(), job.targets.len());
                 bail!(
-                    "{} one target; {input} is lowered for the {n} targets its options file \
-                     lists ({list}): pick one with --target",
-                    flags_take(requested)
+                    "{flags} one target; {input} is lowered for the {n} targets its options \
+                     file lists ({list}): pick one with --target"
                 );
             }
             if let Some((_, other)) = made.iter().find(|(p, _)| same(p, &path)) {
@@ -158,15 +150,8 @@ impl Writer {
     /// Writes the lowered graph (and its DOT) into the temporary files and renames them
     /// into place, returning the paths written; an error says which were.
     pub fn write(self, graph_json: &str, dot: impl FnOnce() -> String) -> Result<Vec<PathBuf>> {
-        let texts = [
-            graph_json.to_string(),
-            if self.0.len() > 1 {
-                dot()
-            } else {
-                String::new()
-            },
-        ];
-        for ((path, temp), text) in self.0.iter().zip(&texts) {
+        let dot = (self.0.len() > 1).then(dot).unwrap_or_default();
+        for ((path, temp), text) in self.0.iter().zip([graph_json, &dot]) {
             if let Err(e) = temp.as_file().write_all(text.as_bytes()) {
                 bail!("writing {}: {e} (nothing written)", path.display());
             }
@@ -174,11 +159,8 @@ impl Writer {
         let mut done: Vec<PathBuf> = Vec::new();
         for (path, temp) in self.0 {
             if let Err(e) = temp.persist(&path) {
-                bail!(
-                    "writing {}: {} (written before it: {done:?})",
-                    path.display(),
-                    e.error
-                );
+                let (path, e) = (path.display(), e.error);
+                bail!("writing {path}: {e} (written before it: {done:?})");
             }
             done.push(path);
         }

@@ -47,10 +47,8 @@ pub(crate) fn run_jobs(
         let graph = job.graph.unwrap_or_else(|| read_graph(input, &s.import));
         let graph = graph.map_err(|e| format!("{e:#}"));
         // A graph read to choose its target and found unreadable: one pair, no target.
-        let specs: Vec<Option<&String>> = match job.targets.is_empty() {
-            true => vec![None],
-            false => job.targets.iter().map(Some).collect(),
-        };
+        let none = job.targets.is_empty().then_some(None);
+        let specs: Vec<Option<&String>> = job.targets.iter().map(Some).chain(none).collect();
         let mut writers = writers.into_iter();
         for (k, spec) in specs.into_iter().enumerate() {
             pairs += 1;
@@ -61,12 +59,8 @@ pub(crate) fn run_jobs(
                 (Err(e), ..) => Err(e.clone()),
                 _ => Err(format!("{}: no target or output", input.display())),
             };
-            let msg = match outcome {
-                Ok(entry) => {
-                    json.extend(entry);
-                    continue;
-                }
-                Err(msg) => msg,
+            let Err(msg) = outcome.map(|entry| json.extend(entry)) else {
+                continue;
             };
             failed += 1;
             let name = spec.map(|t| target_name(t));
@@ -137,14 +131,14 @@ fn lower_pair(
     };
     let written = written.map_err(|e| format!("{e:#}"))?;
     if s.args.report == ReportFormat::Table {
-        println!(
-            "== {input} on {name} ({} graph nodes, lowered in {took:.1} ms)",
-            graph.len()
-        );
-        match s.args.sites {
-            true => println!("{}", r.display_every_site()),
-            false => println!("{r}"),
-        }
+        let nodes = graph.len();
+        println!("== {input} on {name} ({nodes} graph nodes, lowered in {took:.1} ms)");
+        let table = if s.args.sites {
+            r.display_every_site().to_string()
+        } else {
+            r.to_string()
+        };
+        println!("{table}");
     }
     if let Some((summary, ..)) = &check {
         match s.args.report {
@@ -180,11 +174,9 @@ fn check_group(graph: &Graph, group: Option<&str>) -> Result<(), String> {
     if groups.is_empty() || groups.contains(g) {
         return Ok(());
     }
-    let list: Vec<&str> = groups.into_iter().collect();
-    Err(format!(
-        "--group {g:?} matches no all-reduce; the graph's groups are {}",
-        list.join(", ")
-    ))
+    let list = groups.into_iter().collect::<Vec<_>>().join(", ");
+    let why = format!("--group {g:?}: no all-reduce has it (groups: {list})");
+    Err(why)
 }
 
 /// `--check`: the per-site equivalence check of one lowered pair on `w` ranks: its table

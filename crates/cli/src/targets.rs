@@ -123,12 +123,7 @@ pub(crate) fn target_from_graph(graph: &Graph) -> Result<(String, Option<String>
         return Ok((DEFAULT_TARGET.to_string(), None));
     }
     let Some(w) = graph.recorded_world_size() else {
-        return Err(
-            "the graph records no tensor-parallel size (metadata `tp` or \
-                    `world_size`; torch.export output has none), so its world size would \
-                    be a guess"
-                .into(),
-        );
+        return Err(format!("{NO_TP}, so its world size would be a guess"));
     };
     let fail = |why: String| format!("the graph records tp = {w}: {why}");
     let w32 = u32::try_from(w).map_err(|_| fail("no machine has that".into()))?;
@@ -136,6 +131,10 @@ pub(crate) fn target_from_graph(graph: &Graph) -> Result<(String, Option<String>
         .map_err(|e| fail(e.root_cause().to_string()))?;
     Ok((name, Some(note)))
 }
+
+/// What a graph without a recorded tensor-parallel size is told.
+const NO_TP: &str = "the graph records no tensor-parallel size (metadata `tp` or \
+                     `world_size`; torch.export output has none)";
 
 /// True when the graph has an all-reduce (plain or already fused: its collectives).
 fn has_all_reduce(graph: &Graph) -> bool {
@@ -149,10 +148,9 @@ pub(crate) fn assumed_world_size_note(graph: &Graph, t: &Target, name: &str) -> 
         return None;
     }
     Some(format!(
-        "the graph records no tensor-parallel size (metadata `tp` or `world_size`, absent \
-         from torch.export output): planned for {name}'s world_size {}; if the model was \
-         exported for another tensor-parallel size, plan for that size (--world-size N, or \
-         a --target with that world_size)",
+        "{NO_TP}: planned for {name}'s world_size {}; if the model was exported for another \
+         tensor-parallel size, plan for that size (--world-size N, or a --target with that \
+         world_size)",
         t.world_size
     ))
 }

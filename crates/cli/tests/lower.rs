@@ -538,7 +538,7 @@ fn options_files_and_their_targets_are_checked_before_lowering() {
         (vec![b' '; (1 << 20) + 1], "is over 1048576 bytes"),
         (
             b"{\"targets\": [\"\xff\"]}".to_vec(),
-            "is not UTF-8 text (invalid byte at offset 14)",
+            "is not UTF-8 text: invalid utf-8 sequence of 1 bytes from index 14",
         ),
     ] {
         std::fs::write(&options, bytes).unwrap();
