@@ -20,7 +20,7 @@ use arfuse_runtime::device::{Allocation, Device, RankTensor};
 use arfuse_runtime::host::{Compiler, HostDevice, HostMem, HostOptions};
 use arfuse_runtime::node::{NodeKernels, Route};
 use arfuse_runtime::runner::{NodeTensors, Runner};
-use arfuse_runtime::variants::{Dtype, Strategy};
+use arfuse_runtime::variants::{ActDtype, Strategy};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -105,13 +105,13 @@ fn reference_outputs(
     case: &Case,
     inputs: &Inputs,
 ) -> Vec<RankOutputs> {
-    let dt = |d: Dtype| match d {
-        Dtype::Bf16 => arfuse::ir::DType::Bf16,
-        Dtype::F16 => arfuse::ir::DType::F16,
-        Dtype::F32 => arfuse::ir::DType::F32,
+    let dt = |d: ActDtype| match d {
+        ActDtype::Bf16 => arfuse::ir::DType::Bf16,
+        ActDtype::F16 => arfuse::ir::DType::F16,
+        ActDtype::F32 => arfuse::ir::DType::F32,
     };
     let (t, h) = (case.tokens as usize, case.hidden as usize);
-    let tensor = |d: Dtype, shape: Vec<usize>, bytes: &[u8]| {
+    let tensor = |d: ActDtype, shape: Vec<usize>, bytes: &[u8]| {
         Tensor::from_f32(dt(d), shape, check::decode(d, bytes)).expect("tensor")
     };
     let mut rank_inputs = arfuse::reference::RankInputs::new();
@@ -239,7 +239,7 @@ fn every_fused_node_of_a_lowered_llama_runs_on_the_host_device_as_the_reference_
     let mut tokens = Vec::new();
     for &(lo, hi, s) in k0.dispatch() {
         tokens.push(lo);
-        tokens.push(if s.is_some() { hi } else { hi.min(128) });
+        tokens.push(if s.is_fused() { hi } else { hi.min(128) });
     }
     assert_eq!(
         tokens,
@@ -247,7 +247,7 @@ fn every_fused_node_of_a_lowered_llama_runs_on_the_host_device_as_the_reference_
         "the h200-sxm-x8 plan of Llama-3.1-8B"
     );
     let max_t = *tokens.iter().max().expect("tokens");
-    let act = u64::from(max_t) * u64::from(k0.hidden) * k0.dtype.bytes() as u64;
+    let act = u64::from(max_t) * u64::from(k0.hidden) * k0.dtype.element_bytes();
     let dev = runner.device();
     let (x, res, out, res_out) = (
         Strided::new(dev, act),

@@ -125,7 +125,7 @@ fn plan_bytes_are_the_runtime_allocation_and_only_what_is_dispatched() {
                 let (w, h, e) = (
                     u64::from(ws.world_size),
                     u64::from(k.hidden),
-                    k.dtype.bytes() as u64,
+                    k.dtype.element_bytes(),
                 );
                 let largest = plan
                     .dispatch
@@ -292,7 +292,8 @@ fn one_shot_never_runs_past_the_bytes_boundary() {
                 }
                 let k = NodeKernels::from_graph(&lowered.graph, &n.id, target.world_size).unwrap();
                 let w = u64::from(k.world);
-                let input = |tokens: u64| tokens * u64::from(k.hidden) * w * k.dtype.bytes() as u64;
+                let input =
+                    |tokens: u64| tokens * u64::from(k.hidden) * w * k.dtype.element_bytes();
                 let case = |strategy, tokens: u64| Case {
                     strategy,
                     world: k.world,

@@ -408,10 +408,7 @@ fn launch_call<D: Device>(
 /// and lose the CUDA context).
 fn check_tensors(k: &NodeKernels, t: &NodeTensors) -> Result<()> {
     use crate::variants::Quant;
-    let needs_scale = matches!(
-        k.epilogue.quant,
-        Quant::Fp8Static | Quant::Nvfp4Swizzled | Quant::Nvfp4Linear
-    );
+    let needs_scale = matches!(k.epilogue.quant, Quant::Fp8Static | Quant::Nvfp4(_));
     for (missing, what) in [
         (t.x.ptr == 0, "x"),
         (k.epilogue.residual && t.residual_in.ptr == 0, "residual_in"),
@@ -465,7 +462,7 @@ fn extent(t: RankTensor, k: &NodeKernels, tokens: u32) -> Option<(u64, u64)> {
     if t.ptr == 0 {
         return None;
     }
-    let row = u64::from(tokens) * u64::from(k.hidden) * k.dtype.bytes() as u64;
+    let row = u64::from(tokens) * u64::from(k.hidden) * k.dtype.element_bytes();
     let last = t.rank_stride.saturating_mul(u64::from(k.world) - 1);
     Some((t.ptr, t.ptr.saturating_add(last).saturating_add(row)))
 }

@@ -688,7 +688,7 @@ mod tests {
     #[test]
     fn capture_refuses_to_create_anything() {
         let mut d = device();
-        let ws = crate::check::workspace_for(2, crate::variants::Dtype::Bf16, 256, 4).unwrap();
+        let ws = crate::check::workspace_for(2, crate::variants::ActDtype::Bf16, 256, 4).unwrap();
         let g = d
             .capture(&mut |d: &mut HostDevice| {
                 assert!(d.is_capturing().unwrap());
@@ -698,7 +698,7 @@ mod tests {
                 assert!(matches!(e, Error::Capturing(_)), "{e}");
                 let e = d.load(&[crate::variants::virtual_allreduce(
                     2,
-                    crate::variants::Dtype::Bf16,
+                    crate::variants::ActDtype::Bf16,
                 )]);
                 assert!(matches!(e, Err(Error::Capturing(_))));
                 Ok(())
