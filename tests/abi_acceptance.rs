@@ -3,12 +3,12 @@
 //! fused node of the lowered graph is accepted by the runtime
 //! (`NodeKernels::from_graph`, which the `Runner` calls when a node is added: W, dtype,
 //! row, epilogue, a built variant for every fused range, the plan's workspace), and a
-//! target the kernels cannot run (a W outside `arfuse_abi::WORLD_SIZES`, a row outside
-//! `arfuse_abi::row_unsupported`, an epilogue outside `Quant::unsupported`) is planned
+//! target the kernels cannot run (a W outside `arfuse::advanced::abi::WORLD_SIZES`, a row outside
+//! `arfuse::advanced::abi::row_unsupported`, an epilogue outside `Quant::unsupported`) is planned
 //! unfused with the ABI's reason in the report.
 
-use arfuse::ir::{FusedQuant, Graph, GroupScaleLayout, Nvfp4ScaleLayout, Op};
-use arfuse::policy::{ActDtype, Interconnect, KernelLibrary, Target};
+use arfuse::advanced::ir::{FusedQuant, Graph, GroupScaleLayout, Nvfp4ScaleLayout, Op};
+use arfuse::advanced::policy::{ActDtype, Interconnect, KernelLibrary, Target};
 use arfuse_runtime::node::NodeKernels;
 use proptest::prelude::*;
 
@@ -217,22 +217,22 @@ proptest! {
         // The ABI's reasons are in the report where nothing refused the site before the
         // plan: a backend the machine has not, or the rewrite's own rule for rows too
         // small or misaligned.
-        let backend = arfuse::policy::resolve_backend(&t)
+        let backend = arfuse::advanced::policy::resolve_backend(&t)
             .map_err(|e| TestCaseError::fail(e.to_string()))?
             .backend();
         // (A row wider than any library's, `check_hidden`, is the planner's error.)
         let planned = backend.is_some()
-            && arfuse_abi::row_shape_unsupported(h, dtype).is_none()
-            && arfuse::policy::check_hidden(h, dtype).is_ok();
-        if let Some(why) = arfuse_abi::world_unsupported(world) {
+            && arfuse::advanced::abi::row_shape_unsupported(h, dtype).is_none()
+            && arfuse::advanced::policy::check_hidden(h, dtype).is_ok();
+        if let Some(why) = arfuse::advanced::abi::world_unsupported(world) {
             prop_assert!(fused.is_empty(), "W = {world} fused: {fused:?}");
-            if planned && arfuse_abi::row_unsupported(h, dtype).is_none() {
+            if planned && arfuse::advanced::abi::row_unsupported(h, dtype).is_none() {
                 prop_assert!(report.contains(&why), "W = {world}: report lacks {why:?}:\n{report}");
             }
         }
-        if let Some(why) = arfuse_abi::row_unsupported(h, dtype) {
+        if let Some(why) = arfuse::advanced::abi::row_unsupported(h, dtype) {
             prop_assert!(fused.is_empty(), "H = {h} {dtype} fused: {fused:?}");
-            if planned && arfuse_abi::world_unsupported(world).is_none() {
+            if planned && arfuse::advanced::abi::world_unsupported(world).is_none() {
                 prop_assert!(report.contains(&why), "H = {h} {dtype}: report lacks {why:?}:\n{report}");
             }
         }

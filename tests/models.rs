@@ -2,7 +2,7 @@
 //! target preset its options file names. Snapshots hold the report and the canonical
 //! lowered text; assertions hold the site counts.
 
-use arfuse::policy::{resolve_backend, BackendDecision};
+use arfuse::advanced::policy::{resolve_backend, BackendDecision};
 use arfuse::{Graph, LowerOptions, Target};
 
 mod common;
@@ -31,7 +31,7 @@ fn shared_hidden_sizes(f: &Fixture) -> Vec<u64> {
 fn hidden_sizes(g: &Graph) -> Vec<u64> {
     let mut hs: Vec<u64> = g
         .nodes()
-        .filter(|(_, n)| matches!(n.op, arfuse::ir::Op::AllReduce { .. }))
+        .filter(|(_, n)| matches!(n.op, arfuse::advanced::ir::Op::AllReduce { .. }))
         .filter_map(|(_, n)| n.outputs[0].shape.last().and_then(|d| d.as_const()))
         .collect();
     hs.sort();
@@ -53,10 +53,7 @@ fn every_model_lowers_for_every_target_with_the_expected_sites() {
         assert!(!targets.is_empty(), "{}: no targets", f.name);
         for t in &targets {
             let target = Target::preset(t).unwrap();
-            let options = LowerOptions {
-                shared_hidden_sizes: shared_hidden_sizes(f),
-                ..LowerOptions::default()
-            };
+            let options = LowerOptions::default().with_shared_hidden_sizes(shared_hidden_sizes(f));
             let lowered = arfuse::lower_with(&f.graph, &target, &options)
                 .unwrap_or_else(|e| panic!("{} on {t}: {e}", f.name));
             let report = &lowered.report;
@@ -106,19 +103,19 @@ fn glm5_fp8_on_h200_is_the_seed_case_handled() {
         .graph
         .nodes()
         .filter_map(|(_, n)| match &n.op {
-            arfuse::ir::Op::FusedAllreduceNorm(a) => Some(a.clone()),
+            arfuse::advanced::ir::Op::FusedAllreduceNorm(a) => Some(a.clone()),
             _ => None,
         })
         .collect();
     assert_eq!(fused.len(), 157);
     for a in &fused {
         let plan = a.plan.as_ref().expect("a fused node carries its plan");
-        assert_eq!(plan.backend(), arfuse::ir::Backend::Mnnvl);
+        assert_eq!(plan.backend(), arfuse::advanced::ir::Backend::Mnnvl);
         assert_eq!(plan.max_token_num, 42);
         assert_eq!(plan.workspace.lamport_buffer_bytes, 1_179_648);
         // arfuse's kernels: 256 + 3 * 1,179,648, against FlashInfer's 3,540,992.
         assert_eq!(plan.workspace.total_bytes_per_rank, 3_539_200);
-        let ranges: Vec<(u64, u64, arfuse::ir::Strategy)> = plan
+        let ranges: Vec<(u64, u64, arfuse::advanced::ir::Strategy)> = plan
             .dispatch
             .iter()
             .map(|r| (r.min_tokens, r.max_tokens, r.strategy))
@@ -126,9 +123,9 @@ fn glm5_fp8_on_h200_is_the_seed_case_handled() {
         assert_eq!(
             ranges,
             vec![
-                (1, 10, arfuse::ir::Strategy::OneShot),
-                (11, 42, arfuse::ir::Strategy::TwoShot),
-                (43, 8192, arfuse::ir::Strategy::Unfused)
+                (1, 10, arfuse::advanced::ir::Strategy::OneShot),
+                (11, 42, arfuse::advanced::ir::Strategy::TwoShot),
+                (43, 8192, arfuse::advanced::ir::Strategy::Unfused)
             ]
         );
         // Every fused T fits ONE Lamport buffer (the seed failure needed 3,932,160 at T=40).
@@ -154,7 +151,7 @@ fn deterministic_llama_fuses_every_site_and_states_batch_invariance() {
         "{text}"
     );
     // With the engine's all-reduce serving T > 64 it is refused, with the reason.
-    target.unfused_all_reduce = arfuse::policy::UnfusedAllReduce::Engine;
+    target.unfused_all_reduce = arfuse::advanced::policy::UnfusedAllReduce::Engine;
     let lowered = arfuse::lower(&f.graph, &target).unwrap();
     assert_eq!(lowered.report.all_reduces_fused, 0);
     assert!(lowered.report.to_string().contains("engine's all-reduce"));

@@ -9,7 +9,7 @@
 //! Run `cargo xtask help` for details.
 
 use anyhow::{bail, Context, Result};
-use arfuse::reference::SiteTokens;
+use arfuse::advanced::reference::SiteTokens;
 use arfuse::{Graph, LowerOptions, Target};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::path::{Path, PathBuf};
@@ -103,7 +103,7 @@ enum Command {
         /// e.g. `vllm.all_reduce`; `=GROUP` gives its process group when the op has no
         /// `group_name` argument (torch.export / FX graphs only).
         #[arg(long = "all-reduce-op", value_name = "NAME[=GROUP]")]
-        all_reduce_ops: Vec<arfuse::import::CustomAllReduce>,
+        all_reduce_ops: Vec<arfuse::advanced::import::CustomAllReduce>,
         /// In the table report, one line per site (default: sites that differ only in
         /// their layer index on one line).
         #[arg(long)]
@@ -198,10 +198,8 @@ fn main() -> ExitCode {
                 print!("{}", targets_table());
                 return ExitCode::SUCCESS;
             }
-            let import = arfuse::import::ImportOptions {
-                all_reduce_ops,
-                ..Default::default()
-            };
+            let mut import = arfuse::advanced::import::ImportOptions::default();
+            import.all_reduce_ops = all_reduce_ops;
             lower_cmd(
                 &root,
                 path,
@@ -274,8 +272,8 @@ fn targets_table() -> String {
         "driver-multicast".into(),
         "backend".into(),
     ]];
-    for p in arfuse::policy::PRESETS {
-        let backend = match arfuse::policy::resolve_backend(&p.target()) {
+    for p in arfuse::advanced::policy::PRESETS {
+        let backend = match arfuse::advanced::policy::resolve_backend(&p.target()) {
             Ok(d) => d
                 .backend()
                 .map(|b| b.to_string())
@@ -403,9 +401,11 @@ fn check_shared_hidden(sizes: &[u64]) -> Result<()> {
     for &h in sizes {
         // bf16 has the smallest elements of the activation dtypes: a size refused at
         // bf16 is refused at every dtype.
-        if let Err(e) = arfuse::policy::check_hidden(h, arfuse::policy::ActDtype::Bf16) {
+        if let Err(e) =
+            arfuse::advanced::policy::check_hidden(h, arfuse::advanced::policy::ActDtype::Bf16)
+        {
             let why = match e {
-                arfuse::policy::PolicyError::InvalidHidden { reason, .. } => reason,
+                arfuse::advanced::policy::PolicyError::InvalidHidden { reason, .. } => reason,
                 other => other.to_string(),
             };
             bail!(
@@ -432,13 +432,13 @@ fn assumed_world_size_note(graph: &Graph, target: &Target, target_name: &str) ->
     ))
 }
 
-fn read_graph(path: &Path, import: &arfuse::import::ImportOptions) -> Result<Graph> {
+fn read_graph(path: &Path, import: &arfuse::advanced::import::ImportOptions) -> Result<Graph> {
     use std::io::Read;
     let meta = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
     if !meta.is_file() {
         bail!("{} is not a regular file", path.display());
     }
-    let limit = arfuse::import::MAX_FILE_BYTES as u64;
+    let limit = arfuse::advanced::import::MAX_FILE_BYTES as u64;
     if meta.len() > limit {
         bail!(
             "{} is {} bytes, above the {limit} byte limit",
@@ -454,7 +454,7 @@ fn read_graph(path: &Path, import: &arfuse::import::ImportOptions) -> Result<Gra
     if bytes.len() as u64 > limit {
         bail!("{} is more than the {limit} byte limit", path.display());
     }
-    let imported = arfuse::import::load_any_with(&bytes, import)
+    let imported = arfuse::advanced::import::load_any_with(&bytes, import)
         .with_context(|| format!("loading {}", path.display()))?;
     for note in &imported.notes {
         match note.strip_prefix("warning: ") {
@@ -725,9 +725,9 @@ fn parse_shared_hidden(s: &str) -> std::result::Result<u64, String> {
 /// flag's parser and the IR's validation of `metadata.tp` and `metadata.world_size`
 /// refuse 0.
 fn world_size_choice(w: u32) -> Result<(String, String)> {
-    let p =
-        arfuse::policy::preset_for_world_size(w).with_context(|| format!("--world-size {w}"))?;
-    let others: Vec<&str> = arfuse::policy::presets_with_world_size(w)
+    let p = arfuse::advanced::policy::preset_for_world_size(w)
+        .with_context(|| format!("--world-size {w}"))?;
+    let others: Vec<&str> = arfuse::advanced::policy::presets_with_world_size(w)
         .filter(|o| o.name != p.name)
         .map(|o| o.name)
         .collect();
@@ -778,7 +778,7 @@ fn target_from_graph(graph: &Graph) -> std::result::Result<(String, Option<Strin
 
 /// Every preset name grouped by world size, one line per W: `  W=2: a, b, c`.
 fn presets_by_world_size() -> String {
-    let mut sizes: Vec<u32> = arfuse::policy::PRESETS
+    let mut sizes: Vec<u32> = arfuse::advanced::policy::PRESETS
         .iter()
         .map(|p| p.world_size)
         .collect();
@@ -787,7 +787,7 @@ fn presets_by_world_size() -> String {
     sizes
         .iter()
         .map(|&w| {
-            let names: Vec<&str> = arfuse::policy::presets_with_world_size(w)
+            let names: Vec<&str> = arfuse::advanced::policy::presets_with_world_size(w)
                 .map(|p| p.name)
                 .collect();
             format!("  W={w}: {}", names.join(", "))
@@ -801,7 +801,8 @@ fn has_all_reduce(graph: &Graph) -> bool {
     graph.nodes().any(|(_, n)| {
         matches!(
             n.op,
-            arfuse::ir::Op::AllReduce { .. } | arfuse::ir::Op::FusedAllreduceNorm(_)
+            arfuse::advanced::ir::Op::AllReduce { .. }
+                | arfuse::advanced::ir::Op::FusedAllreduceNorm(_)
         )
     })
 }
@@ -834,7 +835,7 @@ fn lower_cmd(
     dot: Option<PathBuf>,
     group: Option<String>,
     shared_hidden: Vec<u64>,
-    import: &arfuse::import::ImportOptions,
+    import: &arfuse::advanced::import::ImportOptions,
 ) -> Result<ExitCode> {
     let default_graph = path.is_none();
     let path = path.unwrap_or_else(|| root.join(DEFAULT_GRAPH));
@@ -858,11 +859,8 @@ fn lower_cmd(
     let mut jobs = plan_jobs(&inputs, listed, import)?;
     check_outputs(&jobs.pairs, &outputs)?;
     let out_paths = output_paths(root, &jobs, &resolved_inputs, out, dot)?;
-    let options = LowerOptions {
-        group,
-        shared_hidden_sizes: shared_hidden,
-        ..LowerOptions::default()
-    };
+    let mut options = LowerOptions::default().with_shared_hidden_sizes(shared_hidden);
+    options.group = group;
     let run = Run {
         out_is_default: out.is_none(),
         dot,
@@ -903,7 +901,7 @@ fn given_target(
     };
     if let Some(t) = &target {
         let (t, _) = load_target(t)?;
-        arfuse::policy::resolve_backend(&t).context("the target")?;
+        arfuse::advanced::policy::resolve_backend(&t).context("the target")?;
     }
     Ok(target)
 }
@@ -1019,7 +1017,7 @@ fn check_listed_targets(
             }
             let (loaded, _) =
                 load_target(t).with_context(|| format!("{}: target {t:?}", options.display()))?;
-            arfuse::policy::resolve_backend(&loaded)
+            arfuse::advanced::policy::resolve_backend(&loaded)
                 .with_context(|| format!("{}: target {t:?}", options.display()))?;
             let file = Path::new(t);
             for (flag, o) in outputs {
@@ -1182,7 +1180,7 @@ fn options_file_of(input: &Path) -> PathBuf {
 fn plan_jobs(
     inputs: &[PathBuf],
     listed: Vec<Option<Vec<String>>>,
-    import: &arfuse::import::ImportOptions,
+    import: &arfuse::advanced::import::ImportOptions,
 ) -> Result<Jobs> {
     let mut jobs = Jobs {
         pairs: Vec::new(),
@@ -1221,7 +1219,7 @@ fn plan_jobs(
             "{}\npass --target PRESET|FILE.toml, or --world-size N for the tensor-parallel size \
              the model was exported for (N picks {}-xN); the presets by world size:\n{}",
             unplannable.join("\n"),
-            arfuse::policy::DEFAULT_PRESET_FAMILY,
+            arfuse::advanced::policy::DEFAULT_PRESET_FAMILY,
             presets_by_world_size()
         );
     }
@@ -1316,7 +1314,7 @@ struct Run<'a> {
     world_size_given: bool,
     options: &'a LowerOptions,
     output: &'a Output,
-    import: &'a arfuse::import::ImportOptions,
+    import: &'a arfuse::advanced::import::ImportOptions,
 }
 
 /// Lowers every pair (a graph read once for its consecutive pairs), writing what
@@ -1432,8 +1430,8 @@ fn lower_pair(
         let groups: std::collections::BTreeSet<&str> = graph
             .nodes()
             .filter_map(|(_, n)| match &n.op {
-                arfuse::ir::Op::AllReduce { group, .. } => Some(group.as_str()),
-                arfuse::ir::Op::FusedAllreduceNorm(f) => Some(f.group.as_str()),
+                arfuse::advanced::ir::Op::AllReduce { group, .. } => Some(group.as_str()),
+                arfuse::advanced::ir::Op::FusedAllreduceNorm(f) => Some(f.group.as_str()),
                 _ => None,
             })
             .collect();
@@ -1568,7 +1566,7 @@ fn check_pair(
 ) -> std::result::Result<Checked, String> {
     const SEED: u64 = 0;
     let start = std::time::Instant::now();
-    let result = arfuse::reference::check_sites(
+    let result = arfuse::advanced::reference::check_sites(
         graph,
         &lowered.graph,
         &lowered.sites,
@@ -1795,7 +1793,7 @@ mod tests {
             want.insert(1, "broken.json");
         }
         assert_eq!(names, want);
-        let none = arfuse::import::ImportOptions::default();
+        let none = arfuse::advanced::import::ImportOptions::default();
         let err = read_graph(&dir.join("sub.json"), &none).unwrap_err();
         assert!(
             format!("{err:#}").contains("is not a regular file"),
@@ -1894,7 +1892,7 @@ mod tests {
     #[test]
     fn a_graph_without_tp_is_refused_and_a_recorded_tp_picks_its_preset() {
         let root = workspace_root();
-        let none = arfuse::import::ImportOptions::default();
+        let none = arfuse::advanced::import::ImportOptions::default();
         let exported = read_graph(
             &root.join("ir-fixtures/exported/qwen3_30b_a3b_L2_tp4.exported_program.json"),
             &none,
@@ -1958,7 +1956,7 @@ mod tests {
     fn assumed_world_size_note_only_without_recorded_tp() {
         let root = workspace_root();
         let target = Target::preset("b300-x4").unwrap();
-        let none = arfuse::import::ImportOptions::default();
+        let none = arfuse::advanced::import::ImportOptions::default();
         let exported = read_graph(
             &root.join("ir-fixtures/exported/gemma3_1b_L2_tp2.exported_program.json"),
             &none,
