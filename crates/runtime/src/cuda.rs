@@ -788,7 +788,6 @@ impl Device for Gpu {
                 "mnnvl needs NVLink multicast between GPUs; virtual ranks use trtllm layout".into(),
             )),
             Backend::Trtllm => VirtualWorkspace::create(self, workspace),
-            Backend::Unfused => Err(Error::Invalid("unfused needs no workspace".into())),
         }
     }
 

@@ -71,8 +71,7 @@ pub trait Device {
     /// Device errors.
     fn is_capturing(&self) -> Result<bool>;
 
-    /// Creates `request` for its W ranks, mapped for `backend` (never called with
-    /// [`Backend::Unfused`]).
+    /// Creates `request` for its W ranks, mapped for `backend`.
     ///
     /// # Errors
     /// [`Error::Unsupported`] when this device cannot provide `backend` or the memory;

@@ -59,7 +59,7 @@ pub struct NodeKernels {
     pub norm_f32_sum: bool,
     /// Outputs the node writes (the others are passed as null pointers).
     pub outputs: Vec<FusedOutput>,
-    /// The plan's backend, in the runtime's terms.
+    /// The plan's backend.
     pub backend: Backend,
     /// The plan's workspace: what the runtime allocates per rank (shared by the nodes
     /// that carry the same one).
@@ -173,7 +173,7 @@ impl NodeKernels {
         })?;
         let workspace = plan.workspace.clone();
         node_workspace(node, &workspace, world, dt, hidden)?;
-        let backend = Backend::from_policy(plan.backend());
+        let backend = plan.backend();
         let mut dispatch = Vec::with_capacity(plan.dispatch.len());
         let mut next = 1u64;
         for r in &plan.dispatch {

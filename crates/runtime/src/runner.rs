@@ -19,7 +19,7 @@ use crate::device::{self, Device, FusedCall, KernelParams, RankTensor};
 use crate::error::{Error, Result};
 use crate::node::{NodeKernels, Route};
 use crate::variants::{self, Variant};
-use crate::workspace::{Acquired, Backend, WorkspaceManager};
+use crate::workspace::{Acquired, Backend, Fallback, WorkspaceManager};
 use std::collections::BTreeMap;
 
 /// The tensors of one call, each with one slice per virtual rank (`ptr + r *
@@ -69,7 +69,7 @@ pub enum Prepared {
 /// One node's state in a [`Runner`].
 struct NodeState {
     kernels: NodeKernels,
-    chain: Vec<Backend>,
+    chain: Vec<Fallback>,
     prepared: Option<Prepared>,
 }
 
@@ -135,9 +135,8 @@ impl<D: Device> Runner<D> {
             return Err(Error::Invalid(format!("node {} added twice", kernels.node)));
         }
         let chain = match kernels.backend {
-            Backend::Mnnvl => vec![Backend::Mnnvl, Backend::Trtllm, Backend::Unfused],
-            Backend::Trtllm => vec![Backend::Trtllm, Backend::Unfused],
-            Backend::Unfused => vec![Backend::Unfused],
+            Backend::Mnnvl => vec![Some(Backend::Mnnvl), Some(Backend::Trtllm), None],
+            Backend::Trtllm => vec![Some(Backend::Trtllm), None],
         };
         self.nodes.insert(
             kernels.node.clone(),

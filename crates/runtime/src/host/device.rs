@@ -502,7 +502,6 @@ impl Device for HostDevice {
             Backend::Trtllm => Ok(HostDeviceWorkspace {
                 inner: Arc::new(SharedWorkspace(HostWorkspace::create(request)?)),
             }),
-            Backend::Unfused => Err(Error::Invalid("unfused needs no workspace".into())),
         }
     }
 
