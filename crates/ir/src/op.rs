@@ -328,6 +328,20 @@ pub struct DispatchRange {
     pub required_bytes: u64,
 }
 
+impl From<&arfuse_policy::DispatchRange> for DispatchRange {
+    /// The graph's form of a policy range (the one conversion): its tokens, strategy
+    /// and the bytes its largest call needs; the reason and the buffer's size stay in
+    /// the plan and the report.
+    fn from(r: &arfuse_policy::DispatchRange) -> DispatchRange {
+        DispatchRange {
+            min_tokens: r.lo,
+            max_tokens: r.hi,
+            strategy: r.strategy,
+            required_bytes: r.required_bytes_max,
+        }
+    }
+}
+
 /// The plan a fused node carries, written by the pass from `arfuse-policy`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
