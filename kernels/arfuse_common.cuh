@@ -108,7 +108,7 @@ struct ArfTensor {
 };
 
 // Kernel parameters, passed by value. Mirrored by `KernelParams` in
-// crates/runtime/src/cuda.rs (repr(C)); both sides assert the size.
+// crates/runtime/src/device.rs (repr(C)); both sides assert the size.
 struct ArfParams {
   // Byte address of every rank's workspace as seen from the launching GPU: one
   // allocation with W slices for virtual ranks, IPC / multicast-unicast mappings for
@@ -136,7 +136,7 @@ struct ArfParams {
   int norm_round_twice;    // 1: round h * r to T before the weight multiply (Llama order)
   int norm_f32_sum;        // 1: normalise the unrounded f32 sum a + residual (ARF_RESIDUAL)
 };
-static_assert(sizeof(ArfParams) == 312, "ArfParams layout changed: update KernelParams in crates/runtime/src/cuda.rs");
+static_assert(sizeof(ArfParams) == 312, "ArfParams layout changed: update KernelParams in crates/runtime/src/device.rs");
 
 // ---------------------------------------------------------------- conversions
 __device__ __forceinline__ float arf_bits_to_f32(u32 b) {
