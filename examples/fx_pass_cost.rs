@@ -27,14 +27,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         String::from_utf8(raw)?
     };
-    let fx: arfuse::import::torch_export::fx::FxGraph = serde_json::from_str(&text)?;
+    let fx: arfuse::advanced::import::torch_export::fx::FxGraph = serde_json::from_str(&text)?;
     let target = arfuse::Target::preset(&preset)?;
-    let opts = arfuse::import::ImportOptions::default();
+    let opts = arfuse::advanced::import::ImportOptions::default();
     let mut rows: Vec<[f64; 3]> = Vec::new();
     let mut sites = 0;
     for _ in 0..runs.max(1) {
         let t0 = Instant::now();
-        let imported = arfuse::import::torch_export::fx::import(&fx, &opts)?;
+        let imported = arfuse::advanced::import::torch_export::fx::import(&fx, &opts)?;
         let t1 = Instant::now();
         let lowered = arfuse::lower(&imported.graph, &target)?;
         let t2 = Instant::now();

@@ -15,7 +15,7 @@
 //! a generated one. Peak allocation is the most bytes the measuring thread held at once
 //! above what it held before the case (a counting global allocator), the input excluded.
 
-use arfuse as af;
+use arfuse::advanced as af;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::process::ExitCode;
@@ -151,7 +151,7 @@ fn main() -> ExitCode {
     if largest {
         let (g, layers) = largest_graph();
         let target = af::policy::Target::preset(LOWER_PRESET).unwrap();
-        let (l, took, peak) = measure(|| af::lower(&g, &target));
+        let (l, took, peak) = measure(|| arfuse::lower(&g, &target));
         let l = l.unwrap();
         println!(
             "largest graph: {} nodes, {layers} layers: lowered in {took:?}, peak {} MiB, \

@@ -7,7 +7,7 @@
 //! Run: `cargo run --release --example lower_time -- FILE [PRESET] [RUNS]`
 //! (defaults: `h200-sxm-x8`, 5).
 
-use arfuse::{import, Target};
+use arfuse::{advanced::import, Target};
 use std::time::Instant;
 
 /// The allocator arfuse's binaries (xtask, the Python module) install.

@@ -27,8 +27,8 @@
 #ifndef ARF_STRATEGY
 #error "ARF_STRATEGY must be defined (1 one-shot, 2 two-shot)"
 #endif
-#if ARF_W != 2 && ARF_W != 4 && ARF_W != 8 && ARF_W != 16
-#error "ARF_W must be 2, 4, 8 or 16"
+#if ARF_W < 1 || ARF_W > ARF_MAX_RANKS || ((ARF_WORLD_MASK >> ARF_W) & 1) == 0
+#error "ARF_W must be one of the ABI's world sizes (arfuse_abi::WORLD_SIZES)"
 #endif
 
 // ---------------------------------------------------------------- the call protocol
@@ -74,17 +74,17 @@ __device__ __forceinline__ ArfCall arf_call_begin(const ArfParams& p, int rank, 
   if (threadIdx.x == 0) {
     const u32 n = arf_ld_volatile_u32(reinterpret_cast<u64>(st));
     s_call = n;
-    s_prev_used = arf_ld_volatile_u32(reinterpret_cast<u64>(st + 2 + (n + 2u) % 3u));
+    s_prev_used = arf_ld_volatile_u32(reinterpret_cast<u64>(st + 2 + (n + ARF_NBUF - 1u) % ARF_NBUF));
   }
   __syncthreads();
-  const u64 base = ws + p.off_lamport + (u64)((s_call + 2u) % 3u) * p.lamport_stride;
-  const u64 nv = (u64)s_prev_used / 16u;
+  const u64 base = ws + p.off_lamport + (u64)((s_call + ARF_NBUF - 1u) % ARF_NBUF) * p.lamport_stride;
+  const u64 nv = (u64)s_prev_used / (u64)ARF_VECTOR_BYTES;
   const uint4 sent = make_uint4(ARF_SENTINEL_WORD, ARF_SENTINEL_WORD, ARF_SENTINEL_WORD, ARF_SENTINEL_WORD);
   for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += (u64)gridDim.x * blockDim.x)
-    arf_st(base + i * 16u, sent);
+    arf_st(base + i * (u64)ARF_VECTOR_BYTES, sent);
   ArfCall c;
   c.ws = ws;
-  c.cur = p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride;
+  c.cur = p.off_lamport + (u64)(s_call % ARF_NBUF) * p.lamport_stride;
   return c;
 }
 
@@ -99,8 +99,8 @@ __device__ __forceinline__ void arf_call_end(const ArfParams& p, int rank, u32 c
     if (arrived == gridDim.x - 1u) {
       // Read by the next kernel only (no fence: see "Fences").
       st[1] = 0u;
-      st[2 + (call + 2u) % 3u] = 0u;
-      st[2 + call % 3u] = (u32)used;
+      st[2 + (call + ARF_NBUF - 1u) % ARF_NBUF] = 0u;
+      st[2 + call % ARF_NBUF] = (u32)used;
       st[0] = call + 1u;
     }
   }
@@ -173,10 +173,10 @@ __device__ __forceinline__ void arf_prefetch_epilogue(const ArfParams& p, int ra
     const int idx = arf_vec_idx(v);
     if (v < vpt && idx < nvec) {
 #if ARF_RESIDUAL
-      arf_prefetch_l2(res + (u64)idx * 16u);
+      arf_prefetch_l2(res + (u64)idx * (u64)ARF_VECTOR_BYTES);
 #endif
 #if ARF_NORM
-      arf_prefetch_l2(p.gamma + (u64)idx * (p.gamma_f32 ? ARF_VEC * 4u : 16u));
+      arf_prefetch_l2(p.gamma + (u64)idx * (p.gamma_f32 ? ARF_VEC * 4u : (u32)ARF_VECTOR_BYTES));
 #endif
     }
   }
@@ -195,14 +195,14 @@ __device__ __forceinline__ void arf_prefetch_slots(u64 base, u64 slot_bytes, int
     if (v < vpt && idx < nvec) {
       // Not unrolled: one address register walks the slots (unrolled, W = 16 f32
       // two-shot with per-token FP8 spilled 4 bytes on sm_90a).
-      u64 a = base + (u64)idx * 16u;
+      u64 a = base + (u64)idx * (u64)ARF_VECTOR_BYTES;
 #pragma unroll 1
       for (int s = 0; s < ARF_W; ++s, a += slot_bytes) arf_prefetch_l2(a);
     }
   }
 }
 
-#if ARF_STRATEGY == 1
+#if ARF_STRATEGY == ARF_ONE_SHOT
 // ---------------------------------------------------------------- one-shot Lamport
 // Every rank writes its T tokens into slot `rank` of the current buffer of every peer
 // (slot s: bytes [s * T * H * e, (s + 1) * T * H * e)), polls its own buffer until no
@@ -224,8 +224,8 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
       if (v < vpt && idx < nvec) {
-        const uint4 d = arf_vec_scrub(arf_ld(x + (u64)t * row_bytes + (u64)idx * 16u));
-        const u64 off = c.cur + (u64)rank * slot_bytes + (u64)t * row_bytes + (u64)idx * 16u;
+        const uint4 d = arf_vec_scrub(arf_ld(x + (u64)t * row_bytes + (u64)idx * (u64)ARF_VECTOR_BYTES));
+        const u64 off = c.cur + (u64)rank * slot_bytes + (u64)t * row_bytes + (u64)idx * (u64)ARF_VECTOR_BYTES;
 #pragma unroll
         for (int q = 0; q < ARF_W; ++q) arf_st_sys(p.peer[q] + off, d);
       }
@@ -237,14 +237,14 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
   ArfPoll poll = {0, 0};
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     arf_prefetch_epilogue(p, rank, t, vpt, nvec);
-    const u64 tok = c.ws + p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride + (u64)t * row_bytes;
+    const u64 tok = c.ws + p.off_lamport + (u64)(s_call % ARF_NBUF) * p.lamport_stride + (u64)t * row_bytes;
     arf_prefetch_slots(tok, slot_bytes, vpt, nvec);
     uint4 a[ARF_MAX_VPT];
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
       a[v] = (v < vpt && idx < nvec)
-                 ? arf_reduce_slots(p, tok + (u64)idx * 16u, slot_bytes, poll, &s_bail, ARF_ERR_ONESHOT_TIMEOUT)
+                 ? arf_reduce_slots(p, tok + (u64)idx * (u64)ARF_VECTOR_BYTES, slot_bytes, poll, &s_bail, ARF_ERR_ONESHOT_TIMEOUT)
                  : make_uint4(0, 0, 0, 0);
     }
     arf_epilogue(p, rank, t, a, vpt, nvec, red);
@@ -253,7 +253,7 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
 }
 #endif
 
-#if ARF_STRATEGY == 2
+#if ARF_STRATEGY == ARF_TWO_SHOT
 // ---------------------------------------------------------------- two-shot Lamport
 // Reduce-scatter then all-gather, both through the current Lamport buffer (no barrier):
 //   scatter rows  [0, W * R) * row: slot s (rows s * R ..) holds rank s's rows of the
@@ -296,7 +296,7 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
       if (v < vpt && idx < nvec)
-        arf_st_sys(dst + (u64)idx * 16u, arf_vec_scrub(arf_ld(x + (u64)t * row_bytes + (u64)idx * 16u)));
+        arf_st_sys(dst + (u64)idx * (u64)ARF_VECTOR_BYTES, arf_vec_scrub(arf_ld(x + (u64)t * row_bytes + (u64)idx * (u64)ARF_VECTOR_BYTES)));
     }
   }
 
@@ -306,15 +306,15 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
   const int my_end = arf_owner_start(rank + 1, p.T);
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     if (t < my_start || t >= my_end) continue;
-    const u64 src = c.ws + p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride + (u64)(t - my_start) * row_bytes;
+    const u64 src = c.ws + p.off_lamport + (u64)(s_call % ARF_NBUF) * p.lamport_stride + (u64)(t - my_start) * row_bytes;
     arf_prefetch_slots(src, rows * row_bytes, vpt, nvec);
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
       if (v < vpt && idx < nvec) {
         const uint4 r =
-            arf_reduce_slots(p, src + (u64)idx * 16u, rows * row_bytes, poll, &s_bail, ARF_ERR_TWOSHOT_TIMEOUT);
-        const u64 off = c.cur + ((u64)ARF_W * rows + (u64)t) * row_bytes + (u64)idx * 16u;
+            arf_reduce_slots(p, src + (u64)idx * (u64)ARF_VECTOR_BYTES, rows * row_bytes, poll, &s_bail, ARF_ERR_TWOSHOT_TIMEOUT);
+        const u64 off = c.cur + ((u64)ARF_W * rows + (u64)t) * row_bytes + (u64)idx * (u64)ARF_VECTOR_BYTES;
 #pragma unroll
         for (int q = 0; q < ARF_W; ++q) arf_st_sys(p.peer[q] + off, r);
       }
@@ -324,14 +324,14 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
   // 3. Every rank polls the gathered rows of this CTA's tokens and runs the epilogue.
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     arf_prefetch_epilogue(p, rank, t, vpt, nvec);
-    const u64 row = c.ws + p.off_lamport + (u64)(s_call % 3u) * p.lamport_stride +
+    const u64 row = c.ws + p.off_lamport + (u64)(s_call % ARF_NBUF) * p.lamport_stride +
                     ((u64)ARF_W * rows + (u64)t) * row_bytes;
     uint4 a[ARF_MAX_VPT];
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
       a[v] = (v < vpt && idx < nvec)
-                 ? arf_poll_vec(p, row + (u64)idx * 16u, poll, &s_bail, ARF_ERR_TWOSHOT_TIMEOUT)
+                 ? arf_poll_vec(p, row + (u64)idx * (u64)ARF_VECTOR_BYTES, poll, &s_bail, ARF_ERR_TWOSHOT_TIMEOUT)
                  : make_uint4(0, 0, 0, 0);
     }
     arf_epilogue(p, rank, t, a, vpt, nvec, red);
@@ -340,13 +340,13 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(1024) arf_fused(const ArfParams p) {
+extern "C" __global__ void __launch_bounds__(ARF_MAX_BLOCK_THREADS) arf_fused(const ArfParams p) {
   __shared__ float red[32];
   arf_grid_dependency_wait();
   const int rank = p.rank_base + (int)blockIdx.y;
-  const int nvec = p.H * ARF_EB / 16;
+  const int nvec = p.H * ARF_EB / ARF_VECTOR_BYTES;
   const int vpt = (nvec + (int)blockDim.x - 1) / (int)blockDim.x;
-#if ARF_STRATEGY == 1
+#if ARF_STRATEGY == ARF_ONE_SHOT
   arf_oneshot(p, rank, vpt, nvec, red);
 #else
   arf_twoshot(p, rank, vpt, nvec, red);

@@ -60,41 +60,40 @@
 #ifndef ARF_QUANT
 #define ARF_QUANT 0
 #endif
-// Maximum 16-byte vectors per thread per token, held in registers between the two
-// RMSNorm passes. Blocks are at most 1024 threads (64 registers each), so the default
-// 4 covers 4 * 1024 * 16 B = 64 KiB per token (bf16 H <= 32,768, f32 H <= 16,384);
-// every variant of the matrix is checked for zero spills at that cap
-// (crates/runtime/tests/kernels_compile.rs). ARF_MAX_VPT=8 would cover wider tokens
-// (bf16 H up to 65,536) but is not built: the runtime refuses such H (cuda.rs).
-#ifndef ARF_MAX_VPT
-#define ARF_MAX_VPT 4
+// Every number these kernels are built for comes from the ABI (crates/abi,
+// arfuse_abi::kernel_defines), passed as -D defines to NVRTC and to the host compiler
+// alike; this text holds no second copy (crates/runtime/tests/kernel_abi.rs greps it):
+//   ARF_MAX_RANKS, ARF_WORLD_MASK     peers a call holds, the world sizes built
+//   ARF_MAX_VPT                       16-byte vectors per thread per token, held in
+//                                     registers between the two RMSNorm passes (every
+//                                     variant is checked for zero spills at that cap,
+//                                     crates/runtime/tests/kernels_compile.rs)
+//   ARF_VECTOR_BYTES, ARF_MAX_BLOCK_THREADS
+//   ARF_FP8_GROUP, ARF_NVFP4_BLOCK, ARF_NVFP4_TILE_ROWS, ARF_NVFP4_TILE_COLS
+//   ARF_LAMPORT_BUFFERS               Lamport buffers that rotate
+//   ARF_DTYPE_*, ARF_Q_*, ARF_ONE_SHOT, ARF_TWO_SHOT   the values of ARF_DTYPE,
+//                                     ARF_QUANT and ARF_STRATEGY
+#if !defined(ARF_MAX_RANKS) || !defined(ARF_MAX_VPT) || !defined(ARF_Q_NONE) || !defined(ARF_DTYPE_F32)
+#error "the ABI's defines are missing: compile with arfuse_abi::kernel_defines()"
 #endif
 
-#define ARF_MAX_RANKS 16
-
-#define ARF_Q_NONE 0
-#define ARF_Q_FP8_STATIC 1
-#define ARF_Q_FP8_TOKEN 2
-#define ARF_Q_FP8_GROUP_PACKED 3
-#define ARF_Q_FP8_GROUP_F32 4
-#define ARF_Q_NVFP4_SWIZZLED 5
-#define ARF_Q_NVFP4_LINEAR 6
-#define ARF_Q_FP8_GROUP_F32_UE8M0 7
-
-#if ARF_DTYPE == 2
+#if ARF_DTYPE == ARF_DTYPE_F32
 #define ARF_EB 4
-#define ARF_VEC 4
 #else
 #define ARF_EB 2
-#define ARF_VEC 8
 #endif
+// Elements per 16-byte vector.
+#define ARF_VEC (ARF_VECTOR_BYTES / ARF_EB)
 
-#if (ARF_QUANT == ARF_Q_NVFP4_SWIZZLED || ARF_QUANT == ARF_Q_NVFP4_LINEAR) && ARF_DTYPE == 2
+#if (ARF_QUANT == ARF_Q_NVFP4_SWIZZLED || ARF_QUANT == ARF_Q_NVFP4_LINEAR) && ARF_DTYPE == ARF_DTYPE_F32
 #error "NVFP4 quant is defined for 16-bit activations only"
 #endif
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
+
+// The Lamport buffers as an unsigned count (call n uses buffer n % ARF_NBUF).
+#define ARF_NBUF ((u32)ARF_LAMPORT_BUFFERS)
 
 // Error word bits (the kernel exits instead of hanging and sets one of these).
 #define ARF_ERR_ONESHOT_TIMEOUT 1u
@@ -109,7 +108,7 @@ struct ArfTensor {
 };
 
 // Kernel parameters, passed by value. Mirrored by `KernelParams` in
-// crates/runtime/src/cuda.rs (repr(C)); both sides assert the size.
+// crates/runtime/src/device.rs (repr(C)); both sides assert the size.
 struct ArfParams {
   // Byte address of every rank's workspace as seen from the launching GPU: one
   // allocation with W slices for virtual ranks, IPC / multicast-unicast mappings for
@@ -137,13 +136,13 @@ struct ArfParams {
   int norm_round_twice;    // 1: round h * r to T before the weight multiply (Llama order)
   int norm_f32_sum;        // 1: normalise the unrounded f32 sum a + residual (ARF_RESIDUAL)
 };
-static_assert(sizeof(ArfParams) == 312, "ArfParams layout changed: update KernelParams in crates/runtime/src/cuda.rs");
+static_assert(sizeof(ArfParams) == 312, "ArfParams layout changed: update KernelParams in crates/runtime/src/device.rs");
 
 // ---------------------------------------------------------------- conversions
 __device__ __forceinline__ float arf_bits_to_f32(u32 b) {
-#if ARF_DTYPE == 0
+#if ARF_DTYPE == ARF_DTYPE_BF16
   return __uint_as_float(b << 16);
-#elif ARF_DTYPE == 1
+#elif ARF_DTYPE == ARF_DTYPE_F16
 #if defined(ARF_HOST)
   return arf_host::cvt_f32_f16((unsigned short)b);
 #else
@@ -159,15 +158,15 @@ __device__ __forceinline__ float arf_bits_to_f32(u32 b) {
 
 // Round to nearest even into the activation dtype; returns the bit pattern.
 __device__ __forceinline__ u32 arf_f32_to_bits(float f) {
-#if ARF_DTYPE == 0 && defined(ARF_HOST)
+#if ARF_DTYPE == ARF_DTYPE_BF16 && defined(ARF_HOST)
   return arf_host::cvt_rn_bf16_f32(f);
-#elif ARF_DTYPE == 0
+#elif ARF_DTYPE == ARF_DTYPE_BF16
   unsigned short h;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
-#elif ARF_DTYPE == 1 && defined(ARF_HOST)
+#elif ARF_DTYPE == ARF_DTYPE_F16 && defined(ARF_HOST)
   return arf_host::cvt_rn_f16_f32(f);
-#elif ARF_DTYPE == 1
+#elif ARF_DTYPE == ARF_DTYPE_F16
   unsigned short h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
@@ -469,9 +468,10 @@ __device__ __forceinline__ u32 arf_e2m1x2(float lo, float hi) {
 // 4 columns, tiles ordered row-tile major; inside a tile row i sits at
 // (i % 32) * 16 + (i / 32) * 4 and column c % 4 adds c % 4.
 __device__ __forceinline__ u64 arf_nvfp4_sf_offset(int t, int c, int sf_cols) {
-  const int ktiles = (sf_cols + 3) / 4;
-  return ((u64)(t / 128) * ktiles + (u64)(c / 4)) * 512u + (u64)(t % 32) * 16u + (u64)((t % 128) / 32) * 4u +
-         (u64)(c % 4);
+  const int ktiles = (sf_cols + ARF_NVFP4_TILE_COLS - 1) / ARF_NVFP4_TILE_COLS;
+  return ((u64)(t / ARF_NVFP4_TILE_ROWS) * ktiles + (u64)(c / ARF_NVFP4_TILE_COLS)) *
+             (u64)(ARF_NVFP4_TILE_ROWS * ARF_NVFP4_TILE_COLS) +
+         (u64)(t % 32) * 16u + (u64)((t % ARF_NVFP4_TILE_ROWS) / 32) * 4u + (u64)(c % ARF_NVFP4_TILE_COLS);
 }
 
 __device__ __forceinline__ u64 arf_rank_ptr(const ArfTensor& a, int rank) {
@@ -481,20 +481,20 @@ __device__ __forceinline__ u64 arf_rank_ptr(const ArfTensor& a, int rank) {
 // The RMSNorm weight of vector `idx` (ARF_VEC elements): in T (one 16-byte load) or,
 // when p.gamma_f32, in f32 (ARF_VEC * 4 bytes).
 __device__ __forceinline__ void arf_load_gamma(const ArfParams& p, int idx, float (&g)[ARF_VEC]) {
-#if ARF_DTYPE == 2
-  arf_unpack(arf_ld(p.gamma + (u64)idx * 16u), g);
+#if ARF_DTYPE == ARF_DTYPE_F32
+  arf_unpack(arf_ld(p.gamma + (u64)idx * (u64)ARF_VECTOR_BYTES), g);
 #else
   if (p.gamma_f32) {
 #pragma unroll
     for (int k = 0; k < ARF_VEC / 4; ++k) {
-      const uint4 w = arf_ld(p.gamma + (u64)idx * (ARF_VEC * 4u) + (u64)k * 16u);
+      const uint4 w = arf_ld(p.gamma + (u64)idx * (ARF_VEC * 4u) + (u64)k * (u64)ARF_VECTOR_BYTES);
       g[4 * k + 0] = __uint_as_float(w.x);
       g[4 * k + 1] = __uint_as_float(w.y);
       g[4 * k + 2] = __uint_as_float(w.z);
       g[4 * k + 3] = __uint_as_float(w.w);
     }
   } else {
-    arf_unpack(arf_ld(p.gamma + (u64)idx * 16u), g);
+    arf_unpack(arf_ld(p.gamma + (u64)idx * (u64)ARF_VECTOR_BYTES), g);
   }
 #endif
 }
@@ -521,10 +521,10 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
 #if ARF_RESIDUAL
       float af[ARF_VEC], rf[ARF_VEC];
       arf_unpack(a[v], af);
-      arf_unpack(arf_ld(res_in + row + (u64)idx * 16u), rf);
+      arf_unpack(arf_ld(res_in + row + (u64)idx * (u64)ARF_VECTOR_BYTES), rf);
 #pragma unroll
       for (int i = 0; i < ARF_VEC; ++i) af[i] = af[i] + rf[i];
-#if ARF_NORM && ARF_DTYPE != 2
+#if ARF_NORM && ARF_DTYPE != ARF_DTYPE_F32
       // For f32 T, rounding the f32 sum is the identity: both norm inputs are one path.
       if (p.norm_f32_sum) {
         // The norm reads the unrounded sum: a[v] keeps the all-reduce output, and the
@@ -537,7 +537,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
 #endif
       a[v] = arf_pack(af);
 #endif
-      if (res_out) arf_st(res_out + row + (u64)idx * 16u, a[v]);
+      if (res_out) arf_st(res_out + row + (u64)idx * (u64)ARF_VECTOR_BYTES, a[v]);
 #if ARF_NORM
       float hf[ARF_VEC];
       arf_unpack(a[v], hf);
@@ -555,13 +555,13 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
     if (v < vpt && idx < nvec) {
       float hf[ARF_VEC], gf[ARF_VEC];
       arf_unpack(a[v], hf);
-#if ARF_RESIDUAL && ARF_DTYPE != 2
+#if ARF_RESIDUAL && ARF_DTYPE != ARF_DTYPE_F32
       if (p.norm_f32_sum) {
         float rf[ARF_VEC];
-        arf_unpack(arf_ld(res_in + row + (u64)idx * 16u), rf);
+        arf_unpack(arf_ld(res_in + row + (u64)idx * (u64)ARF_VECTOR_BYTES), rf);
 #pragma unroll
         for (int i = 0; i < ARF_VEC; ++i) hf[i] = hf[i] + rf[i];
-        if (res_out) arf_st(res_out + row + (u64)idx * 16u, arf_pack(hf));
+        if (res_out) arf_st(res_out + row + (u64)idx * (u64)ARF_VECTOR_BYTES, arf_pack(hf));
       }
 #endif
       arf_load_gamma(p, idx, gf);
@@ -579,7 +579,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
-      if (v < vpt && idx < nvec) arf_st(out + row + (u64)idx * 16u, a[v]);
+      if (v < vpt && idx < nvec) arf_st(out + row + (u64)idx * (u64)ARF_VECTOR_BYTES, a[v]);
     }
   }
 #if ARF_QUANT != ARF_Q_NONE
@@ -628,8 +628,8 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
   // Groups of 128 elements = 128 / ARF_VEC consecutive vectors = that many
   // consecutive lanes of one warp (blockDim is a multiple of 32, so a group never
   // straddles two warps or two v iterations). H % 128 == 0 is checked on the host.
-  const int gw = 128 / ARF_VEC;
-  const int groups = p.H / 128;
+  const int gw = ARF_FP8_GROUP / ARF_VEC;
+  const int groups = p.H / ARF_FP8_GROUP;
 #pragma unroll
   for (int v = 0; v < ARF_MAX_VPT; ++v) {
     if (v < vpt) {  // uniform across the block
@@ -685,7 +685,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
   // SF = e4m3(gs * (amax * f32(1/6))); os = gs / float(SF), 0 when SF == 0;
   // q = e2m1(y * os). 1.0f / 6.0f folds at compile time to 0x3E2AAAAB.
   const float gs = *reinterpret_cast<const float*>(p.scale_in);
-  const int sf_cols = p.H / 16;
+  const int sf_cols = p.H / ARF_NVFP4_BLOCK;
 #pragma unroll
   for (int v = 0; v < ARF_MAX_VPT; ++v) {
     if (v < vpt) {
@@ -744,7 +744,7 @@ __device__ __noinline__ void arf_zero_scale_padding(u64 sout, int T, int H) {
   const u32 first = blockIdx.x * blockDim.x + threadIdx.x;
   const u32 step = gridDim.x * blockDim.x;
 #if ARF_QUANT == ARF_Q_FP8_GROUP_PACKED
-  const u32 groups = (u32)H / 128u;
+  const u32 groups = (u32)H / (u32)ARF_FP8_GROUP;
   const u32 tpad = ((u32)T + 3u) & ~3u;
   const u32 cols = (groups + 3u) / 4u;
   const u32 pad = tpad - (u32)T;
@@ -757,9 +757,9 @@ __device__ __noinline__ void arf_zero_scale_padding(u64 sout, int T, int H) {
       for (u32 k = used; k < 4u; ++k) b[((u64)(cols - 1u) * tpad + t) * 4u + k] = 0;
   }
 #elif ARF_QUANT == ARF_Q_NVFP4_SWIZZLED
-  const int sf_cols = H / 16;
-  const int rows_pad = ((T + 127) / 128) * 128;
-  const int cols_pad = ((sf_cols + 3) / 4) * 4;
+  const int sf_cols = H / ARF_NVFP4_BLOCK;
+  const int rows_pad = ((T + ARF_NVFP4_TILE_ROWS - 1) / ARF_NVFP4_TILE_ROWS) * ARF_NVFP4_TILE_ROWS;
+  const int cols_pad = ((sf_cols + ARF_NVFP4_TILE_COLS - 1) / ARF_NVFP4_TILE_COLS) * ARF_NVFP4_TILE_COLS;
   unsigned char* s8 = reinterpret_cast<unsigned char*>(sout);
   for (int k = (int)first; k < (rows_pad - T) * cols_pad; k += (int)step)
     s8[arf_nvfp4_sf_offset(T + k / cols_pad, k % cols_pad, sf_cols)] = 0;

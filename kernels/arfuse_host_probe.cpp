@@ -2,8 +2,8 @@
 // conversions, through the kernels' own helpers where they exist, so that
 // crates/runtime/tests/host_numerics.rs can check every one of them exhaustively
 // against arfuse-reference and `half`. Host build only (never given to NVRTC).
-#define ARF_DTYPE 1  // f16: arf_bits_to_f32 / arf_f32_to_bits take the f16 path
-#define ARF_QUANT 6  // an NVFP4 quant, so that arf_e2m1x2 exists
+#define ARF_DTYPE ARF_DTYPE_F16  // f16: arf_bits_to_f32 / arf_f32_to_bits take the f16 path
+#define ARF_QUANT ARF_Q_NVFP4_LINEAR  // an NVFP4 quant, so that arf_e2m1x2 exists
 #include "arfuse_common.cuh"
 
 #define ARF_PROBE extern "C" __attribute__((visibility("default")))

@@ -10,11 +10,11 @@
 // one launch. No cross-CTA dependencies: any grid size works.
 #include "arfuse_common.cuh"
 
-extern "C" __global__ void __launch_bounds__(1024) arf_local(const ArfParams p) {
+extern "C" __global__ void __launch_bounds__(ARF_MAX_BLOCK_THREADS) arf_local(const ArfParams p) {
   __shared__ float red[32];
   arf_grid_dependency_wait();
   const int rank = p.rank_base + (int)blockIdx.y;
-  const int nvec = p.H * ARF_EB / 16;
+  const int nvec = p.H * ARF_EB / ARF_VECTOR_BYTES;
   const int vpt = (nvec + (int)blockDim.x - 1) / (int)blockDim.x;
   const u64 row_bytes = (u64)p.H * ARF_EB;
   const u64 x = arf_rank_ptr(p.x, rank);
@@ -23,7 +23,7 @@ extern "C" __global__ void __launch_bounds__(1024) arf_local(const ArfParams p) 
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
-      a[v] = (v < vpt && idx < nvec) ? arf_ld(x + (u64)t * row_bytes + (u64)idx * 16u) : make_uint4(0, 0, 0, 0);
+      a[v] = (v < vpt && idx < nvec) ? arf_ld(x + (u64)t * row_bytes + (u64)idx * (u64)ARF_VECTOR_BYTES) : make_uint4(0, 0, 0, 0);
     }
     arf_epilogue(p, rank, t, a, vpt, nvec, red);
   }

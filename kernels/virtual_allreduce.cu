@@ -12,10 +12,10 @@
 #error "ARF_W must be defined"
 #endif
 
-extern "C" __global__ void __launch_bounds__(1024) arf_virtual_allreduce(const ArfParams p) {
+extern "C" __global__ void __launch_bounds__(ARF_MAX_BLOCK_THREADS) arf_virtual_allreduce(const ArfParams p) {
   arf_grid_dependency_wait();
   const int rank = p.rank_base + (int)blockIdx.y;
-  const int nvec = p.H * ARF_EB / 16;
+  const int nvec = p.H * ARF_EB / ARF_VECTOR_BYTES;
   const u64 row_bytes = (u64)p.H * ARF_EB;
   const u64 out = arf_rank_ptr(p.out, rank);
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
@@ -26,11 +26,11 @@ extern "C" __global__ void __launch_bounds__(1024) arf_virtual_allreduce(const A
 #pragma unroll 1
       for (int q = 0; q < ARF_W; ++q) {
         float f[ARF_VEC];
-        arf_unpack(arf_ld(arf_rank_ptr(p.x, q) + (u64)t * row_bytes + (u64)idx * 16u), f);
+        arf_unpack(arf_ld(arf_rank_ptr(p.x, q) + (u64)t * row_bytes + (u64)idx * (u64)ARF_VECTOR_BYTES), f);
 #pragma unroll
         for (int i = 0; i < ARF_VEC; ++i) acc[i] += f[i];
       }
-      if (out) arf_st(out + (u64)t * row_bytes + (u64)idx * 16u, arf_pack(acc));
+      if (out) arf_st(out + (u64)t * row_bytes + (u64)idx * (u64)ARF_VECTOR_BYTES, arf_pack(acc));
     }
   }
   __syncthreads();

@@ -21,8 +21,8 @@
 //! tensor before the reshape: the fused op reads its inputs as row-major `[tokens, H]`
 //! rows, which a reshape does not change.
 
-use crate::ir::op::FusedAllReduceNorm;
-use crate::ir::{Graph, NodeId, Op, Value};
+use arfuse_ir::op::FusedAllReduceNorm;
+use arfuse_ir::{Graph, NodeId, Op, Value};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -80,7 +80,7 @@ pub enum SpliceInput {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct SplicePort {
     /// Which output (`norm`, `residual`, `quant`, `scale`).
-    pub output: crate::ir::op::FusedOutput,
+    pub output: arfuse_ir::op::FusedOutput,
     /// Torch names (sorted) whose readers now read this output: every name bound to a
     /// value that a node kept by the lowering (or a graph output) read and now reads
     /// from here.
@@ -101,6 +101,7 @@ pub struct SkippedSite {
 
 /// Why [`splice`] gave no result: the lowered graph is not a lowering of `original`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SpliceError {
     /// A node kept by the lowering (same id and op) reads something other than what it
     /// read in the original graph, and not a fused output either.
@@ -393,8 +394,8 @@ fn site(
     })
 }
 
-fn output_name(o: crate::ir::op::FusedOutput) -> &'static str {
-    use crate::ir::op::FusedOutput;
+fn output_name(o: arfuse_ir::op::FusedOutput) -> &'static str {
+    use arfuse_ir::op::FusedOutput;
     match o {
         FusedOutput::Norm => "norm",
         FusedOutput::Residual => "residual",

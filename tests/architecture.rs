@@ -1,6 +1,7 @@
 //! The dependency invariants of ARCHITECTURE.md, read from the manifests and sources:
-//! the IR knows nothing of egg or CUDA and of arfuse only the policy; the policy depends
-//! on no arfuse crate; only the runtime links cudarc, and inside it only `cuda.rs` uses
+//! the ABI depends on nothing (serde only as an optional feature); the IR knows nothing
+//! of egg or CUDA and of arfuse only the ABI and the policy; the policy depends on no
+//! arfuse crate but the ABI; only the runtime links cudarc, and inside it only `cuda.rs` uses
 //! it; the facade does not depend on the runtime; anyhow only in the binaries (the
 //! `arfuse` command, whose library part only shares its code with xtask; xtask;
 //! gpu-check).
@@ -35,18 +36,27 @@ fn crate_deps(dir: &str) -> Vec<String> {
 
 #[test]
 fn crate_dependencies_follow_the_architecture() {
+    // The ABI: no dependency but an optional serde (for the enums' spellings).
+    let abi_manifest = std::fs::read_to_string(root().join("crates/abi/Cargo.toml")).unwrap();
+    assert_eq!(crate_deps("crates/abi"), ["serde"]);
+    assert!(
+        abi_manifest.contains("optional = true"),
+        "arfuse-abi's serde must stay optional"
+    );
     let ir = crate_deps("crates/ir");
     assert!(!ir.is_empty());
     for d in &ir {
         assert!(d != "egg" && d != "cudarc", "arfuse-ir depends on {d}");
         assert!(
-            !d.starts_with("arfuse-") || d == "arfuse-policy",
+            !d.starts_with("arfuse-") || d == "arfuse-policy" || d == "arfuse-abi",
             "arfuse-ir depends on {d}"
         );
     }
     let policy = crate_deps("crates/policy");
     assert!(
-        policy.iter().all(|d| !d.starts_with("arfuse")),
+        policy
+            .iter()
+            .all(|d| !d.starts_with("arfuse") || d == "arfuse-abi"),
         "{policy:?}"
     );
 

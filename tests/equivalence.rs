@@ -1,9 +1,9 @@
 //! Property test of the whole pass against the CPU oracle: random stacks of layers
 //! (random H from the allowed set, random pattern family, random liveness of outputs)
-//! -> `arfuse::lower` -> `arfuse::reference::check_equivalent` holds bit-exactly, and
+//! -> `arfuse::lower` -> `arfuse::advanced::reference::check_equivalent` holds bit-exactly, and
 //! the count of all-reduces is preserved (each fused node holds exactly one).
 
-use arfuse::ir::{
+use arfuse::advanced::ir::{
     DType, Dim, GroupScaleLayout, InputKind, Node, Nvfp4ScaleLayout, Op, SymbolRange, TensorType,
     Value,
 };
@@ -47,7 +47,12 @@ struct B {
 }
 
 impl B {
-    fn add(&mut self, op: Op, inputs: Vec<Value>, outputs: Vec<TensorType>) -> arfuse::ir::NodeId {
+    fn add(
+        &mut self,
+        op: Op,
+        inputs: Vec<Value>,
+        outputs: Vec<TensorType>,
+    ) -> arfuse::advanced::ir::NodeId {
         self.n += 1;
         let id = format!("n{}", self.n);
         self.g
@@ -304,20 +309,20 @@ proptest! {
                 _ => None,
             })
             .flat_map(|p| p.dispatch.iter())
-            .filter(|r| r.strategy != arfuse::ir::Strategy::Unfused)
+            .filter(|r| r.strategy != arfuse::advanced::ir::Strategy::Unfused)
             .map(|r| r.max_tokens)
             .max()
             .unwrap();
-        let tokens = arfuse::reference::equivalence_token_counts(t.world_size, max_fused).unwrap();
-        let eq = arfuse::reference::check_equivalent(&g, l, t.world_size, &tokens, seed).unwrap();
+        let tokens = arfuse::advanced::reference::equivalence_token_counts(t.world_size, max_fused).unwrap();
+        let eq = arfuse::advanced::reference::check_equivalent(&g, l, t.world_size, &tokens, seed).unwrap();
         prop_assert!(eq.is_bit_exact(), "{}\n{}", eq, l.canonical_text());
         // The per-site check agrees, site by site, at the same token counts.
-        let by_site = arfuse::reference::check_sites(
+        let by_site = arfuse::advanced::reference::check_sites(
             &g,
             l,
             &lowered.sites,
             t.world_size,
-            arfuse::reference::SiteTokens::Given(&tokens),
+            arfuse::advanced::reference::SiteTokens::Given(&tokens),
             seed,
         )
         .unwrap();
@@ -326,7 +331,7 @@ proptest! {
         // Windows (a boundary inside every chain at the smallest) change nothing but
         // the e-graph totals.
         for window_nodes in [1, 1 + (seed % 13) as usize] {
-            let options = arfuse::LowerOptions { window_nodes, ..Default::default() };
+            let options = arfuse::LowerOptions::default().with_window_nodes(window_nodes);
             let cut = arfuse::lower_with(&g, &t, &options).unwrap();
             prop_assert_eq!(l.canonical_text(), cut.graph.canonical_text());
             prop_assert_eq!(&lowered.sites, &cut.sites);

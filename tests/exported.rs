@@ -10,7 +10,7 @@ fn import(name: &str) -> Graph {
         .join("ir-fixtures/exported")
         .join(name);
     let bytes = std::fs::read(&p).unwrap();
-    arfuse::import::load_any(&bytes)
+    arfuse::advanced::import::load_any(&bytes)
         .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
         .graph
 }
@@ -42,7 +42,7 @@ fn check(file: &str, t: Target, expected_sites: usize, expected_names: &[&str]) 
     let fused = lowered
         .graph
         .nodes()
-        .filter(|(_, n)| matches!(n.op, arfuse::ir::Op::FusedAllreduceNorm(_)))
+        .filter(|(_, n)| matches!(n.op, arfuse::advanced::ir::Op::FusedAllreduceNorm(_)))
         .count();
     assert_eq!(fused, expected_sites);
     let stem = file.trim_end_matches(".exported_program.json");
@@ -95,7 +95,7 @@ fn qwen3_30b_a3b_tp4_fuses_its_five_sites_and_not_the_qk_norms() {
     assert_eq!(modules.len(), 4, "{modules:?}");
     assert!(kept >= 4, "{kept} q/k norm nodes");
     for (_, n) in lowered.graph.nodes() {
-        if matches!(n.op, arfuse::ir::Op::FusedAllreduceNorm(_)) {
+        if matches!(n.op, arfuse::advanced::ir::Op::FusedAllreduceNorm(_)) {
             assert!(!qk(&n.module), "{} fused a q/k norm", n.id);
         }
     }
@@ -113,9 +113,9 @@ fn gemma3_1b_tp2_fuses_its_five_sandwich_sites() {
     // Every fused Gemma node uses the offset weight.
     let lowered = arfuse::lower(&g, &target("h100-sxm-x8", 2)).unwrap();
     for (_, n) in lowered.graph.nodes() {
-        if let arfuse::ir::Op::FusedAllreduceNorm(a) = &n.op {
+        if let arfuse::advanced::ir::Op::FusedAllreduceNorm(a) = &n.op {
             assert_eq!(a.weight_bias, 1.0, "{}", n.id);
-            assert!(matches!(a.quant, arfuse::ir::FusedQuant::None));
+            assert!(matches!(a.quant, arfuse::advanced::ir::FusedQuant::None));
         }
     }
 }

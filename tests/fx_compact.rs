@@ -2,9 +2,9 @@
 //! the Python extension hands it over (`ir-fixtures/fx/`), imported, lowered and spliced as
 //! `arfuse.torch.FusionPass` does, and its JSON form (what `_fx_graph_json` writes).
 
-use arfuse::import::torch_export::fx::{self, FxArg, FxGraph};
-use arfuse::import::ImportOptions;
-use arfuse::ir::Op;
+use arfuse::advanced::import::torch_export::fx::{self, FxArg, FxGraph};
+use arfuse::advanced::import::ImportOptions;
+use arfuse::advanced::ir::Op;
 use arfuse::splice::splice;
 use arfuse::Target;
 use std::io::Read;

@@ -7,8 +7,8 @@
 //! (ir-fixtures/postgrad) and the other all-reduce spellings
 //! (ir-fixtures/exported/spellings).
 
-use arfuse::import::{CustomAllReduce, ImportOptions};
-use arfuse::ir::{NormRounding, Op};
+use arfuse::advanced::import::{CustomAllReduce, ImportOptions};
+use arfuse::advanced::ir::{NormRounding, Op};
 use arfuse::{Graph, Target};
 use serde_json::Value;
 use std::collections::BTreeSet;
@@ -101,9 +101,9 @@ fn target(world_size: u32) -> Target {
     t
 }
 
-fn import(path: &Path, opts: &ImportOptions) -> arfuse::import::Imported {
+fn import(path: &Path, opts: &ImportOptions) -> arfuse::advanced::import::Imported {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    arfuse::import::load_any_with(&bytes, opts)
+    arfuse::advanced::import::load_any_with(&bytes, opts)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 

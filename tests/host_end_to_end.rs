@@ -12,15 +12,15 @@
 //! squares in the IR's sequential order). The node's dead outputs
 //! (those the lowered graph does not list) are passed as null and must stay untouched.
 
-use arfuse::ir::{Graph, InputKind, Node, Op, TensorType, Value};
-use arfuse::reference::{evaluate, Tensor};
+use arfuse::advanced::ir::{Graph, InputKind, Node, Op, TensorType, Value};
+use arfuse::advanced::reference::{evaluate, Tensor};
 use arfuse::Target;
 use arfuse_runtime::check::{self, Case, Inputs, RankOutputs, FILL_BYTE};
 use arfuse_runtime::device::{Allocation, Device, RankTensor};
 use arfuse_runtime::host::{Compiler, HostDevice, HostMem, HostOptions};
 use arfuse_runtime::node::{NodeKernels, Route};
 use arfuse_runtime::runner::{NodeTensors, Runner};
-use arfuse_runtime::variants::{Dtype, Strategy};
+use arfuse_runtime::variants::{ActDtype, Strategy};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -105,16 +105,16 @@ fn reference_outputs(
     case: &Case,
     inputs: &Inputs,
 ) -> Vec<RankOutputs> {
-    let dt = |d: Dtype| match d {
-        Dtype::Bf16 => arfuse::ir::DType::Bf16,
-        Dtype::F16 => arfuse::ir::DType::F16,
-        Dtype::F32 => arfuse::ir::DType::F32,
+    let dt = |d: ActDtype| match d {
+        ActDtype::Bf16 => arfuse::advanced::ir::DType::Bf16,
+        ActDtype::F16 => arfuse::advanced::ir::DType::F16,
+        ActDtype::F32 => arfuse::advanced::ir::DType::F32,
     };
     let (t, h) = (case.tokens as usize, case.hidden as usize);
-    let tensor = |d: Dtype, shape: Vec<usize>, bytes: &[u8]| {
+    let tensor = |d: ActDtype, shape: Vec<usize>, bytes: &[u8]| {
         Tensor::from_f32(dt(d), shape, check::decode(d, bytes)).expect("tensor")
     };
-    let mut rank_inputs = arfuse::reference::RankInputs::new();
+    let mut rank_inputs = arfuse::advanced::reference::RankInputs::new();
     rank_inputs.insert(
         "x".into(),
         inputs
@@ -135,7 +135,8 @@ fn reference_outputs(
     }
     let gamma = tensor(check::gamma_dtype(case), vec![h], &inputs.gamma);
     rank_inputs.insert("weight".into(), vec![gamma; WORLD as usize]);
-    let bindings = arfuse::reference::bind_tokens(alone, u64::from(case.tokens)).expect("bind");
+    let bindings =
+        arfuse::advanced::reference::bind_tokens(alone, u64::from(case.tokens)).expect("bind");
     let eval = evaluate(alone, WORLD, &bindings, &rank_inputs).expect("evaluates");
     (0..WORLD as usize)
         .map(|r| {
@@ -143,10 +144,10 @@ fn reference_outputs(
             for (i, which) in k.outputs.iter().enumerate() {
                 let bytes = eval.outputs[i][r].physical_bytes().expect("bytes");
                 match which {
-                    arfuse::ir::FusedOutput::Norm => o.out = bytes,
-                    arfuse::ir::FusedOutput::Residual => o.residual_out = bytes,
-                    arfuse::ir::FusedOutput::Quant => o.quant = bytes,
-                    arfuse::ir::FusedOutput::Scale => o.scale = bytes,
+                    arfuse::advanced::ir::FusedOutput::Norm => o.out = bytes,
+                    arfuse::advanced::ir::FusedOutput::Residual => o.residual_out = bytes,
+                    arfuse::advanced::ir::FusedOutput::Quant => o.quant = bytes,
+                    arfuse::advanced::ir::FusedOutput::Scale => o.scale = bytes,
                 }
             }
             o
@@ -239,7 +240,7 @@ fn every_fused_node_of_a_lowered_llama_runs_on_the_host_device_as_the_reference_
     let mut tokens = Vec::new();
     for &(lo, hi, s) in k0.dispatch() {
         tokens.push(lo);
-        tokens.push(if s.is_some() { hi } else { hi.min(128) });
+        tokens.push(if s.is_fused() { hi } else { hi.min(128) });
     }
     assert_eq!(
         tokens,
@@ -247,7 +248,7 @@ fn every_fused_node_of_a_lowered_llama_runs_on_the_host_device_as_the_reference_
         "the h200-sxm-x8 plan of Llama-3.1-8B"
     );
     let max_t = *tokens.iter().max().expect("tokens");
-    let act = u64::from(max_t) * u64::from(k0.hidden) * k0.dtype.bytes() as u64;
+    let act = u64::from(max_t) * u64::from(k0.hidden) * k0.dtype.element_bytes();
     let dev = runner.device();
     let (x, res, out, res_out) = (
         Strided::new(dev, act),
@@ -265,7 +266,7 @@ fn every_fused_node_of_a_lowered_llama_runs_on_the_host_device_as_the_reference_
             "{id}"
         );
         assert!(
-            k.writes(arfuse::ir::FusedOutput::Norm),
+            k.writes(arfuse::advanced::ir::FusedOutput::Norm),
             "{id}: nothing to compare"
         );
         let alone = node_alone(&lowered, id);
@@ -302,12 +303,12 @@ fn every_fused_node_of_a_lowered_llama_runs_on_the_host_device_as_the_reference_
             let want: Vec<RankOutputs> = want
                 .into_iter()
                 .map(|w| RankOutputs {
-                    out: if live(arfuse::ir::FusedOutput::Norm) {
+                    out: if live(arfuse::advanced::ir::FusedOutput::Norm) {
                         w.out
                     } else {
                         Vec::new()
                     },
-                    residual_out: if live(arfuse::ir::FusedOutput::Residual) {
+                    residual_out: if live(arfuse::advanced::ir::FusedOutput::Residual) {
                         w.residual_out
                     } else {
                         Vec::new()
@@ -330,8 +331,8 @@ fn every_fused_node_of_a_lowered_llama_runs_on_the_host_device_as_the_reference_
             for s in [&out, &res_out] {
                 dev.fill(&s.mem, 0, s.mem.bytes(), FILL_BYTE).expect("fill");
             }
-            let norm = live(arfuse::ir::FusedOutput::Norm);
-            let resid = live(arfuse::ir::FusedOutput::Residual);
+            let norm = live(arfuse::advanced::ir::FusedOutput::Norm);
+            let resid = live(arfuse::advanced::ir::FusedOutput::Residual);
             let tensors = NodeTensors {
                 x: x.tensor(true),
                 residual_in: res.tensor(k.epilogue.residual),

@@ -7,8 +7,13 @@
 //! Time and memory bounds are not asserted here: `examples/hostile_bounds.rs` runs the
 //! same cases (the `hostile_cases` module) and checks them.
 
-use arfuse as af;
-use arfuse::policy::Target;
+use arfuse::advanced::policy::Target;
+
+/// The arfuse API the fuzz bodies use, named as `fuzz/src/lib.rs` names it.
+mod af {
+    pub use arfuse::advanced::{import, ir, policy, rewrite};
+    pub use arfuse::{lower, lower_with, LowerError, LowerOptions, Lowered};
+}
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -100,24 +105,15 @@ fn egraph_limits_give_a_clear_error() {
     for (what, options) in [
         (
             "node_limit = 10",
-            af::LowerOptions {
-                node_limit: 10,
-                ..Default::default()
-            },
+            af::LowerOptions::default().with_node_limit(10),
         ),
         (
             "iter_limit = 0",
-            af::LowerOptions {
-                iter_limit: 0,
-                ..Default::default()
-            },
+            af::LowerOptions::default().with_iter_limit(0),
         ),
         (
             "iter_limit = 1",
-            af::LowerOptions {
-                iter_limit: 1,
-                ..Default::default()
-            },
+            af::LowerOptions::default().with_iter_limit(1),
         ),
         ("defaults", af::LowerOptions::default()),
     ] {
@@ -327,10 +323,7 @@ fn lowering_a_lowered_graph_infers_the_same_group() {
 fn node_limit_error_names_the_configured_limit() {
     let g = af::ir::Graph::from_json_slice(&wide_sites(8)).unwrap();
     let target = Target::preset(LOWER_PRESET).unwrap();
-    let options = af::LowerOptions {
-        node_limit: 10,
-        ..Default::default()
-    };
+    let options = af::LowerOptions::default().with_node_limit(10);
     let err = af::lower_with(&g, &target, &options)
         .unwrap_err()
         .to_string();

@@ -13,7 +13,7 @@ fn root() -> PathBuf {
 
 fn carried_plans(g: &Graph) -> usize {
     g.nodes()
-        .filter(|(_, n)| matches!(&n.op, arfuse::ir::Op::FusedAllreduceNorm(a) if a.plan.is_some()))
+        .filter(|(_, n)| matches!(&n.op, arfuse::advanced::ir::Op::FusedAllreduceNorm(a) if a.plan.is_some()))
         .count()
 }
 
@@ -61,7 +61,7 @@ fn every_committed_lowered_graph_re_plans_to_its_carried_plan() {
     paths.sort();
     let mut checked = 0usize;
     for p in paths {
-        let Ok(loaded) = arfuse::import::load_any(&std::fs::read(&p).unwrap()) else {
+        let Ok(loaded) = arfuse::advanced::import::load_any(&std::fs::read(&p).unwrap()) else {
             continue; // not an arfuse or torch.export graph (e.g. a config)
         };
         let g = loaded.graph;

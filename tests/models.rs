@@ -4,7 +4,7 @@
 //! node); the whole lowered graph's canonical text is a checked fixture under
 //! ir-fixtures/lowered/ (`ARFUSE_BLESS=1` rewrites it); assertions hold the site counts.
 
-use arfuse::policy::{resolve_backend, BackendDecision};
+use arfuse::advanced::policy::{resolve_backend, BackendDecision};
 use arfuse::{Graph, LowerOptions, Target};
 
 mod common;
@@ -33,7 +33,7 @@ fn shared_hidden_sizes(f: &Fixture) -> Vec<u64> {
 fn hidden_sizes(g: &Graph) -> Vec<u64> {
     let mut hs: Vec<u64> = g
         .nodes()
-        .filter(|(_, n)| matches!(n.op, arfuse::ir::Op::AllReduce { .. }))
+        .filter(|(_, n)| matches!(n.op, arfuse::advanced::ir::Op::AllReduce { .. }))
         .filter_map(|(_, n)| n.outputs[0].shape.last().and_then(|d| d.as_const()))
         .collect();
     hs.sort();
@@ -55,10 +55,7 @@ fn every_model_lowers_for_every_target_with_the_expected_sites() {
         assert!(!targets.is_empty(), "{}: no targets", f.name);
         for t in &targets {
             let target = Target::preset(t).unwrap();
-            let options = LowerOptions {
-                shared_hidden_sizes: shared_hidden_sizes(f),
-                ..LowerOptions::default()
-            };
+            let options = LowerOptions::default().with_shared_hidden_sizes(shared_hidden_sizes(f));
             let lowered = arfuse::lower_with(&f.graph, &target, &options)
                 .unwrap_or_else(|e| panic!("{} on {t}: {e}", f.name));
             let report = &lowered.report;
@@ -102,7 +99,7 @@ fn every_model_lowers_for_every_target_with_the_expected_sites() {
 
 /// One node without its operands, as the canonical text writes it: op, attributes,
 /// output types, module; a layer index in the module written `*`.
-fn node_text(n: &arfuse::ir::Node) -> String {
+fn node_text(n: &arfuse::advanced::ir::Node) -> String {
     let mut out = n.op.name().to_string();
     let attrs = n.op.attrs_json();
     if !attrs.is_empty() {
@@ -193,19 +190,19 @@ fn glm5_fp8_on_h200_is_the_seed_case_handled() {
         .graph
         .nodes()
         .filter_map(|(_, n)| match &n.op {
-            arfuse::ir::Op::FusedAllreduceNorm(a) => Some(a.clone()),
+            arfuse::advanced::ir::Op::FusedAllreduceNorm(a) => Some(a.clone()),
             _ => None,
         })
         .collect();
     assert_eq!(fused.len(), 157);
     for a in &fused {
         let plan = a.plan.as_ref().expect("a fused node carries its plan");
-        assert_eq!(plan.backend(), arfuse::ir::Backend::Mnnvl);
+        assert_eq!(plan.backend(), arfuse::advanced::ir::Backend::Mnnvl);
         assert_eq!(plan.max_token_num, 42);
         assert_eq!(plan.workspace.lamport_buffer_bytes, 1_179_648);
         // arfuse's kernels: 256 + 3 * 1,179,648, against FlashInfer's 3,540,992.
         assert_eq!(plan.workspace.total_bytes_per_rank, 3_539_200);
-        let ranges: Vec<(u64, u64, arfuse::ir::Strategy)> = plan
+        let ranges: Vec<(u64, u64, arfuse::advanced::ir::Strategy)> = plan
             .dispatch
             .iter()
             .map(|r| (r.min_tokens, r.max_tokens, r.strategy))
@@ -213,9 +210,9 @@ fn glm5_fp8_on_h200_is_the_seed_case_handled() {
         assert_eq!(
             ranges,
             vec![
-                (1, 10, arfuse::ir::Strategy::OneShot),
-                (11, 42, arfuse::ir::Strategy::TwoShot),
-                (43, 8192, arfuse::ir::Strategy::Unfused)
+                (1, 10, arfuse::advanced::ir::Strategy::OneShot),
+                (11, 42, arfuse::advanced::ir::Strategy::TwoShot),
+                (43, 8192, arfuse::advanced::ir::Strategy::Unfused)
             ]
         );
         // Every fused T fits ONE Lamport buffer (the seed failure needed 3,932,160 at T=40).
@@ -241,7 +238,7 @@ fn deterministic_llama_fuses_every_site_and_states_batch_invariance() {
         "{text}"
     );
     // With the engine's all-reduce serving T > 64 it is refused, with the reason.
-    target.unfused_all_reduce = arfuse::policy::UnfusedAllReduce::Engine;
+    target.unfused_all_reduce = arfuse::advanced::policy::UnfusedAllReduce::Engine;
     let lowered = arfuse::lower(&f.graph, &target).unwrap();
     assert_eq!(lowered.report.all_reduces_fused, 0);
     assert!(lowered.report.to_string().contains("engine's all-reduce"));

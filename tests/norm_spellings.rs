@@ -4,8 +4,8 @@
 //! evaluator on two simulated ranks; spellings no fused epilogue computes are refused
 //! with a reason naming the op.
 
-use arfuse::ir::{NormInput, NormRounding, Op};
-use arfuse::reference::check_equivalent;
+use arfuse::advanced::ir::{NormInput, NormRounding, Op};
+use arfuse::advanced::reference::check_equivalent;
 use arfuse::{Graph, Target};
 use serde_json::{json, Value};
 
@@ -304,7 +304,7 @@ fn target() -> Target {
 }
 
 fn import(bytes: &[u8]) -> Graph {
-    arfuse::import::load_any(bytes)
+    arfuse::advanced::import::load_any(bytes)
         .unwrap_or_else(|e| panic!("{e}"))
         .graph
 }

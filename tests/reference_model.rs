@@ -6,8 +6,8 @@
 #[path = "../crates/reference/tests/common/mod.rs"]
 mod common;
 
-use arfuse::ir::{DType, Op, Strategy};
-use arfuse::reference::{check_equivalent, equivalence_token_counts};
+use arfuse::advanced::ir::{DType, Op, Strategy};
+use arfuse::advanced::reference::{check_equivalent, equivalence_token_counts};
 use arfuse::Target;
 use common::{build_model, count_sites, ModelCfg};
 
@@ -49,7 +49,7 @@ fn run(dtype: DType, fp8: bool) {
     assert_eq!(count_sites(&original), (5, 0));
     assert_eq!(count_sites(l), (0, 5), "{}", lowered.report);
     let by_hand = build_model(&c, T_MAX, true);
-    let outputs = |g: &arfuse::Graph| -> Vec<Vec<arfuse::ir::op::FusedOutput>> {
+    let outputs = |g: &arfuse::Graph| -> Vec<Vec<arfuse::advanced::ir::op::FusedOutput>> {
         g.nodes()
             .filter_map(|(_, n)| match &n.op {
                 Op::FusedAllreduceNorm(a) => {

@@ -25,7 +25,7 @@ fn every_fused_node_of_the_corpus_has_a_kernel_for_every_planned_token_count() {
             let lowered = arfuse::lower(graph, &target).unwrap();
             graphs += 1;
             for (_, n) in lowered.graph.nodes() {
-                let arfuse::ir::Op::FusedAllreduceNorm(a) = &n.op else {
+                let arfuse::advanced::ir::Op::FusedAllreduceNorm(a) = &n.op else {
                     continue;
                 };
                 nodes += 1;
@@ -108,7 +108,7 @@ fn plan_bytes_are_the_runtime_allocation_and_only_what_is_dispatched() {
             // Workspace -> (largest call its nodes dispatch, nodes).
             let mut shared: BTreeMap<String, (u64, usize)> = BTreeMap::new();
             for (_, n) in lowered.graph.nodes() {
-                let arfuse::ir::Op::FusedAllreduceNorm(a) = &n.op else {
+                let arfuse::advanced::ir::Op::FusedAllreduceNorm(a) = &n.op else {
                     continue;
                 };
                 let k = NodeKernels::from_graph(&lowered.graph, &n.id, target.world_size)
@@ -125,15 +125,17 @@ fn plan_bytes_are_the_runtime_allocation_and_only_what_is_dispatched() {
                 let (w, h, e) = (
                     u64::from(ws.world_size),
                     u64::from(k.hidden),
-                    k.dtype.bytes() as u64,
+                    k.dtype.element_bytes(),
                 );
                 let largest = plan
                     .dispatch
                     .iter()
                     .map(|r| match r.strategy {
-                        arfuse::ir::Strategy::OneShot => r.max_tokens * w * h * e,
-                        arfuse::ir::Strategy::TwoShot => 2 * r.max_tokens.div_ceil(w) * w * h * e,
-                        arfuse::ir::Strategy::Unfused => 0,
+                        arfuse::advanced::ir::Strategy::OneShot => r.max_tokens * w * h * e,
+                        arfuse::advanced::ir::Strategy::TwoShot => {
+                            2 * r.max_tokens.div_ceil(w) * w * h * e
+                        }
+                        arfuse::advanced::ir::Strategy::Unfused => 0,
                     })
                     .max()
                     .unwrap_or(0);
@@ -190,7 +192,7 @@ fn one_capacity_input_moves_every_consumer_together() {
     for (cap, m, buffer) in [(None, 64u64, 1_048_576u64), (Some(65_536u64), 8, 524_288)] {
         let mut target = Target::preset("h200-sxm-x8").unwrap();
         target.max_bytes_override = cap;
-        let plan = arfuse::policy::plan(&target, &[4096]).unwrap();
+        let plan = arfuse::advanced::policy::plan(&target, &[4096]).unwrap();
         assert_eq!(plan.max_token_num, m);
         let last_fused = plan
             .dispatch()
@@ -209,7 +211,7 @@ fn one_capacity_input_moves_every_consumer_together() {
             .graph
             .nodes()
             .find_map(|(_, n)| match &n.op {
-                arfuse::ir::Op::FusedAllreduceNorm(a) => Some((n.id.clone(), a.clone())),
+                arfuse::advanced::ir::Op::FusedAllreduceNorm(a) => Some((n.id.clone(), a.clone())),
                 _ => None,
             })
             .unwrap();
@@ -283,16 +285,17 @@ fn one_shot_never_runs_past_the_bytes_boundary() {
             let target = Target::preset(&t).unwrap();
             let lowered = arfuse::lower(&f.graph, &target).unwrap();
             for (_, n) in lowered.graph.nodes() {
-                let arfuse::ir::Op::FusedAllreduceNorm(a) = &n.op else {
+                let arfuse::advanced::ir::Op::FusedAllreduceNorm(a) = &n.op else {
                     continue;
                 };
                 let plan = a.plan.as_ref().unwrap();
-                if plan.kernels() != arfuse::policy::KernelLibrary::Arfuse {
+                if plan.kernels() != arfuse::advanced::policy::KernelLibrary::Arfuse {
                     continue;
                 }
                 let k = NodeKernels::from_graph(&lowered.graph, &n.id, target.world_size).unwrap();
                 let w = u64::from(k.world);
-                let input = |tokens: u64| tokens * u64::from(k.hidden) * w * k.dtype.bytes() as u64;
+                let input =
+                    |tokens: u64| tokens * u64::from(k.hidden) * w * k.dtype.element_bytes();
                 let case = |strategy, tokens: u64| Case {
                     strategy,
                     world: k.world,
@@ -306,7 +309,7 @@ fn one_shot_never_runs_past_the_bytes_boundary() {
                     norm_f32_sum: k.norm_f32_sum,
                 };
                 for r in &plan.dispatch {
-                    if r.strategy != arfuse::ir::Strategy::OneShot {
+                    if r.strategy != arfuse::advanced::ir::Strategy::OneShot {
                         continue;
                     }
                     let tokens = r.max_tokens;
@@ -323,10 +326,12 @@ fn one_shot_never_runs_past_the_bytes_boundary() {
                         .dispatch
                         .iter()
                         .find(|q| q.min_tokens <= next && next <= q.max_tokens);
-                    if let Some(q) = past.filter(|q| q.strategy == arfuse::ir::Strategy::OneShot) {
+                    if let Some(q) =
+                        past.filter(|q| q.strategy == arfuse::advanced::ir::Strategy::OneShot)
+                    {
                         panic!("{name} on {t}, {node}: one-shot continues at T={next} ({q:?})");
                     }
-                    if past.is_some_and(|q| q.strategy == arfuse::ir::Strategy::TwoShot) {
+                    if past.is_some_and(|q| q.strategy == arfuse::advanced::ir::Strategy::TwoShot) {
                         // The rule, not the buffer, ended the one-shot range here, or the
                         // buffer did and the call is within it: either way one-shot at T
                         // would be over 1 MiB or not fit.

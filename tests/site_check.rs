@@ -1,4 +1,4 @@
-//! The per-site equivalence check (`arfuse::reference::check_sites`) on real graphs: every
+//! The per-site equivalence check (`arfuse::advanced::reference::check_sites`) on real graphs: every
 //! corpus model and the three torch.export graphs check site by site at their real
 //! hidden sizes; a lowered graph changed after the fact (an eps, a kept node's input, a
 //! fused node's weight, a missing site map) is caught, naming the site or node; the
@@ -6,7 +6,7 @@
 
 mod common;
 
-use arfuse::reference::{check_sites, ReferenceError, SiteTokens, SitesReport};
+use arfuse::advanced::reference::{check_sites, ReferenceError, SiteTokens, SitesReport};
 use arfuse::{Graph, Lowered, Target};
 use serde_json::Value as Json;
 
@@ -19,7 +19,7 @@ fn preset(name: &str, world_size: u32) -> Target {
 
 fn export(name: &str) -> Graph {
     let p = common::root().join("ir-fixtures/exported").join(name);
-    arfuse::import::load_any(&std::fs::read(&p).unwrap())
+    arfuse::advanced::import::load_any(&std::fs::read(&p).unwrap())
         .unwrap()
         .graph
 }
@@ -146,7 +146,7 @@ fn a_changed_eps_is_caught_at_its_site_only() {
 #[test]
 fn rewired_nodes_and_missing_maps_are_refused_naming_the_node() {
     let (graph, l) = on_h200("llama31_8b_tp8");
-    let err = |g: &Graph, sites: &[arfuse::ir::SiteMap]| match check_sites(
+    let err = |g: &Graph, sites: &[arfuse::advanced::ir::SiteMap]| match check_sites(
         &graph,
         g,
         sites,
@@ -168,7 +168,7 @@ fn rewired_nodes_and_missing_maps_are_refused_naming_the_node() {
             n.inputs
                 .first()
                 .is_some_and(|v| l.graph.node(v.node).id == s1.fused_node)
-                && !matches!(n.op, arfuse::ir::Op::FusedAllreduceNorm(_))
+                && !matches!(n.op, arfuse::advanced::ir::Op::FusedAllreduceNorm(_))
         })
         .map(|(_, n)| n.id.clone())
         .unwrap();
@@ -203,7 +203,8 @@ fn rewired_nodes_and_missing_maps_are_refused_naming_the_node() {
 #[test]
 fn the_whole_graph_check_says_a_real_model_is_too_big() {
     let (graph, l) = on_h200("llama31_8b_tp8");
-    let e = arfuse::reference::check_equivalent(&graph, &l.graph, 8, &[1], 0).unwrap_err();
+    let e =
+        arfuse::advanced::reference::check_equivalent(&graph, &l.graph, 8, &[1], 0).unwrap_err();
     assert!(matches!(e, ReferenceError::GraphTooLarge { .. }), "{e:?}");
     assert!(e.to_string().contains("check_sites"), "{e}");
 }
@@ -224,7 +225,7 @@ fn no_token_count_beyond_the_plan_and_no_other_world_size() {
         .graph
         .nodes()
         .find_map(|(_, n)| match &n.op {
-            arfuse::ir::Op::FusedAllreduceNorm(a) => a.plan.as_ref(),
+            arfuse::advanced::ir::Op::FusedAllreduceNorm(a) => a.plan.as_ref(),
             _ => None,
         })
         .and_then(|p| p.dispatch.last())

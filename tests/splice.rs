@@ -1,8 +1,8 @@
 //! `arfuse::splice` on the post-grad graphs torch.compile produced
 //! (`ir-fixtures/postgrad/`): what a torch.compile pass changes in its FX graph.
 
-use arfuse::import::{load_any, Imported};
-use arfuse::ir::op::FusedOutput;
+use arfuse::advanced::import::{load_any, Imported};
+use arfuse::advanced::ir::op::FusedOutput;
 use arfuse::splice::{splice, SpliceError, SpliceInput};
 use arfuse::Target;
 

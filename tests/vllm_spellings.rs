@@ -11,10 +11,10 @@
 //!   `vllm_ir.fused_add_rms_norm`, `_C.*` norms and quant ops under
 //!   `auto_functionalized`.
 
-use arfuse::import::torch_export::fx::{self, FxGraph};
-use arfuse::import::{CustomAllReduce, ImportOptions};
-use arfuse::ir::{FusedQuant, NormInput, NormRounding, Op};
-use arfuse::reference::check_equivalent;
+use arfuse::advanced::import::torch_export::fx::{self, FxGraph};
+use arfuse::advanced::import::{CustomAllReduce, ImportOptions};
+use arfuse::advanced::ir::{FusedQuant, NormInput, NormRounding, Op};
+use arfuse::advanced::reference::check_equivalent;
 use arfuse::Target;
 use serde_json::{json, Value};
 
@@ -89,7 +89,7 @@ fn target() -> Target {
 
 /// Imports and lowers `g` for the group `tp:0`; the one fused node's attributes, after
 /// checking the lowered graph bit for bit against the original.
-fn fused_exactly(g: &FxGraph, opts: &ImportOptions) -> arfuse::ir::FusedAllReduceNorm {
+fn fused_exactly(g: &FxGraph, opts: &ImportOptions) -> arfuse::advanced::ir::FusedAllReduceNorm {
     let imported = fx::import(g, opts).unwrap_or_else(|e| panic!("{e}"));
     let mut lo = arfuse::LowerOptions::default();
     lo.group = Some("tp:0".into());

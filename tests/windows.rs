@@ -17,14 +17,19 @@ use common::{fixtures, root};
 /// Window sizes tried against the whole graph: a few nodes (a boundary in every
 /// layer, windows smaller than one chain), odd sizes, about a layer, several layers,
 /// and the default.
-const WINDOWS: [usize; 6] = [1, 16, 37, 100, 512, arfuse::rewrite::DEFAULT_WINDOW_NODES];
+const WINDOWS: [usize; 6] = [
+    1,
+    16,
+    37,
+    100,
+    512,
+    arfuse::advanced::rewrite::DEFAULT_WINDOW_NODES,
+];
 
 fn lower(g: &Graph, target: &Target, window_nodes: usize, threads: usize) -> Lowered {
-    let options = LowerOptions {
-        window_nodes,
-        threads,
-        ..LowerOptions::default()
-    };
+    let options = LowerOptions::default()
+        .with_window_nodes(window_nodes)
+        .with_threads(threads);
     arfuse::lower_with(g, target, &options)
         .unwrap_or_else(|e| panic!("window {window_nodes}, {threads} threads: {e}"))
 }
@@ -110,7 +115,7 @@ fn exported_and_post_grad_graphs_lower_the_same_in_windows() {
         let bytes = std::fs::read(path).unwrap();
         // Spellings that need an option to import (a framework's own all-reduce) are
         // covered by tests/hf_exports.rs; a file that is not a graph is skipped.
-        let Ok(imported) = arfuse::import::load_any(&bytes) else {
+        let Ok(imported) = arfuse::advanced::import::load_any(&bytes) else {
             continue;
         };
         let g = imported.graph;
@@ -137,7 +142,7 @@ fn generated_hostile_graphs_lower_the_same_in_windows() {
         if case.slow {
             continue; // refused while parsing or inflating: no graph
         }
-        let Ok(imported) = arfuse::import::load_any(&(case.input)()) else {
+        let Ok(imported) = arfuse::advanced::import::load_any(&(case.input)()) else {
             continue;
         };
         let target = Target::preset(hostile_cases::LOWER_PRESET).unwrap();

@@ -2,7 +2,9 @@
 //! in `tests/hostile.rs`); `fuzz_targets/*.rs` are the libFuzzer entry points.
 //! See `docs/fuzzing.md`.
 
-/// The arfuse API the bodies use, named as the `arfuse` facade names it.
+/// The arfuse API the bodies use, named as the `arfuse` facade names it (the layers
+/// under `arfuse::advanced`, the pass at its top; `tests/hostile.rs` builds the same
+/// module from the facade).
 pub mod af {
     pub use arfuse_import as import;
     pub use arfuse_ir as ir;

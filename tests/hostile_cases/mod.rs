@@ -4,8 +4,12 @@
 
 #![allow(dead_code)]
 
-use arfuse as af;
-use arfuse::policy::Target;
+/// The arfuse API these cases use: the layers (`arfuse::advanced`) and the pass.
+mod af {
+    pub use arfuse::advanced::{import, ir, policy};
+    pub use arfuse::{lower_with, LowerOptions};
+}
+use arfuse::advanced::policy::Target;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 

@@ -3,7 +3,7 @@
 
 use crate::targets::{self, target_from_graph};
 use anyhow::{bail, Context, Result};
-use arfuse::import::ImportOptions;
+use arfuse::advanced::import::ImportOptions;
 use arfuse::Graph;
 use std::path::{Path, PathBuf};
 
@@ -111,8 +111,8 @@ pub(crate) fn read_small_text(path: &Path) -> Result<String> {
 /// Reads and imports one graph file (at most the importer's byte limit), printing the
 /// importer's notes and warnings. Errors name the file.
 pub(crate) fn read_graph(path: &Path, import: &ImportOptions) -> Result<Graph> {
-    let bytes = read_limited(path, arfuse::import::MAX_FILE_BYTES as u64)?;
-    let imported = arfuse::import::load_any_with(&bytes, import)
+    let bytes = read_limited(path, arfuse::advanced::import::MAX_FILE_BYTES as u64)?;
+    let imported = arfuse::advanced::import::load_any_with(&bytes, import)
         .with_context(|| format!("loading {}", path.display()))?;
     for note in &imported.notes {
         match note.strip_prefix("warning: ") {
@@ -182,7 +182,7 @@ pub(crate) fn plan_jobs(
              size the model was exported for (N picks {}-xN; --list-targets lists every \
              preset with its W)",
             unplannable.join("\n"),
-            arfuse::policy::DEFAULT_PRESET_FAMILY,
+            arfuse::advanced::policy::DEFAULT_PRESET_FAMILY,
         );
     }
     Ok(jobs)

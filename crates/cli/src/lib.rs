@@ -70,7 +70,7 @@ pub struct LowerArgs {
     /// `vllm.all_reduce`; `=GROUP` gives its process group when the op has no
     /// `group_name` argument (torch.export / FX graphs only).
     #[arg(long = "all-reduce-op", value_name = "NAME[=GROUP]")]
-    pub all_reduce_ops: Vec<arfuse::import::CustomAllReduce>,
+    pub all_reduce_ops: Vec<arfuse::advanced::import::CustomAllReduce>,
     /// In the table report, one line per site (default: sites that differ only in their
     /// layer index share a line).
     #[arg(long)]

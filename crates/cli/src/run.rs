@@ -6,7 +6,7 @@ use crate::outputs::Writer;
 use crate::targets::{assumed_world_size_note, load_target, target_name};
 use crate::ReportFormat;
 use anyhow::Result;
-use arfuse::reference::SiteTokens;
+use arfuse::advanced::reference::SiteTokens;
 use arfuse::{Graph, Lowered, Target};
 use serde_json::{json, Value};
 use std::path::Path;
@@ -16,7 +16,7 @@ use std::process::ExitCode;
 pub(crate) struct Settings<'a> {
     pub args: &'a crate::LowerArgs,
     pub options: arfuse::LowerOptions,
-    pub import: arfuse::import::ImportOptions,
+    pub import: arfuse::advanced::import::ImportOptions,
 }
 
 impl Settings<'_> {
@@ -24,7 +24,7 @@ impl Settings<'_> {
         let mut options = arfuse::LowerOptions::default();
         options.group.clone_from(&args.group);
         options.shared_hidden_sizes.clone_from(&args.shared_hidden);
-        let mut import = arfuse::import::ImportOptions::default();
+        let mut import = arfuse::advanced::import::ImportOptions::default();
         import.all_reduce_ops.clone_from(&args.all_reduce_ops);
         Settings {
             args,
@@ -161,7 +161,7 @@ fn lower_pair(
 
 /// That `--group`, when given, names a process group of the graph's all-reduces.
 fn check_group(graph: &Graph, group: Option<&str>) -> Result<(), String> {
-    use arfuse::ir::Op;
+    use arfuse::advanced::ir::Op;
     let Some(g) = group else { return Ok(()) };
     let groups: std::collections::BTreeSet<&str> = graph
         .nodes()
@@ -186,11 +186,12 @@ fn check_pair(
     lowered: &Lowered,
     w: u32,
     tokens: SiteTokens<'_>,
-) -> Result<(String, Value, Option<String>), arfuse::reference::ReferenceError> {
+) -> Result<(String, Value, Option<String>), arfuse::advanced::reference::ReferenceError> {
     const SEED: u64 = 0;
     let start = std::time::Instant::now();
     let sites = &lowered.sites;
-    let result = arfuse::reference::check_sites(graph, &lowered.graph, sites, w, tokens, SEED)?;
+    let result =
+        arfuse::advanced::reference::check_sites(graph, &lowered.graph, sites, w, tokens, SEED)?;
     let seconds = start.elapsed().as_secs_f64();
     let mut summary = format!("check ({seconds:.2} s): {result}");
     let already = lowered.report.already_fused;

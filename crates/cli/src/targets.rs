@@ -3,7 +3,7 @@
 
 use crate::LowerArgs;
 use anyhow::{Context, Result};
-use arfuse::policy::{self, PRESETS};
+use arfuse::advanced::policy::{self, PRESETS};
 use arfuse::{Graph, Target};
 use std::path::Path;
 

@@ -40,7 +40,7 @@ fn a_directory_lists_every_graph_named_entry() {
         names,
         ["b.json.gz", "broken.json", "c.pt2", "good.json", "sub.json"]
     );
-    let none = arfuse::import::ImportOptions::default();
+    let none = arfuse::advanced::import::ImportOptions::default();
     let err = format!(
         "{:#}",
         read_graph(&dir.join("sub.json"), &none).unwrap_err()
@@ -96,7 +96,7 @@ fn default_out_names_do_not_stack() {
 
 #[test]
 fn a_graph_without_tp_is_refused_and_a_recorded_tp_picks_its_preset() {
-    let none = arfuse::import::ImportOptions::default();
+    let none = arfuse::advanced::import::ImportOptions::default();
     let exported = root().join("ir-fixtures/exported/qwen3_30b_a3b_L2_tp4.exported_program.json");
     let why = target_from_graph(&read_graph(&exported, &none).unwrap()).unwrap_err();
     assert!(
@@ -148,7 +148,7 @@ fn world_size_names_the_preset_it_picks() {
 #[test]
 fn assumed_world_size_note_only_without_recorded_tp() {
     let target = Target::preset("b300-x4").unwrap();
-    let none = arfuse::import::ImportOptions::default();
+    let none = arfuse::advanced::import::ImportOptions::default();
     let exported = root().join("ir-fixtures/exported/gemma3_1b_L2_tp2.exported_program.json");
     let exported = read_graph(&exported, &none).unwrap();
     let note = assumed_world_size_note(&exported, &target, "b300-x4").unwrap();

@@ -32,7 +32,7 @@ use arfuse_runtime::check::{self, Case, Inputs, Liveness, RankOutputs, FILL_BYTE
 use arfuse_runtime::cuda::Gpu;
 use arfuse_runtime::device::{self, Allocation, Device, FusedCall, KernelParams, RankTensor};
 use arfuse_runtime::host::{Compiler, HostDevice, HostOptions, LaunchOptions};
-use arfuse_runtime::variants::{Dtype, Quant, Strategy, Variant};
+use arfuse_runtime::variants::{ActDtype, Quant, Strategy, Variant};
 use arfuse_runtime::workspace::Backend;
 use arfuse_runtime::Error;
 use clap::{Parser, ValueEnum};
@@ -133,7 +133,7 @@ impl<B: Allocation> Io<B> {
     fn new<D: Device<Buffer = B>>(
         gpu: &mut D,
         world: u32,
-        dtype: Dtype,
+        dtype: ActDtype,
         hidden: u32,
         max_t: u32,
     ) -> anyhow::Result<Io<B>> {
@@ -219,10 +219,7 @@ fn params<B: Allocation>(io: &Io<B>, case: &Case, live: Liveness) -> anyhow::Res
         quant_out: out_tensor(&io.quant, b.quant, live.quant),
         scale_out: out_tensor(&io.scale, b.scale, live.scale),
         gamma: io.gamma.ptr(),
-        scale_in: if matches!(
-            case.epilogue.quant,
-            Quant::Fp8Static | Quant::Nvfp4Swizzled | Quant::Nvfp4Linear
-        ) {
+        scale_in: if matches!(case.epilogue.quant, Quant::Fp8Static | Quant::Nvfp4(_)) {
             io.scale_in.ptr()
         } else {
             0
@@ -407,8 +404,8 @@ fn run_case<D: Device>(
     Ok(o)
 }
 
-fn dtype_of(name: &str) -> anyhow::Result<Dtype> {
-    Dtype::ALL
+fn dtype_of(name: &str) -> anyhow::Result<ActDtype> {
+    ActDtype::ALL
         .into_iter()
         .find(|d| d.name() == name)
         .ok_or_else(|| anyhow!("unknown dtype {name:?} (bf16, f16, f32)"))
@@ -417,7 +414,7 @@ fn dtype_of(name: &str) -> anyhow::Result<Dtype> {
 /// The cases the arguments select. Checked before the GPU is opened, so bad
 /// arguments are reported the same way on every machine.
 fn select_cases(args: &Args, nvfp4: bool) -> anyhow::Result<Vec<Case>> {
-    let dtypes: Vec<Dtype> = args
+    let dtypes: Vec<ActDtype> = args
         .dtypes
         .iter()
         .map(|d| dtype_of(d))
@@ -431,7 +428,7 @@ fn select_cases(args: &Args, nvfp4: bool) -> anyhow::Result<Vec<Case>> {
     if let Some(t) = args.tokens.iter().find(|t| !(1..=65_535).contains(*t)) {
         return Err(anyhow!("--tokens {t}: T must be in 1..=65535"));
     }
-    for d in Dtype::ALL {
+    for d in ActDtype::ALL {
         device::block_size(args.hidden, d).map_err(|e| anyhow!("--hidden {}: {e}", args.hidden))?;
     }
     if !arfuse_runtime::variants::WORLD_SIZES.contains(&args.timing_world) {
@@ -486,7 +483,7 @@ fn correctness<D: Device>(gpu: &mut D, args: &Args, nvfp4: bool) -> anyhow::Resu
     let mut max_ulp: BTreeMap<Row, u64> = BTreeMap::new();
     let mut failures = 0usize;
     let t0 = Instant::now();
-    let mut groups: Vec<(u32, Dtype)> = cases.iter().map(|c| (c.world, c.dtype)).collect();
+    let mut groups: Vec<(u32, ActDtype)> = cases.iter().map(|c| (c.world, c.dtype)).collect();
     groups.sort();
     groups.dedup();
     for (world, dtype) in groups {
@@ -816,7 +813,7 @@ mod tests {
         let cases = select_cases(&some, false).unwrap();
         assert!(!cases.is_empty());
         assert!(cases.iter().all(|c| c.world == 2
-            && c.dtype == Dtype::F16
+            && c.dtype == ActDtype::F16
             && c.tokens == 7
             && c.pattern().contains("fp8tok")));
     }

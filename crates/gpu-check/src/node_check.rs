@@ -9,7 +9,7 @@ use arfuse_runtime::check::{self, Case, RankOutputs, FILL_BYTE};
 use arfuse_runtime::device::{Allocation, Device, RankTensor};
 use arfuse_runtime::node::Route;
 use arfuse_runtime::runner::{NodeTensors, Runner};
-use arfuse_runtime::variants::{Dtype, Epilogue, Quant, Strategy};
+use arfuse_runtime::variants::{ActDtype, Epilogue, Quant, Strategy};
 
 const WORLD: u32 = 8;
 /// One-shot up to this T, two-shot up to [`TWO_SHOT_MAX`], unfused up to [`MAX_T`].
@@ -83,7 +83,7 @@ pub fn run<D: Device>(
         let big = Case {
             strategy: Strategy::OneShot,
             world: WORLD,
-            dtype: Dtype::Bf16,
+            dtype: ActDtype::Bf16,
             epilogue: Epilogue {
                 residual: true,
                 norm: true,
@@ -96,15 +96,15 @@ pub fn run<D: Device>(
             norm_round_twice: true,
             norm_f32_sum: false,
         };
-        let ws = check::workspace_for(WORLD, Dtype::Bf16, hidden, TWO_SHOT_MAX)?;
+        let ws = check::workspace_for(WORLD, ActDtype::Bf16, hidden, TWO_SHOT_MAX)?;
         let kernels = check::node_for(
             &big,
             "gpu_check.node",
             &ws,
             &[
-                (1, ONE_SHOT_MAX, Some(Strategy::OneShot)),
-                (ONE_SHOT_MAX + 1, TWO_SHOT_MAX, Some(Strategy::TwoShot)),
-                (TWO_SHOT_MAX + 1, MAX_T, None),
+                (1, ONE_SHOT_MAX, Strategy::OneShot),
+                (ONE_SHOT_MAX + 1, TWO_SHOT_MAX, Strategy::TwoShot),
+                (TWO_SHOT_MAX + 1, MAX_T, Strategy::Unfused),
             ],
         )?;
         let id = kernels.node.clone();

@@ -18,7 +18,7 @@ use crate::{fused_call, median, params, rank_tensor, upload_inputs, Args, Io};
 use arfuse_runtime::check::{self, Case, Liveness};
 use arfuse_runtime::cuda::{DeviceBuffer, Gpu, VirtualWorkspace};
 use arfuse_runtime::device::{Device, FusedCall, RankTensor};
-use arfuse_runtime::variants::{Dtype, Epilogue, KernelKind, Quant, Strategy, Variant};
+use arfuse_runtime::variants::{ActDtype, Epilogue, KernelKind, Quant, Strategy, Variant};
 use arfuse_runtime::workspace::Backend;
 
 /// Token counts of the latency table.
@@ -68,7 +68,7 @@ fn copy_bandwidth(gpu: &mut Gpu) -> anyhow::Result<f64> {
 struct Rig {
     world: u32,
     hidden: u32,
-    dtype: Dtype,
+    dtype: ActDtype,
     quants: Vec<Quant>,
     ws: VirtualWorkspace,
     io: Io<DeviceBuffer>,
@@ -76,7 +76,7 @@ struct Rig {
 
 impl Rig {
     fn new(gpu: &mut Gpu, args: &Args) -> anyhow::Result<Rig> {
-        let (world, hidden, dtype) = (args.timing_world, args.hidden, Dtype::Bf16);
+        let (world, hidden, dtype) = (args.timing_world, args.hidden, ActDtype::Bf16);
         let max_t = BANDWIDTH_TOKENS[BANDWIDTH_TOKENS.len() - 1];
         let ws = gpu.create_workspace(
             Backend::Trtllm,
@@ -85,7 +85,9 @@ impl Rig {
         let io = Io::new(gpu, world, dtype, hidden, max_t)?;
         let mut quants = vec![Quant::None, Quant::Fp8PerToken];
         if gpu.info().sm >= 100 {
-            quants.push(Quant::Nvfp4Swizzled);
+            quants.push(Quant::Nvfp4(
+                arfuse_runtime::variants::Nvfp4ScaleLayout::Swizzled128x4,
+            ));
         }
         let rig = Rig {
             world,

@@ -6,6 +6,7 @@ use arfuse_ir::{BuildError, LoadError, Problems};
 /// tensor, a JSON position, an archive member) so that the message alone says where
 /// to look.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ImportError {
     /// The input (or the program inside an archive) is above the size limit.
     #[error("{what} is {size} bytes, above the limit of {limit} bytes")]

@@ -7,7 +7,10 @@ use std::str::FromStr;
 ///
 /// The default reads every file as the format documents: only the collective spellings
 /// the importer knows become `all_reduce` (`docs/torch-export.md`).
+///
+/// Non-exhaustive: start from [`ImportOptions::default`] and use the `with_*` methods.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ImportOptions {
     /// A framework's own all-reduce ops (for example vLLM's `vllm.all_reduce`), imported
     /// as a sum all-reduce over their group. Opt-in by name: arfuse cannot know what a

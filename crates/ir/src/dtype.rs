@@ -75,12 +75,21 @@ impl DType {
 
     /// The activation dtype a fused kernel runs on (bf16, f16, f32), in the policy's
     /// terms; `None` for every other type.
-    pub const fn activation(self) -> Option<arfuse_policy::ActDtype> {
+    pub const fn activation(self) -> Option<arfuse_abi::ActDtype> {
         match self {
-            DType::Bf16 => Some(arfuse_policy::ActDtype::Bf16),
-            DType::F16 => Some(arfuse_policy::ActDtype::F16),
-            DType::F32 => Some(arfuse_policy::ActDtype::F32),
+            DType::Bf16 => Some(arfuse_abi::ActDtype::Bf16),
+            DType::F16 => Some(arfuse_abi::ActDtype::F16),
+            DType::F32 => Some(arfuse_abi::ActDtype::F32),
             _ => None,
+        }
+    }
+
+    /// The IR dtype of an activation dtype (the inverse of [`DType::activation`]).
+    pub const fn of_activation(d: arfuse_abi::ActDtype) -> DType {
+        match d {
+            arfuse_abi::ActDtype::Bf16 => DType::Bf16,
+            arfuse_abi::ActDtype::F16 => DType::F16,
+            arfuse_abi::ActDtype::F32 => DType::F32,
         }
     }
 

@@ -205,6 +205,7 @@ impl fmt::Display for Problems {
 
 /// Error from [`crate::Graph::from_json_str`] and friends.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum LoadError {
     /// The bytes are not UTF-8.
     #[error("the file is not UTF-8 (invalid byte at offset {offset})")]

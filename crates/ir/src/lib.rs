@@ -7,7 +7,8 @@
 //! with [`Graph::from_json_str`]; [`Graph::validate`] type-checks it and reports every
 //! problem with its node id.
 //!
-//! This crate knows nothing of e-graphs, policies or CUDA (ARCHITECTURE.md).
+//! This crate knows nothing of e-graphs or CUDA; of arfuse it knows the kernel ABI
+//! (`arfuse-abi`) and the policy's workspace a plan carries (ARCHITECTURE.md).
 //!
 //! ```
 //! use arfuse_ir::Graph;

@@ -62,81 +62,19 @@ pub enum ReduceOp {
     Sum,
 }
 
-/// Scale form of per-token-group FP8 quantisation (domain.md section 1): how the
-/// scales are rounded and how they are stored. The one definition of these forms;
-/// the reference, the rewrite and the runtime all use this enum.
-///
-/// The scale values (arfuse rounding contract v3, clause 4) are
-/// `max(amax, 1e-10) / 448` for [`GroupScaleLayout::F32RowMajor`], and that value
-/// floored at 1e-10 and rounded UP to a power of two for the two UE8M0 forms
-/// (vLLM's `use_ue8m0=True`, DeepGEMM's scales).
-///
-/// The derived order (declaration order) is what the rewrite uses to break ties.
+/// Scale form of per-token-group FP8 quantisation (domain.md section 1): the ABI's one
+/// definition (`arfuse_abi::GroupScaleLayout`), which the reference, the rewrite and the
+/// runtime all use.
+pub use arfuse_abi::GroupScaleLayout;
+
+/// Scale layout of NVFP4 quantisation (domain.md section 1): the ABI's one definition.
+pub use arfuse_abi::Nvfp4ScaleLayout;
+
+/// The quantisation epilogue of a fused node, as the graph spells it: the kernels'
+/// epilogue ([`arfuse_abi::Quant`], [`FusedQuant::kernel_quant`]) plus the graph's own
+/// group size, which the kernels run only when it is theirs. The derived order
+/// (declaration order, then the fields) is the rewrite's tie-break between quant kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum GroupScaleLayout {
-    /// `f32_row_major`: fp32 `[..., H / group_size]`, row-major, unrounded scales.
-    F32RowMajor,
-    /// `packed_ue8m0`: ue8m0 exponents, 4 per i32, logical
-    /// `[..., ceil(H / group_size / 4)]` i32; stored column-major with a column
-    /// stride of `round_up(T, 4)` words (DeepGEMM's TMA-aligned layout), so the
-    /// tensor is `T + (ceil(G / 4) - 1) * round_up(T, 4)` words, as vLLM allocates it
-    /// (`torch.empty_strided((T, C), (1, round_up(T, 4)))`); padding rows of every
-    /// column but the last and unused bytes are zero.
-    PackedUe8m0,
-    /// `f32_row_major_ue8m0`: fp32 `[..., H / group_size]`, row-major, every scale a
-    /// power of two (vLLM's `per_token_group_quant_fp8(..., use_ue8m0=True)` with
-    /// row-major scales).
-    F32RowMajorUe8m0,
-}
-
-impl GroupScaleLayout {
-    /// Every form, in declaration order.
-    pub const ALL: [GroupScaleLayout; 3] = [
-        GroupScaleLayout::F32RowMajor,
-        GroupScaleLayout::PackedUe8m0,
-        GroupScaleLayout::F32RowMajorUe8m0,
-    ];
-
-    /// Whether the scales are powers of two (UE8M0 values).
-    pub const fn power_of_two_scales(self) -> bool {
-        matches!(
-            self,
-            GroupScaleLayout::PackedUe8m0 | GroupScaleLayout::F32RowMajorUe8m0
-        )
-    }
-
-    /// Whether the scales are stored as fp32 `[..., G]` row-major (else packed i32).
-    pub const fn f32_storage(self) -> bool {
-        matches!(
-            self,
-            GroupScaleLayout::F32RowMajor | GroupScaleLayout::F32RowMajorUe8m0
-        )
-    }
-
-    /// The JSON / text spelling (`f32_row_major`, `packed_ue8m0`, `f32_row_major_ue8m0`).
-    pub const fn name(self) -> &'static str {
-        match self {
-            GroupScaleLayout::F32RowMajor => "f32_row_major",
-            GroupScaleLayout::PackedUe8m0 => "packed_ue8m0",
-            GroupScaleLayout::F32RowMajorUe8m0 => "f32_row_major_ue8m0",
-        }
-    }
-}
-
-/// Scale layout of NVFP4 quantisation (domain.md section 1).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Nvfp4ScaleLayout {
-    /// 512-byte tiles of 128 rows x 4 scale columns; `round_up(T,128) * round_up(H/16,4)` bytes.
-    #[serde(rename = "swizzled_128x4")]
-    Swizzled128x4,
-    /// Row-major `[T, H/16]`.
-    Linear,
-}
-
-/// The quantisation epilogue of a fused node.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum FusedQuant {
     /// No quantisation.
@@ -157,6 +95,72 @@ pub enum FusedQuant {
         /// Scale layout.
         scale_layout: Nvfp4ScaleLayout,
     },
+}
+
+impl FusedQuant {
+    /// Whether the quant op takes a second input (static FP8 scale, NVFP4 global scale).
+    pub const fn takes_scale_input(self) -> bool {
+        matches!(self, FusedQuant::Fp8Static | FusedQuant::Nvfp4 { .. })
+    }
+
+    /// Whether the quant op writes a scales output.
+    pub const fn writes_scales(self) -> bool {
+        !matches!(self, FusedQuant::None | FusedQuant::Fp8Static)
+    }
+
+    /// Short name for reports and fused-node names (`none`, `fp8_static`,
+    /// `fp8_per_token`, `fp8_per_token_group`, `nvfp4`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            FusedQuant::None => "none",
+            FusedQuant::Fp8Static => "fp8_static",
+            FusedQuant::Fp8PerToken => "fp8_per_token",
+            FusedQuant::Fp8PerTokenGroup { .. } => "fp8_per_token_group",
+            FusedQuant::Nvfp4 { .. } => "nvfp4",
+        }
+    }
+
+    /// The kernels' epilogue for this quant, or why they have none: a per-token-group
+    /// group size other than [`arfuse_abi::FP8_GROUP_SIZE`].
+    pub fn kernel_quant(self) -> Result<arfuse_abi::Quant, String> {
+        use arfuse_abi::Quant;
+        Ok(match self {
+            FusedQuant::None => Quant::None,
+            FusedQuant::Fp8Static => Quant::Fp8Static,
+            FusedQuant::Fp8PerToken => Quant::Fp8PerToken,
+            FusedQuant::Fp8PerTokenGroup {
+                group_size,
+                scale_layout,
+            } => {
+                if group_size != arfuse_abi::FP8_GROUP_SIZE {
+                    return Err(format!(
+                        "the fused kernels quantise groups of {} elements, not {group_size}",
+                        arfuse_abi::FP8_GROUP_SIZE
+                    ));
+                }
+                Quant::Fp8Group(scale_layout)
+            }
+            FusedQuant::Nvfp4 { scale_layout } => Quant::Nvfp4(scale_layout),
+        })
+    }
+}
+
+impl From<arfuse_abi::Quant> for FusedQuant {
+    /// The graph's spelling of a kernel epilogue (group forms with the kernels' group
+    /// size).
+    fn from(q: arfuse_abi::Quant) -> FusedQuant {
+        use arfuse_abi::Quant;
+        match q {
+            Quant::None => FusedQuant::None,
+            Quant::Fp8Static => FusedQuant::Fp8Static,
+            Quant::Fp8PerToken => FusedQuant::Fp8PerToken,
+            Quant::Fp8Group(scale_layout) => FusedQuant::Fp8PerTokenGroup {
+                group_size: arfuse_abi::FP8_GROUP_SIZE,
+                scale_layout,
+            },
+            Quant::Nvfp4(scale_layout) => FusedQuant::Nvfp4 { scale_layout },
+        }
+    }
 }
 
 /// Where a fused node's RMSNorm rounds to the activation dtype T (domain.md section 1:
@@ -300,12 +304,12 @@ pub enum FusedOutput {
     Scale,
 }
 
-/// Device algorithm of a fused node (domain.md section 3): the policy's one definition.
-pub use arfuse_policy::Backend;
+/// Device algorithm of a fused node (domain.md section 3): the ABI's one definition.
+pub use arfuse_abi::Backend;
 
-/// How a given token count runs (domain.md section 4): the policy's one definition,
+/// How a given token count runs (domain.md section 4): the ABI's one definition,
 /// serialized as `one_shot`, `two_shot` or `unfused`.
-pub use arfuse_policy::Strategy;
+pub use arfuse_abi::Strategy;
 
 /// Tokens `min_tokens..=max_tokens` run with `strategy`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -322,6 +326,20 @@ pub struct DispatchRange {
     /// unfused. Checked on load against the workspace's rule.
     #[serde(default)]
     pub required_bytes: u64,
+}
+
+impl From<&arfuse_policy::DispatchRange> for DispatchRange {
+    /// The graph's form of a policy range (the one conversion): its tokens, strategy
+    /// and the bytes its largest call needs; the reason and the buffer's size stay in
+    /// the plan and the report.
+    fn from(r: &arfuse_policy::DispatchRange) -> DispatchRange {
+        DispatchRange {
+            min_tokens: r.lo,
+            max_tokens: r.hi,
+            strategy: r.strategy,
+            required_bytes: r.required_bytes_max,
+        }
+    }
 }
 
 /// The plan a fused node carries, written by the pass from `arfuse-policy`.

@@ -6,7 +6,7 @@ use crate::op::{FusedOutput, FusedQuant, GroupScaleLayout};
 use crate::{DType, Dim, Graph, Node, NodeId, Op, Shape, TensorType};
 
 /// NVFP4 block size in elements (domain.md section 1).
-pub const NVFP4_BLOCK: u64 = 16;
+pub use arfuse_abi::NVFP4_BLOCK;
 
 /// True for an RMSNorm epsilon the IR accepts: finite, in (0, 1), and non-zero as the
 /// f32 the kernels and the reference compute with (real models use 1e-5 or 1e-6; 1 or

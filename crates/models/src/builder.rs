@@ -440,7 +440,7 @@ impl<'a> Ctx<'a> {
                 )
             }
             ActQuant::Nvfp4 => {
-                let b = crate::quant::NVFP4_GROUP;
+                let b = arfuse_abi::NVFP4_BLOCK;
                 if k % b != 0 {
                     return Err(BuildError::NotDivisible {
                         field: format!("GEMM input width of {module}"),
@@ -533,7 +533,7 @@ impl<'a> Ctx<'a> {
                 s,
                 kind: ActQuant::Nvfp4,
             } => {
-                let b = crate::quant::NVFP4_GROUP;
+                let b = arfuse_abi::NVFP4_BLOCK;
                 let w = self.param(&format!("{id}.weight"), DType::Fp4E2m1x2, &[n, k / 2])?;
                 let ws = self.param(&format!("{id}.weight_scale"), DType::Fp8E4m3, &[n, k / b])?;
                 let alpha = self.param(&format!("{id}.alpha"), DType::F32, &[1])?;

@@ -3,6 +3,7 @@
 
 /// Why a graph could not be built.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum BuildError {
     /// A field the architecture needs is absent (or `null`).
     #[error("config field `{field}` is missing")]

@@ -24,11 +24,9 @@ use crate::config::Cfg;
 use crate::error::{BuildError, Result};
 use serde_json::Value as Json;
 
-/// The per-token-group size of block-FP8 activation quantisation (DeepSeek-style).
-pub const FP8_GROUP: u64 = 128;
-
-/// NVFP4 block size (elements per e4m3 scale).
-pub const NVFP4_GROUP: u64 = 16;
+/// The per-token-group size of block-FP8 activation quantisation (DeepSeek-style) and
+/// the NVFP4 block (elements per e4m3 scale): the ABI's one definition.
+use arfuse_abi::{FP8_GROUP_SIZE, NVFP4_BLOCK};
 
 /// The activation quantisation in front of a quantised GEMM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,7 +126,7 @@ impl QuantSpec {
                     .as_array()
                     .map(|a| a.iter().filter_map(Json::as_u64).collect())
                     .unwrap_or_default();
-                if dims != [FP8_GROUP, FP8_GROUP] {
+                if dims != [FP8_GROUP_SIZE, FP8_GROUP_SIZE] {
                     return Err(BuildError::unsupported(
                         "quantization_config.weight_block_size",
                         block,
@@ -137,7 +135,9 @@ impl QuantSpec {
                 }
                 Ok(QuantSpec {
                     format: WeightFormat::Fp8Block,
-                    act: Some(ActQuant::Fp8Group { group: FP8_GROUP }),
+                    act: Some(ActQuant::Fp8Group {
+                        group: FP8_GROUP_SIZE,
+                    }),
                     exclude: strings(
                         qc.get("modules_to_not_convert"),
                         "quantization_config.modules_to_not_convert",
@@ -212,7 +212,7 @@ impl QuantSpec {
 fn check_group(v: Option<&Json>, field: &str) -> Result<()> {
     match v {
         None => Ok(()),
-        Some(g) if g.as_u64() == Some(NVFP4_GROUP) => Ok(()),
+        Some(g) if g.as_u64() == Some(NVFP4_BLOCK) => Ok(()),
         Some(g) => Err(BuildError::unsupported(
             field,
             g,

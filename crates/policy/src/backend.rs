@@ -12,41 +12,21 @@ use serde::{Deserialize, Serialize};
 use crate::error::{PolicyError, Result};
 use crate::target::{Interconnect, RequestedBackend, Target};
 
-/// A fused all-reduce + residual add + RMSNorm device algorithm (domain.md §3).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// CUDA IPC peer-to-peer buffers inside one node; W in {2, 4, 8, 16}.
-    Trtllm,
-    /// NVLink multicast (NVLS / multi-node NVLink) buffers; W in 2..=64.
-    Mnnvl,
-}
+/// A fused all-reduce device algorithm (domain.md §3): the ABI's one definition.
+pub use arfuse_abi::Backend;
 
-impl Backend {
-    /// Lower-case name (`"trtllm"`, `"mnnvl"`).
-    pub const fn name(self) -> &'static str {
-        match self {
-            Backend::Trtllm => "trtllm",
-            Backend::Mnnvl => "mnnvl",
-        }
-    }
-
-    /// Whether this backend supports a group of `w` ranks (domain.md §3).
-    pub fn supports_world_size(self, w: u32) -> bool {
-        match self {
-            Backend::Trtllm => TRTLLM_WORLD_SIZES.contains(&w),
-            Backend::Mnnvl => (MNNVL_MIN_WORLD_SIZE..=MNNVL_MAX_WORLD_SIZE).contains(&w),
-        }
+/// Whether `backend` supports a group of `w` ranks as FlashInfer publishes it
+/// (domain.md §3): trtllm W in [`TRTLLM_WORLD_SIZES`], mnnvl W in
+/// [`MNNVL_MIN_WORLD_SIZE`]..=[`MNNVL_MAX_WORLD_SIZE`]. arfuse's own kernels run fewer
+/// (`arfuse_abi::WORLD_SIZES`), which the planner checks on its own.
+pub fn backend_supports_world_size(backend: Backend, w: u32) -> bool {
+    match backend {
+        Backend::Trtllm => TRTLLM_WORLD_SIZES.contains(&w),
+        Backend::Mnnvl => (MNNVL_MIN_WORLD_SIZE..=MNNVL_MAX_WORLD_SIZE).contains(&w),
     }
 }
 
-impl fmt::Display for Backend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// Group sizes the trtllm backend supports (domain.md §3).
+/// Group sizes FlashInfer's trtllm backend supports (domain.md §3).
 pub const TRTLLM_WORLD_SIZES: [u32; 4] = [2, 4, 8, 16];
 /// Smallest group the mnnvl backend supports (domain.md §3).
 pub const MNNVL_MIN_WORLD_SIZE: u32 = 2;
@@ -230,7 +210,7 @@ fn resolve_multi_node(target: &Target) -> Result<BackendDecision> {
              (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED must hold on all ranks, else the \
              mnnvl rendezvous deadlocks); trtllm cannot span nodes"
         ))
-    } else if !Backend::Mnnvl.supports_world_size(w) {
+    } else if !backend_supports_world_size(Backend::Mnnvl, w) {
         Some(format!("mnnvl supports 2..=64 ranks, the group has {w}"))
     } else {
         None
@@ -275,12 +255,12 @@ fn resolve_single_node(target: &Target) -> Result<BackendDecision> {
              rank of the group"
                 .to_string(),
         )
-    } else if !Backend::Mnnvl.supports_world_size(w) {
+    } else if !backend_supports_world_size(Backend::Mnnvl, w) {
         Some(format!("mnnvl supports 2..=64 ranks, the group has {w}"))
     } else {
         None
     };
-    let trtllm_blocker = if Backend::Trtllm.supports_world_size(w) {
+    let trtllm_blocker = if backend_supports_world_size(Backend::Trtllm, w) {
         None
     } else {
         Some(format!(

@@ -10,6 +10,7 @@ use thiserror::Error;
 
 /// Everything that can go wrong while loading a target, planning or sizing.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum PolicyError {
     /// A field of [`crate::Target`] (or an argument) holds a value that cannot be right.
     #[error("invalid `{field}` = {value}: {reason}")]

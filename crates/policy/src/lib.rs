@@ -76,6 +76,10 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+/// What arfuse's kernels can run (`arfuse-abi`): the enums and limits this crate plans
+/// with, re-exported so that a user of the policy alone has them.
+pub use arfuse_abi as abi;
+
 mod backend;
 mod bytes;
 mod error;
@@ -88,18 +92,16 @@ mod verify;
 mod workspace;
 
 pub use backend::{
-    nvfp4_quant_supported, resolve_backend, sm_family, sm_supported, Backend, BackendDecision,
-    MNNVL_MAX_WORLD_SIZE, MNNVL_MIN_WORLD_SIZE, TRTLLM_WORLD_SIZES,
+    backend_supports_world_size, nvfp4_quant_supported, resolve_backend, sm_family, sm_supported,
+    Backend, BackendDecision, MNNVL_MAX_WORLD_SIZE, MNNVL_MIN_WORLD_SIZE, TRTLLM_WORLD_SIZES,
 };
 pub use bytes::MIB;
 pub use error::{PolicyError, Result};
 pub use limits::{
     arfuse_block_threads, check_hidden, group_quant_unsupported_reason, max_bytes_entry,
     max_token_num, row_bytes, row_unsupported_reason, trtllm_lamport_max_tokens,
-    trtllm_one_shot_bound, ARFUSE_MAX_BLOCK_THREADS, ARFUSE_MAX_ROW_BYTES,
-    ARFUSE_MAX_VECTORS_PER_THREAD, ARFUSE_MIN_BLOCK_THREADS, FP8_GROUP_SIZE,
-    LAMPORT_MAX_COMM_BYTES, MAX_BYTES_TABLE, MAX_ROW_BYTES, MIN_ROW_BYTES, TRTLLM_ONE_SHOT_TABLE,
-    VECTOR_BYTES,
+    trtllm_one_shot_bound, FLASHINFER_MAX_ROW_BYTES, LAMPORT_MAX_COMM_BYTES, MAX_BYTES_TABLE,
+    TRTLLM_ONE_SHOT_TABLE,
 };
 pub use plan::{
     plan, plan_with_workspace, DispatchRange, Plan, PointSource, SiteDispatch, TokenPoint,
@@ -117,7 +119,6 @@ pub use target::{
 };
 pub use verify::{verify, Violation};
 pub use workspace::{
-    required_bytes, ArfuseLayout, Misfit, Workspace, ARFUSE_BUFFER_ALIGN_BYTES, ARFUSE_STATE_BYTES,
-    LAMPORT_ALIGN_BYTES, LAMPORT_BUFFER_COUNT, MNNVL_SIGNAL_PAD_BYTES, TRTLLM_BARRIER_FLAG_COUNT,
-    TRTLLM_FLAG_BYTES, TWO_SHOT_STAGES,
+    required_bytes, ArfuseLayout, Misfit, Workspace, LAMPORT_ALIGN_BYTES, MNNVL_SIGNAL_PAD_BYTES,
+    TRTLLM_BARRIER_FLAG_COUNT, TRTLLM_FLAG_BYTES, TWO_SHOT_STAGES,
 };

@@ -5,6 +5,9 @@
 use crate::bytes::{self, MIB};
 use crate::error::{PolicyError, Result};
 use crate::target::{ActDtype, KernelLibrary};
+use arfuse_abi::{
+    FP8_GROUP_SIZE, MAX_BLOCK_THREADS, MAX_VECTORS_PER_THREAD, MIN_BLOCK_THREADS, VECTOR_BYTES,
+};
 
 /// Max all-reduce input bytes per rank eligible for fusion, by (SM, W): vLLM's tuned
 /// table (domain.md §4). A missing (SM, W) pair means "no fusion", with a reason.
@@ -47,36 +50,11 @@ pub const TRTLLM_ONE_SHOT_TABLE: &[(u32, u32, u64)] = &[
 /// illegal memory accesses; domain.md §5).
 pub const LAMPORT_MAX_COMM_BYTES: u64 = 2_145_386_496;
 
-/// Fewest bytes per token row a fused kernel runs on: one warp of 32 threads with
-/// 16-byte vectors (H < 256 at 16 bits gave sub-warp blocks that hung; domain.md §6).
-pub const MIN_ROW_BYTES: u64 = 32 * VECTOR_BYTES;
-
-/// Most bytes per token row the fused kernels support: H = 65,536 at bf16 (§6).
-pub const MAX_ROW_BYTES: u64 = 65_536 * 2;
-
-/// Vector width of the kernels' loads and stores: a row must be a multiple of it (§6).
-pub const VECTOR_BYTES: u64 = 16;
-
-/// Most threads per block of arfuse's kernels (`__launch_bounds__(1024)` in
-/// `kernels/`).
-pub const ARFUSE_MAX_BLOCK_THREADS: u64 = 1024;
-
-/// Fewest threads per block of arfuse's kernels: four full warps, so no block
-/// reduction runs on a partial warp (sub-warp blocks hung public kernels; §6).
-pub const ARFUSE_MIN_BLOCK_THREADS: u64 = 128;
-
-/// 16-byte vectors one thread of arfuse's kernels keeps in registers between the two
-/// RMSNorm passes (`ARF_MAX_VPT` in `kernels/arfuse_common.cuh`).
-pub const ARFUSE_MAX_VECTORS_PER_THREAD: u64 = 4;
-
-/// Most bytes per token row arfuse's kernels run: 1024 threads x 4 vectors x 16 bytes
-/// = 65,536 (H = 32,768 at bf16, 16,384 at f32).
-pub const ARFUSE_MAX_ROW_BYTES: u64 =
-    ARFUSE_MAX_BLOCK_THREADS * ARFUSE_MAX_VECTORS_PER_THREAD * VECTOR_BYTES;
-
-/// Elements per group of the fused per-token-group FP8 epilogue: DeepSeek-style block
-/// quant, group 128 (domain.md §1), the one group size arfuse's kernels are built for.
-pub const FP8_GROUP_SIZE: u64 = 128;
+/// Most bytes per token row FlashInfer's fused kernels support: H = 65,536 at bf16
+/// (domain.md §6). A wider row is an error at plan time (no fused kernel runs it and no
+/// model has it; H = 2^40 lands here). arfuse's own kernels stop earlier, at
+/// [`arfuse_abi::MAX_ROW_BYTES`] (a reason to stay unfused, not an error).
+pub const FLASHINFER_MAX_ROW_BYTES: u64 = 65_536 * 2;
 
 /// Why the fused kernels cannot quantise per-token groups of `group_size` elements, or
 /// `None` when they can (only [`FP8_GROUP_SIZE`]).
@@ -90,9 +68,9 @@ pub fn group_quant_unsupported_reason(group_size: u64) -> Option<String> {
 }
 
 /// Threads per block arfuse's kernels launch for a token of `hidden` elements: the
-/// fewest vectors per thread (at most [`ARFUSE_MAX_VECTORS_PER_THREAD`]) within
-/// [`ARFUSE_MAX_BLOCK_THREADS`], rounded up to whole warps, at least
-/// [`ARFUSE_MIN_BLOCK_THREADS`]. H = 4096 bf16 -> 512; H = 32,768 bf16 -> 1024.
+/// fewest vectors per thread (at most [`arfuse_abi::MAX_VECTORS_PER_THREAD`]) within
+/// [`arfuse_abi::MAX_BLOCK_THREADS`], rounded up to whole warps, at least
+/// [`arfuse_abi::MIN_BLOCK_THREADS`]. H = 4096 bf16 -> 512; H = 32,768 bf16 -> 1024.
 ///
 /// Errors: [`PolicyError::InvalidHidden`] with [`row_unsupported_reason`]'s sentence
 /// when arfuse's kernels cannot run the row.
@@ -102,10 +80,12 @@ pub fn arfuse_block_threads(hidden: u64, dtype: ActDtype) -> Result<u32> {
         return Err(PolicyError::InvalidHidden { hidden, reason });
     }
     let vectors = row_bytes(hidden, dtype)? / VECTOR_BYTES;
-    let per_thread = vectors.div_ceil(ARFUSE_MAX_BLOCK_THREADS);
-    let threads = vectors.div_ceil(per_thread).div_ceil(32) * 32;
-    // At most 1024 by construction (per_thread >= vectors / 1024).
-    Ok(threads.max(ARFUSE_MIN_BLOCK_THREADS) as u32)
+    let per_thread = vectors.div_ceil(MAX_BLOCK_THREADS);
+    debug_assert!(per_thread <= MAX_VECTORS_PER_THREAD);
+    let warp = arfuse_abi::WARP_THREADS;
+    let threads = vectors.div_ceil(per_thread).div_ceil(warp) * warp;
+    // At most MAX_BLOCK_THREADS by construction (per_thread >= vectors / MAX_BLOCK_THREADS).
+    Ok(threads.max(MIN_BLOCK_THREADS) as u32)
 }
 
 fn lookup(table: &[(u32, u32, u64)], sm: u32, w: u32) -> Option<u64> {
@@ -137,8 +117,8 @@ pub fn row_bytes(hidden: u64, dtype: ActDtype) -> Result<u64> {
 /// Checks that a hidden size can be planned at all.
 ///
 /// Errors: [`PolicyError::InvalidHidden`] for H = 0 or a row above
-/// [`MAX_ROW_BYTES`] (no fused kernel runs it and no model has it; H = 2^40 lands
-/// here). Small or misaligned rows are not errors: see [`row_unsupported_reason`].
+/// [`FLASHINFER_MAX_ROW_BYTES`], the widest any fused kernel library runs (no model has
+/// it; H = 2^40 lands here). Small or misaligned rows are not errors: see [`row_unsupported_reason`].
 pub fn check_hidden(hidden: u64, dtype: ActDtype) -> Result<()> {
     if hidden == 0 {
         return Err(PolicyError::InvalidHidden {
@@ -150,22 +130,25 @@ pub fn check_hidden(hidden: u64, dtype: ActDtype) -> Result<()> {
         hidden,
         reason: "H * element bytes overflows u64".to_string(),
     })?;
-    if row > MAX_ROW_BYTES {
+    if row > FLASHINFER_MAX_ROW_BYTES {
         return Err(PolicyError::InvalidHidden {
             hidden,
             reason: format!(
-                "a row of {row} bytes exceeds the fused kernels' maximum of {MAX_ROW_BYTES} \
-                 bytes (H = {} at {dtype}); check that H is in elements",
-                MAX_ROW_BYTES / dtype.element_bytes()
+                "a row of {row} bytes exceeds the widest fused kernels' (FlashInfer's) maximum \
+                 of {FLASHINFER_MAX_ROW_BYTES} bytes (H = {} at {dtype}); check that H is in \
+                 elements",
+                FLASHINFER_MAX_ROW_BYTES / dtype.element_bytes()
             ),
         });
     }
     Ok(())
 }
 
-/// Why `kernels` cannot fuse a (valid) hidden size, or `None` when they can: rows under
-/// [`MIN_ROW_BYTES`] or not a multiple of [`VECTOR_BYTES`] (domain.md §6), and for
-/// arfuse's kernels rows above [`ARFUSE_MAX_ROW_BYTES`].
+/// Why `kernels` cannot fuse a (valid) hidden size, or `None` when they can. arfuse's
+/// kernels: the ABI's rule ([`arfuse_abi::row_unsupported`]: rows above
+/// [`arfuse_abi::MAX_ROW_BYTES`], not a multiple of [`VECTOR_BYTES`], or under
+/// [`arfuse_abi::MIN_ROW_BYTES`]). FlashInfer's: the same two shape rules, up to
+/// [`FLASHINFER_MAX_ROW_BYTES`] (domain.md §6), which [`check_hidden`] enforces.
 ///
 /// Errors: [`PolicyError::Overflow`].
 pub fn row_unsupported_reason(
@@ -173,28 +156,11 @@ pub fn row_unsupported_reason(
     hidden: u64,
     dtype: ActDtype,
 ) -> Result<Option<String>> {
-    let row = row_bytes(hidden, dtype)?;
-    if kernels == KernelLibrary::Arfuse && row > ARFUSE_MAX_ROW_BYTES {
-        return Ok(Some(format!(
-            "H = {hidden} at {dtype} is a row of {row} bytes; arfuse's kernels hold at most \
-             {ARFUSE_MAX_VECTORS_PER_THREAD} vectors of {VECTOR_BYTES} bytes per thread in \
-             blocks of {ARFUSE_MAX_BLOCK_THREADS} threads ({ARFUSE_MAX_ROW_BYTES} bytes)"
-        )));
-    }
-    if row % VECTOR_BYTES != 0 {
-        return Ok(Some(format!(
-            "H = {hidden} at {dtype} is a row of {row} bytes, not a multiple of the \
-             kernels' {VECTOR_BYTES}-byte vectors"
-        )));
-    }
-    if row < MIN_ROW_BYTES {
-        return Ok(Some(format!(
-            "H = {hidden} at {dtype} is a row of {row} bytes, under one warp of 16-byte \
-             vectors ({MIN_ROW_BYTES} bytes); sub-warp blocks hung the warp-shuffle \
-             reduction"
-        )));
-    }
-    Ok(None)
+    row_bytes(hidden, dtype)?;
+    Ok(match kernels {
+        KernelLibrary::Arfuse => arfuse_abi::row_unsupported(hidden, dtype),
+        KernelLibrary::Flashinfer => arfuse_abi::row_shape_unsupported(hidden, dtype),
+    })
 }
 
 /// `max_token_num = min(floor(max_bytes / (H * e)), max_batched_tokens)` in tokens

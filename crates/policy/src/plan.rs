@@ -581,6 +581,14 @@ fn plan_fused(
     hiddens: &[u64],
     given: Option<&Workspace>,
 ) -> Result<()> {
+    // arfuse's kernels are built for the ABI's world sizes only, whatever the backend
+    // and the size table allow (a max_bytes_override fused W = 6 and W = 32 once).
+    if target.kernels == KernelLibrary::Arfuse {
+        if let Some(why) = arfuse_abi::world_unsupported(target.world_size) {
+            refuse(plan, why);
+            return Ok(());
+        }
+    }
     let unsupported = unsupported_hiddens(target, hiddens)?;
     let Some((h_ws, max_bytes, m)) = token_cap(plan, target, hiddens, &unsupported)? else {
         return Ok(());

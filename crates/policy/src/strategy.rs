@@ -4,52 +4,14 @@
 //! ([`crate::plan()`]) only follows a preference when the workspace holds the call;
 //! see the crate docs.
 
-use std::fmt;
-
-use serde::{Deserialize, Serialize};
-
 use crate::backend::Backend;
 use crate::bytes::{self, MIB};
 use crate::error::Result;
 use crate::limits;
 use crate::target::{ActDtype, KernelLibrary};
 
-/// How one call of T tokens is executed: the one definition, also the IR's
-/// (`arfuse_ir::Strategy` is this type; the graph format spells it `one_shot`,
-/// `two_shot`, `unfused`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Strategy {
-    /// Fused, one-shot Lamport all-reduce: every rank pushes its whole input to every
-    /// peer and reduces locally.
-    OneShot,
-    /// Fused, two-shot: reduce-scatter then all-gather (FlashInfer's requires T >= W).
-    TwoShot,
-    /// Not fused: separate all-reduce, residual add and RMSNorm kernels.
-    Unfused,
-}
-
-impl Strategy {
-    /// `"one-shot"`, `"two-shot"` or `"unfused"`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Strategy::OneShot => "one-shot",
-            Strategy::TwoShot => "two-shot",
-            Strategy::Unfused => "unfused",
-        }
-    }
-
-    /// True for the two fused strategies.
-    pub const fn is_fused(self) -> bool {
-        !matches!(self, Strategy::Unfused)
-    }
-}
-
-impl fmt::Display for Strategy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+/// How one call of T tokens is executed: the ABI's one definition, also the IR's.
+pub use arfuse_abi::Strategy;
 
 /// The answer of vLLM's one-shot selector (domain.md §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -23,46 +23,8 @@ use crate::bytes;
 use crate::error::{PolicyError, Result};
 use crate::presets;
 
-/// Activation dtype of the all-reduce input (the residual stream's dtype).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum ActDtype {
-    /// bfloat16, 2 bytes per element.
-    #[default]
-    #[serde(alias = "bfloat16")]
-    Bf16,
-    /// IEEE half, 2 bytes per element.
-    #[serde(alias = "fp16", alias = "float16", alias = "half")]
-    F16,
-    /// IEEE single, 4 bytes per element.
-    #[serde(alias = "fp32", alias = "float32", alias = "float")]
-    F32,
-}
-
-impl ActDtype {
-    /// Bytes per element (`e` in domain.md): 2 for bf16/f16, 4 for f32.
-    pub const fn element_bytes(self) -> u64 {
-        match self {
-            ActDtype::Bf16 | ActDtype::F16 => 2,
-            ActDtype::F32 => 4,
-        }
-    }
-
-    /// The TOML spelling (`"bf16"`, `"f16"`, `"f32"`).
-    pub const fn name(self) -> &'static str {
-        match self {
-            ActDtype::Bf16 => "bf16",
-            ActDtype::F16 => "f16",
-            ActDtype::F32 => "f32",
-        }
-    }
-}
-
-impl fmt::Display for ActDtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+/// Activation dtype of the all-reduce input: the ABI's one definition.
+pub use arfuse_abi::ActDtype;
 
 /// How the GPUs of the all-reduce group are connected (domain.md §3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -298,16 +260,37 @@ impl Target {
     /// Errors: [`PolicyError::Toml`] for syntax, unknown fields or wrong types;
     /// [`PolicyError::InvalidField`] from [`Target::validate`].
     pub fn from_toml_str(text: &str) -> Result<Target> {
-        let mut target: Target =
-            toml::from_str(text).map_err(|e| PolicyError::Toml(e.to_string()))?;
+        let target: Target = toml::from_str(text).map_err(|e| PolicyError::Toml(e.to_string()))?;
         // The text parsed as a Target, so it parses as a table.
         let table: toml::Table =
             toml::from_str(text).map_err(|e| PolicyError::Toml(e.to_string()))?;
-        if !table.contains_key("multicast_all_ranks") {
-            target.multicast_all_ranks = target.interconnect.multicast_default();
+        target.with_defaults_of(&table)
+    }
+
+    /// A target from the fields of a TOML table: the same fields, defaults and checks as
+    /// [`Target::from_toml_str`], for a caller that holds the fields rather than text
+    /// (the Python package's `Target(...)` keywords). The one place where the defaults
+    /// of omitted fields are decided.
+    ///
+    /// Errors: [`PolicyError::Toml`] for a missing required field, an unknown field or
+    /// a value of the wrong type; then as [`Target::validate`].
+    pub fn from_toml_table(table: toml::Table) -> Result<Target> {
+        let target: Target = table
+            .clone()
+            .try_into()
+            .map_err(|e: toml::de::Error| PolicyError::Toml(e.to_string()))?;
+        target.with_defaults_of(&table)
+    }
+
+    /// The defaults serde cannot give (a field whose default depends on another:
+    /// `multicast_all_ranks` from the interconnect, [`Interconnect::multicast_default`])
+    /// for the fields `given` omits, then [`Target::validate`].
+    fn with_defaults_of(mut self, given: &toml::Table) -> Result<Target> {
+        if !given.contains_key("multicast_all_ranks") {
+            self.multicast_all_ranks = self.interconnect.multicast_default();
         }
-        target.validate()?;
-        Ok(target)
+        self.validate()?;
+        Ok(self)
     }
 
     /// Renders the target as TOML (round-trips through [`Target::from_toml_str`]).

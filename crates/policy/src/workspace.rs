@@ -8,7 +8,7 @@
 //! token believed 146 tokens fit where one buffer held 698,368 bytes.
 //!
 //! Two kernel libraries have two layouts ([`KernelLibrary`]):
-//! - arfuse's own kernels ([`ArfuseLayout`]): a [`ARFUSE_STATE_BYTES`] state block, then
+//! - arfuse's own kernels ([`ArfuseLayout`]): a [`STATE_BYTES`] state block, then
 //!   three Lamport buffers of B bytes. One-shot AND two-shot run in the current buffer
 //!   (two-shot: reduce-scatter slots, then all-gather rows, both Lamport-polled), so
 //!   there is no second region; B is sized for the largest call the plan dispatches.
@@ -31,9 +31,8 @@ use crate::error::{PolicyError, Result};
 use crate::limits::{self, LAMPORT_MAX_COMM_BYTES};
 use crate::strategy::Strategy;
 use crate::target::{ActDtype, KernelLibrary};
+use arfuse_abi::{BUFFER_ALIGN_BYTES, LAMPORT_BUFFER_COUNT, STATE_BYTES};
 
-/// Lamport buffers rotate in threes, so no barrier is needed (domain.md §5, §6).
-pub const LAMPORT_BUFFER_COUNT: u64 = 3;
 /// FlashInfer's Lamport buffer sizes are multiples of 32 bytes: stages must be 16-byte
 /// aligned and a size of 16 mod 32 gave "misaligned address" (domain.md §5).
 pub const LAMPORT_ALIGN_BYTES: u64 = 32;
@@ -46,15 +45,6 @@ pub const TRTLLM_FLAG_BYTES: u64 = 4;
 /// Two-shot stages a reduce-scatter and an all-gather half: `2*ceil(T/W)*W*H*e`
 /// (domain.md §5).
 pub const TWO_SHOT_STAGES: u64 = 2;
-/// Bytes of the state block at the start of an arfuse workspace (per rank). The kernels
-/// keep five u32 words there (call counter, CTA arrivals, bytes each Lamport buffer's
-/// last call wrote); 256 bytes leaves room and keeps the buffers after it on 128-byte
-/// lines.
-pub const ARFUSE_STATE_BYTES: u64 = 256;
-/// An arfuse Lamport buffer is a multiple of this many bytes: one 128-byte cache line,
-/// a multiple of the kernels' 16-byte vectors, so all three buffers start line-aligned.
-pub const ARFUSE_BUFFER_ALIGN_BYTES: u64 = 128;
-
 /// A fused all-reduce workspace, per rank. All sizes in bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -80,7 +70,7 @@ pub struct Workspace {
     pub flag_bytes: u64,
     /// FlashInfer mnnvl's signal pad (bytes); 0 otherwise.
     pub signal_pad_bytes: u64,
-    /// arfuse's state block ([`ARFUSE_STATE_BYTES`]); 0 for FlashInfer's kernels.
+    /// arfuse's state block ([`STATE_BYTES`]); 0 for FlashInfer's kernels.
     pub state_bytes: u64,
     /// Everything allocated per rank (bytes), before any allocator granularity rounding.
     pub total_bytes_per_rank: u64,
@@ -419,12 +409,12 @@ impl Workspace {
     }
 
     /// A workspace of arfuse's kernels ([`ArfuseLayout`]) whose ONE Lamport buffer holds
-    /// `buffer_bytes`: [`ARFUSE_STATE_BYTES`] + 3 * `buffer_bytes` per rank, on either
+    /// `buffer_bytes`: [`STATE_BYTES`] + 3 * `buffer_bytes` per rank, on either
     /// backend (the backend only decides how peers map it). `max_tokens` is M when the
     /// planner sized it, `None` when the buffer was given from outside.
     ///
     /// Errors: [`PolicyError::InvalidField`] (`buffer_bytes`) when it is 0, not a
-    /// multiple of [`ARFUSE_BUFFER_ALIGN_BYTES`] or above [`LAMPORT_MAX_COMM_BYTES`];
+    /// multiple of [`BUFFER_ALIGN_BYTES`] or above [`LAMPORT_MAX_COMM_BYTES`];
     /// [`PolicyError::InvalidField`] (W = 0), [`PolicyError::InvalidHidden`],
     /// [`PolicyError::Overflow`].
     pub fn arfuse(
@@ -438,7 +428,7 @@ impl Workspace {
         check_args(w, hidden, dtype)?;
         check_buffer(
             buffer_bytes,
-            ARFUSE_BUFFER_ALIGN_BYTES,
+            BUFFER_ALIGN_BYTES,
             "arfuse's buffers start on 128-byte lines",
         )?;
         if buffer_bytes > LAMPORT_MAX_COMM_BYTES {
@@ -453,7 +443,7 @@ impl Workspace {
             });
         }
         let total = bytes::add(
-            ARFUSE_STATE_BYTES,
+            STATE_BYTES,
             bytes::mul(buffer_bytes, LAMPORT_BUFFER_COUNT, "arfuse Lamport buffers")?,
             "arfuse workspace",
         )?;
@@ -468,19 +458,19 @@ impl Workspace {
             comm_buffer_bytes: 0,
             flag_bytes: 0,
             signal_pad_bytes: 0,
-            state_bytes: ARFUSE_STATE_BYTES,
+            state_bytes: STATE_BYTES,
             total_bytes_per_rank: total,
         })
     }
 
     /// The smallest arfuse Lamport buffer that holds a call of `required_bytes`:
-    /// rounded up to [`ARFUSE_BUFFER_ALIGN_BYTES`] (at least one line).
+    /// rounded up to [`BUFFER_ALIGN_BYTES`] (at least one line).
     ///
     /// Errors: [`PolicyError::Overflow`].
     pub fn arfuse_buffer_for(required_bytes: u64) -> Result<u64> {
         bytes::round_up(
             required_bytes.max(1),
-            ARFUSE_BUFFER_ALIGN_BYTES,
+            BUFFER_ALIGN_BYTES,
             "arfuse Lamport buffer",
         )
     }
@@ -588,7 +578,7 @@ impl Workspace {
             out.push(e.to_string());
         }
         let align = match self.kernels {
-            KernelLibrary::Arfuse => ARFUSE_BUFFER_ALIGN_BYTES,
+            KernelLibrary::Arfuse => BUFFER_ALIGN_BYTES,
             KernelLibrary::Flashinfer => LAMPORT_ALIGN_BYTES,
         };
         if self.lamport_buffer_bytes == 0 {
@@ -617,7 +607,7 @@ impl Workspace {
     fn region_problems(&self) -> Vec<String> {
         let mut out = Vec::new();
         let (state, comm, flags, pad) = match (self.kernels, self.backend) {
-            (KernelLibrary::Arfuse, _) => (ARFUSE_STATE_BYTES, 0, 0, 0),
+            (KernelLibrary::Arfuse, _) => (STATE_BYTES, 0, 0, 0),
             (KernelLibrary::Flashinfer, Backend::Mnnvl) => (0, 0, 0, MNNVL_SIGNAL_PAD_BYTES),
             (KernelLibrary::Flashinfer, Backend::Trtllm) => {
                 let flags = u64::from(self.world_size)

@@ -1,9 +1,9 @@
 //! The Python exception classes, and the conversion of every Rust error into one of them
 //! with the node, tensor or field it names kept as attributes.
 
-use arfuse::import::ImportError;
-use arfuse::ir::{LoadError as IrLoadError, Problems};
-use arfuse::policy::PolicyError;
+use arfuse::advanced::import::ImportError;
+use arfuse::advanced::ir::{LoadError as IrLoadError, Problems};
+use arfuse::advanced::policy::PolicyError;
 use arfuse::splice::SpliceError;
 use arfuse::LowerError as RustLowerError;
 use pyo3::exceptions::PyException;
@@ -163,6 +163,9 @@ pub fn load_error(py: Python<'_>, e: &ImportError) -> PyErr {
             None,
             Some(p),
         ),
+        // ImportError is non-exhaustive: a kind added later reads as "other" until it
+        // has a name here.
+        _ => ("other", None, None, None, None),
     };
     raise::<LoadError>(
         py,
@@ -241,6 +244,8 @@ pub fn target_error(py: Python<'_>, e: &PolicyError) -> PyErr {
                 format!("presets with this world size: {candidates}")
             }),
         ),
+        // Non-exhaustive: a kind added later reads as "other" until it has a name here.
+        _ => ("other", None, None, Some(e.to_string())),
     };
     raise::<TargetError>(
         py,
@@ -280,6 +285,8 @@ pub fn lower_error(py: Python<'_>, e: &RustLowerError) -> PyErr {
         RustLowerError::WorldSizeMismatch { .. } => ("world_size_mismatch", None, None),
         RustLowerError::StalePlan { node, .. } => ("stale_plan", Some(node.as_str()), None),
         RustLowerError::Internal(_) => ("internal", None, None),
+        // Non-exhaustive: a kind added later reads as "other" until it has a name here.
+        _ => ("other", None, None),
     };
     raise::<LowerError>(
         py,
@@ -297,6 +304,7 @@ pub fn splice_error(py: Python<'_>, e: &SpliceError) -> PyErr {
     let node = match e {
         SpliceError::Mismatch { node, .. } => Some(node.as_str()),
         SpliceError::Shape(_) => None,
+        _ => None,
     };
     raise::<LowerError>(
         py,

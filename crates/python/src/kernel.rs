@@ -1,6 +1,6 @@
 //! The CPU kernels of arfuse's torch custom ops (`arfuse.torch`): the fused all-reduce ->
 //! residual add -> RMSNorm (-> per-token FP8 quant) op and the standalone per-token FP8
-//! quant op, computed by `arfuse::reference::contract` (the rounding contract), so their
+//! quant op, computed by `arfuse::advanced::reference::contract` (the rounding contract), so their
 //! bits are the contract's by construction.
 //!
 //! They work on the memory of CPU tensors that `arfuse.torch` allocated or made
@@ -9,11 +9,11 @@
 //! (`_`-prefixed) for that reason: an address that is not such a tensor's is undefined
 //! behaviour.
 
-use arfuse::ir::{NormInput, NormRounding};
-use arfuse::reference::contract::{self, Epilogue, FusedParams, QuantOut};
-use arfuse::reference::numerics::fp8::e4m3_satfinite;
-use arfuse::reference::numerics::quant::dynamic_per_token_fp8_quant;
-use arfuse::reference::numerics::FloatFormat;
+use arfuse::advanced::ir::{NormInput, NormRounding};
+use arfuse::advanced::reference::contract::{self, Epilogue, FusedParams, QuantOut};
+use arfuse::advanced::reference::numerics::fp8::e4m3_satfinite;
+use arfuse::advanced::reference::numerics::quant::dynamic_per_token_fp8_quant;
+use arfuse::advanced::reference::numerics::FloatFormat;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -108,7 +108,7 @@ fn check_shape(numel: usize, hidden: usize, addrs: &[(&str, usize)]) -> PyResult
     Ok(numel / hidden)
 }
 
-fn reference_error(e: arfuse::reference::ReferenceError) -> PyErr {
+fn reference_error(e: arfuse::advanced::reference::ReferenceError) -> PyErr {
     PyValueError::new_err(format!("{}: {e}", contract::CONTRACT_NAME))
 }
 

@@ -25,10 +25,10 @@ use pyo3::prelude::*;
 fn _arfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("CONTRACT_NAME", arfuse::reference::CONTRACT_NAME)?;
+    m.add("CONTRACT_NAME", arfuse::advanced::reference::CONTRACT_NAME)?;
     m.add(
         "QUANT_FP8_PER_TOKEN_OP",
-        arfuse::import::torch_export::ARFUSE_QUANT_FP8_PER_TOKEN,
+        arfuse::advanced::import::torch_export::ARFUSE_QUANT_FP8_PER_TOKEN,
     )?;
     m.add("ArfuseError", py.get_type::<errors::ArfuseError>())?;
     m.add("LoadError", py.get_type::<errors::LoadError>())?;

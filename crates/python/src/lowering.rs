@@ -4,7 +4,7 @@
 
 use crate::errors::{load_error, lower_argument_error, lower_error, splice_error};
 use crate::target::PyTarget;
-use arfuse::import::{load_any_with, CustomAllReduce, ImportOptions, Imported};
+use arfuse::advanced::import::{load_any_with, CustomAllReduce, ImportOptions, Imported};
 use arfuse::{LowerOptions, Lowered};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -23,7 +23,7 @@ fn import_options(py: Python<'_>, all_reduce_ops: &[String]) -> PyResult<ImportO
     for spec in all_reduce_ops {
         let op: CustomAllReduce =
             spec.parse()
-                .map_err(|e: arfuse::import::CustomAllReduceParseError| {
+                .map_err(|e: arfuse::advanced::import::CustomAllReduceParseError| {
                     lower_argument_error(py, "all_reduce_ops", e.to_string())
                 })?;
         opts = opts.with_all_reduce_op(op);
@@ -51,7 +51,7 @@ fn report_parts(lowered: &Lowered, imported: &Imported) -> ReportParts {
     )
 }
 
-/// Imports `data` (any format `arfuse::import::load_any` detects) and lowers it for
+/// Imports `data` (any format `arfuse::advanced::import::load_any` detects) and lowers it for
 /// `target`. Returns (lowered graph JSON, report JSON, report table, import notes).
 #[pyfunction]
 #[pyo3(signature = (data, target, group = None, all_reduce_ops = Vec::new(), shared_hidden_sizes = Vec::new()))]
@@ -120,8 +120,8 @@ pub fn _fx_lower_graph(
     for (op, why) in opaque_ops {
         opts = opts.with_opaque_op(op, why);
     }
-    let imported =
-        arfuse::import::torch_export::fx::import(&fx, &opts).map_err(|e| load_error(py, &e))?;
+    let imported = arfuse::advanced::import::torch_export::fx::import(&fx, &opts)
+        .map_err(|e| load_error(py, &e))?;
     fx_finish(py, imported, target, group)
 }
 

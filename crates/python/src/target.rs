@@ -1,8 +1,8 @@
 //! `arfuse.Target`, `arfuse.plan`, `arfuse.Plan`, `arfuse.DispatchRange`: the policy
-//! (`arfuse::policy`) from Python.
+//! (`arfuse::advanced::policy`) from Python.
 
 use crate::errors::{field_error, target_error};
-use arfuse::policy::{
+use arfuse::advanced::policy::{
     self, ActDtype, Interconnect, KernelLibrary, RequestedBackend, UnfusedAllReduce,
 };
 use pyo3::basic::CompareOp;
@@ -17,7 +17,7 @@ fn parse_enum<T: DeserializeOwned>(py: Python<'_>, field: &'static str, s: &str)
 }
 
 /// The machine, the all-reduce group and the engine settings a plan is made for
-/// (`arfuse::policy::Target`; every count is of the tensor-parallel group).
+/// (`arfuse::advanced::policy::Target`; every count is of the tensor-parallel group).
 #[pyclass(frozen, module = "arfuse", name = "Target")]
 #[derive(Clone)]
 pub struct PyTarget {
@@ -26,12 +26,15 @@ pub struct PyTarget {
 
 #[pymethods]
 impl PyTarget {
-    /// A target from keywords; the names, units and defaults are the TOML fields'.
+    /// A target from keywords; the names, units and defaults are the TOML fields': a
+    /// keyword left out (None) is a field left out of the TOML table, and
+    /// `arfuse::advanced::policy::Target::from_toml_table` gives it the TOML default (so
+    /// `multicast_all_ranks` follows the interconnect, as in a target file).
     #[new]
     #[pyo3(signature = (*, sm, world_size, gpus_per_node, interconnect, max_batched_tokens,
-        group_nodes = 1, multicast_all_ranks = false, dtype = "bf16", capture_sizes = Vec::new(),
-        compile_range_boundaries = Vec::new(), num_speculative_tokens = 0, deterministic = false,
-        unfused_all_reduce = "arfuse", requested_backend = "auto", kernels = "arfuse", max_bytes_override = None))]
+        group_nodes = None, multicast_all_ranks = None, dtype = None, capture_sizes = None,
+        compile_range_boundaries = None, num_speculative_tokens = None, deterministic = None,
+        unfused_all_reduce = None, requested_backend = None, kernels = None, max_bytes_override = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -40,46 +43,67 @@ impl PyTarget {
         gpus_per_node: u32,
         interconnect: &str,
         max_batched_tokens: u64,
-        group_nodes: u32,
-        multicast_all_ranks: bool,
-        dtype: &str,
-        capture_sizes: Vec<u64>,
-        compile_range_boundaries: Vec<u64>,
-        num_speculative_tokens: u64,
-        deterministic: bool,
-        unfused_all_reduce: &str,
-        requested_backend: &str,
-        kernels: &str,
+        group_nodes: Option<u32>,
+        multicast_all_ranks: Option<bool>,
+        dtype: Option<&str>,
+        capture_sizes: Option<Vec<u64>>,
+        compile_range_boundaries: Option<Vec<u64>>,
+        num_speculative_tokens: Option<u64>,
+        deterministic: Option<bool>,
+        unfused_all_reduce: Option<&str>,
+        requested_backend: Option<&str>,
+        kernels: Option<&str>,
         max_bytes_override: Option<u64>,
     ) -> PyResult<PyTarget> {
-        let inner = policy::Target {
-            sm,
-            world_size,
-            group_nodes,
-            gpus_per_node,
-            multicast_all_ranks,
-            interconnect: parse_enum::<Interconnect>(py, "interconnect", interconnect)?,
-            dtype: parse_enum::<ActDtype>(py, "dtype", dtype)?,
-            max_batched_tokens,
-            capture_sizes,
-            compile_range_boundaries,
-            num_speculative_tokens,
-            deterministic,
-            unfused_all_reduce: parse_enum::<UnfusedAllReduce>(
-                py,
-                "unfused_all_reduce",
-                unfused_all_reduce,
-            )?,
-            requested_backend: parse_enum::<RequestedBackend>(
-                py,
-                "requested_backend",
-                requested_backend,
-            )?,
-            kernels: parse_enum::<KernelLibrary>(py, "kernels", kernels)?,
-            max_bytes_override,
-        };
-        inner.validate().map_err(|e| target_error(py, &e))?;
-        Ok(PyTarget { inner })
+        let mut t = toml::Table::new();
+        let int = |v: u64| toml::Value::Integer(i64::try_from(v).unwrap_or(i64::MAX));
+        let ints = |v: Vec<u64>| toml::Value::Array(v.into_iter().map(int).collect());
+        t.insert("sm".into(), int(u64::from(sm)));
+        t.insert("world_size".into(), int(u64::from(world_size)));
+        t.insert("gpus_per_node".into(), int(u64::from(gpus_per_node)));
+        t.insert("max_batched_tokens".into(), int(max_batched_tokens));
+        // Enum spellings are checked here, so that the error names the keyword.
+        parse_enum::<Interconnect>(py, "interconnect", interconnect)?;
+        t.insert("interconnect".into(), interconnect.into());
+        if let Some(v) = dtype {
+            parse_enum::<ActDtype>(py, "dtype", v)?;
+            t.insert("dtype".into(), v.into());
+        }
+        if let Some(v) = unfused_all_reduce {
+            parse_enum::<UnfusedAllReduce>(py, "unfused_all_reduce", v)?;
+            t.insert("unfused_all_reduce".into(), v.into());
+        }
+        if let Some(v) = requested_backend {
+            parse_enum::<RequestedBackend>(py, "requested_backend", v)?;
+            t.insert("requested_backend".into(), v.into());
+        }
+        if let Some(v) = kernels {
+            parse_enum::<KernelLibrary>(py, "kernels", v)?;
+            t.insert("kernels".into(), v.into());
+        }
+        let optional = [
+            ("group_nodes", group_nodes.map(|v| int(u64::from(v)))),
+            (
+                "multicast_all_ranks",
+                multicast_all_ranks.map(toml::Value::Boolean),
+            ),
+            ("capture_sizes", capture_sizes.map(ints)),
+            (
+                "compile_range_boundaries",
+                compile_range_boundaries.map(ints),
+            ),
+            ("num_speculative_tokens", num_speculative_tokens.map(int)),
+            ("deterministic", deterministic.map(toml::Value::Boolean)),
+            ("max_bytes_override", max_bytes_override.map(int)),
+        ];
+        for (field, value) in optional {
+            if let Some(v) = value {
+                t.insert(field.into(), v);
+            }
+        }
+        policy::Target::from_toml_table(t)
+            .map(|inner| PyTarget { inner })
+            .map_err(|e| target_error(py, &e))
     }
 
     /// A named preset (`h200-sxm-x8`, ...; see `preset_names()`).
@@ -293,7 +317,7 @@ impl PyDispatchRange {
     }
 }
 
-/// A verified plan (`arfuse::policy::Plan`): backend, workspace and the dispatch by token
+/// A verified plan (`arfuse::advanced::policy::Plan`): backend, workspace and the dispatch by token
 /// count of every hidden size.
 #[pyclass(frozen, module = "arfuse", name = "Plan")]
 pub struct PyPlan {
@@ -402,7 +426,7 @@ fn ranges(r: &[policy::DispatchRange]) -> Vec<PyDispatchRange> {
         .collect()
 }
 
-/// Plans `target` for these hidden sizes (elements): `arfuse::policy::plan`.
+/// Plans `target` for these hidden sizes (elements): `arfuse::advanced::policy::plan`.
 #[pyfunction]
 pub fn plan(py: Python<'_>, target: &PyTarget, hidden_sizes: Vec<u64>) -> PyResult<PyPlan> {
     policy::plan(&target.inner, &hidden_sizes)

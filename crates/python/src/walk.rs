@@ -23,7 +23,7 @@
 //! expression (`s72`, `2*s72`), a dtype by torch.export's `ScalarType` code, a device,
 //! layout, memory format or op as text, and anything else by its type name.
 
-use arfuse::import::torch_export::fx::{
+use arfuse::advanced::import::torch_export::fx::{
     FxArg, FxGraph, FxNode, FxSize, FxSymbol, FxTensor, SymInt,
 };
 use pyo3::intern;

@@ -37,6 +37,32 @@ def test_presets_toml_and_keywords_describe_the_same_target():
     assert minimal.group_nodes == 1 and minimal.capture_sizes == [] and minimal.max_bytes_override is None
 
 
+def test_keyword_defaults_are_the_toml_defaults():
+    # Issue 44: a keyword left out gets the TOML default from the same code (Rust's
+    # Target::from_toml_table), so multicast follows the interconnect as in a file.
+    base = "sm = {sm}\nworld_size = {w}\ngpus_per_node = {g}\ninterconnect = \"{i}\"\nmax_batched_tokens = 2048\n"
+    for sm, w, g, i in [(90, 8, 8, "nvswitch"), (100, 32, 4, "nvlink-fabric"), (90, 2, 2, "pcie"),
+                        (90, 2, 2, "bridged-nvlink")]:
+        kw = arfuse.Target(sm=sm, world_size=w, gpus_per_node=g, interconnect=i, max_batched_tokens=2048,
+                           group_nodes=w // g)
+        toml = arfuse.Target.from_toml(base.format(sm=sm, w=w, g=g, i=i) + f"group_nodes = {w // g}\n")
+        assert kw == toml, i
+        assert kw.multicast_all_ranks == (i in ("nvswitch", "nvlink-fabric")), i
+    t = arfuse.Target(sm=90, world_size=8, gpus_per_node=8, interconnect="nvswitch", max_batched_tokens=64)
+    assert (t.group_nodes, t.dtype, t.kernels, t.requested_backend, t.unfused_all_reduce) == (
+        1, "bf16", "arfuse", "auto", "arfuse")
+    assert t.capture_sizes == [] and t.max_bytes_override is None and not t.deterministic
+    # Given explicitly, a keyword wins over the default.
+    off = arfuse.Target(sm=90, world_size=8, gpus_per_node=8, interconnect="nvswitch", max_batched_tokens=64,
+                        multicast_all_ranks=False)
+    assert not off.multicast_all_ranks
+    # The same machine plans the same backend from Python and from TOML (it did not:
+    # trtllm from keywords, mnnvl from TOML).
+    toml = arfuse.Target.from_toml(base.format(sm=100, w=8, g=8, i="nvswitch"))
+    kw = arfuse.Target(sm=100, world_size=8, gpus_per_node=8, interconnect="nvswitch", max_batched_tokens=2048)
+    assert arfuse.plan(kw, [4096]).backend == arfuse.plan(toml, [4096]).backend
+
+
 def test_target_errors_name_the_field():
     with pytest.raises(arfuse.TargetError) as e:
         arfuse.Target(sm=90, world_size=0, gpus_per_node=8, interconnect="nvswitch", max_batched_tokens=8)

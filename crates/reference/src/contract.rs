@@ -322,15 +322,15 @@ fn warp_butterfly(mut v: [f32; WARP_LANES]) -> f32 {
 /// past the last warp) combined by the same butterfly. Any other row: sequentially.
 pub fn sum_of_squares(h: &[f32], elem_bytes: u64) -> f32 {
     let act = match elem_bytes {
-        2 => Some(arfuse_policy::ActDtype::Bf16),
-        4 => Some(arfuse_policy::ActDtype::F32),
+        2 => Some(arfuse_abi::ActDtype::Bf16),
+        4 => Some(arfuse_abi::ActDtype::F32),
         _ => None,
     };
     let block = act.and_then(|d| arfuse_policy::arfuse_block_threads(h.len() as u64, d).ok());
     let Some(block) = block.map(|b| b as usize) else {
         return h.iter().fold(0.0f32, |ss, &v| ss + v * v);
     };
-    let per_vec = (arfuse_policy::VECTOR_BYTES / elem_bytes) as usize;
+    let per_vec = (arfuse_abi::VECTOR_BYTES / elem_bytes) as usize;
     let nvec = h.len() / per_vec;
     let per_thread = nvec.div_ceil(block);
     let lane_sum = |t: usize| {

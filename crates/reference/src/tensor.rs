@@ -70,14 +70,10 @@ pub struct Tensor {
     pub storage: Storage,
 }
 
-/// The floating format of a float dtype (bf16, f16, f32), `None` otherwise.
+/// The floating format of a float dtype (bf16, f16, f32: the activation dtypes,
+/// [`DType::activation`]), `None` otherwise.
 pub fn float_format(dtype: DType) -> Option<FloatFormat> {
-    match dtype {
-        DType::Bf16 => Some(FloatFormat::Bf16),
-        DType::F16 => Some(FloatFormat::F16),
-        DType::F32 => Some(FloatFormat::F32),
-        _ => None,
-    }
+    dtype.activation().map(FloatFormat::from)
 }
 
 /// True for dtypes held as [`TensorData::I64`].

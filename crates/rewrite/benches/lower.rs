@@ -136,10 +136,7 @@ thread_local! {
 /// (read when the bench runs; 0 or unset: the default, the machine's cores).
 fn options() -> arfuse_rewrite::LowerOptions {
     let threads = env_count("ARFUSE_BENCH_THREADS", 0);
-    arfuse_rewrite::LowerOptions {
-        threads,
-        ..Default::default()
-    }
+    arfuse_rewrite::LowerOptions::default().with_threads(threads)
 }
 
 /// One lowering's peak heap growth in bytes (the graph itself excluded), counted with

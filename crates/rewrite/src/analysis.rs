@@ -6,10 +6,9 @@
 //! refusal log written by conditional appliers. The process group of an all-reduce
 //! is looked up from its instance, so it never has to live in a merged class.
 
-use crate::lang::{
-    Attrs, FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE,
-};
+use crate::lang::{Attrs, FKind, Fx, Leaf, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
 use crate::uses::Uses;
+use arfuse_ir::op::FusedQuant;
 use arfuse_ir::{broadcast, broadcasts_to, DType, Dim, Shape, TensorType, NVFP4_BLOCK};
 use egg::{Analysis, DidMerge, EGraph, Id};
 use rustc_hash::FxHashMap;
@@ -243,7 +242,7 @@ impl<'a> FxAnalysis<'a> {
     }
 
     /// Output types of a quant epilogue of kind `q` on `x`: (quantised, scales).
-    pub fn quant_types(&mut self, q: QKind, x: Ty) -> (Option<Ty>, Option<Ty>) {
+    pub fn quant_types(&mut self, q: FusedQuant, x: Ty) -> (Option<Ty>, Option<Ty>) {
         let Some(h) = self.hidden(x) else {
             return (None, None);
         };
@@ -252,10 +251,10 @@ impl<'a> FxAnalysis<'a> {
             shape: x.shape,
         });
         match q {
-            QKind::None => (None, None),
-            QKind::Fp8Static => (fp8, None),
-            QKind::Fp8PerToken => (fp8, self.with_last(x, Some(1), DType::F32)),
-            QKind::Fp8Group {
+            FusedQuant::None => (None, None),
+            FusedQuant::Fp8Static => (fp8, None),
+            FusedQuant::Fp8PerToken => (fp8, self.with_last(x, Some(1), DType::F32)),
+            FusedQuant::Fp8PerTokenGroup {
                 group_size,
                 scale_layout,
             } => {
@@ -270,7 +269,7 @@ impl<'a> FxAnalysis<'a> {
                 };
                 (fp8, scales)
             }
-            QKind::Nvfp4 { .. } => {
+            FusedQuant::Nvfp4 { .. } => {
                 if h % NVFP4_BLOCK != 0 {
                     return (None, None);
                 }

@@ -5,7 +5,7 @@
 //! ([`crate::window::Window`]), a value read from outside the window an opaque leaf.
 
 use crate::analysis::{Facts, FxAnalysis, FxGraph, Instances, Shapes, Ty};
-use crate::lang::{Fx, Leaf, NormAttrs, QKind};
+use crate::lang::{Fx, Leaf, NormAttrs};
 use crate::uses::Uses;
 use arfuse_ir::op::is_wait_target as is_wait;
 use arfuse_ir::op::FusedQuant;
@@ -71,7 +71,7 @@ enum Form {
         twice: bool,
         f32_sum: bool,
     },
-    Quant(QKind),
+    Quant(FusedQuant),
 }
 
 fn form(g: &Graph, id: NodeId, n: &Node) -> Form {
@@ -92,7 +92,7 @@ fn form(g: &Graph, id: NodeId, n: &Node) -> Form {
         _ => None,
     };
     if let Some(q) = quant {
-        let q = QKind::from_ir(q);
+        let q = q;
         let want_in = if q.takes_scale_input() { 2 } else { 1 };
         let want_out = if q.writes_scales() { 2 } else { 1 };
         // Validation guarantees the arity; stay total anyway.

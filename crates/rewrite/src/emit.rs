@@ -832,7 +832,7 @@ fn fused_op(e: &mut Emit<'_>) -> FusedAllReduceNorm {
             NormInput::Residual
         },
         residual: s.kind.residual,
-        quant: s.kind.quant.to_ir(),
+        quant: s.kind.quant,
         outputs: s.ports.iter().map(|p| p.output).collect(),
         plan: e.plan.take(),
     }

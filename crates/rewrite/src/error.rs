@@ -4,6 +4,7 @@ use thiserror::Error;
 
 /// Why [`crate::lower`] returned no graph. The pass never returns a partial result.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum LowerError {
     /// The input graph failed [`arfuse_ir::Graph::validate`]; every problem is listed
     /// with its node id.

@@ -15,7 +15,7 @@
 //! ([`PORT_NORM`], [`PORT_RESIDUAL`], [`PORT_QUANT`], [`PORT_SCALE`]); which of them
 //! the emitted IR node writes is decided from liveness when converting back.
 
-use arfuse_ir::op::{FusedQuant, GroupScaleLayout, Nvfp4ScaleLayout};
+use arfuse_ir::op::FusedQuant;
 use arfuse_ir::DType;
 use egg::{define_language, Id};
 use std::fmt;
@@ -67,101 +67,13 @@ define_language! {
     }
 }
 
-/// The quant epilogue kinds, with an order (for deterministic preference).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum QKind {
-    /// No quantisation.
-    None,
-    /// Static per-tensor FP8.
-    Fp8Static,
-    /// Dynamic per-token FP8.
-    Fp8PerToken,
-    /// Per-token-group FP8 with the IR's scale form (its order breaks ties).
-    Fp8Group {
-        /// Elements per group.
-        group_size: u64,
-        /// Scale form (rounding and storage).
-        scale_layout: GroupScaleLayout,
-    },
-    /// NVFP4; `swizzled` is the 128x4 layout, else linear.
-    Nvfp4 {
-        /// Swizzled 128x4 scales.
-        swizzled: bool,
-    },
-}
-
-impl QKind {
-    /// From the IR's quant attribute.
-    pub fn from_ir(q: FusedQuant) -> QKind {
-        match q {
-            FusedQuant::None => QKind::None,
-            FusedQuant::Fp8Static => QKind::Fp8Static,
-            FusedQuant::Fp8PerToken => QKind::Fp8PerToken,
-            FusedQuant::Fp8PerTokenGroup {
-                group_size,
-                scale_layout,
-            } => QKind::Fp8Group {
-                group_size,
-                scale_layout,
-            },
-            FusedQuant::Nvfp4 { scale_layout } => QKind::Nvfp4 {
-                swizzled: scale_layout == Nvfp4ScaleLayout::Swizzled128x4,
-            },
-        }
-    }
-
-    /// Back to the IR's quant attribute.
-    pub fn to_ir(self) -> FusedQuant {
-        match self {
-            QKind::None => FusedQuant::None,
-            QKind::Fp8Static => FusedQuant::Fp8Static,
-            QKind::Fp8PerToken => FusedQuant::Fp8PerToken,
-            QKind::Fp8Group {
-                group_size,
-                scale_layout,
-            } => FusedQuant::Fp8PerTokenGroup {
-                group_size,
-                scale_layout,
-            },
-            QKind::Nvfp4 { swizzled } => FusedQuant::Nvfp4 {
-                scale_layout: if swizzled {
-                    Nvfp4ScaleLayout::Swizzled128x4
-                } else {
-                    Nvfp4ScaleLayout::Linear
-                },
-            },
-        }
-    }
-
-    /// Whether the quant op takes a second input (static FP8 scale, NVFP4 global scale).
-    pub fn takes_scale_input(self) -> bool {
-        matches!(self, QKind::Fp8Static | QKind::Nvfp4 { .. })
-    }
-
-    /// Whether the quant op writes a scales output.
-    pub fn writes_scales(self) -> bool {
-        !matches!(self, QKind::None | QKind::Fp8Static)
-    }
-
-    /// Short name for reports (`fp8_static`, `fp8_per_token`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            QKind::None => "none",
-            QKind::Fp8Static => "fp8_static",
-            QKind::Fp8PerToken => "fp8_per_token",
-            QKind::Fp8Group { .. } => "fp8_per_token_group",
-            QKind::Nvfp4 { .. } => "nvfp4",
-        }
-    }
-}
-
 /// Attributes of a fused tuple node (the group comes from the instance).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct FKind {
     /// A residual input is added after the all-reduce.
     pub residual: bool,
     /// The quant epilogue.
-    pub quant: QKind,
+    pub quant: FusedQuant,
     /// RMSNorm eps, as f64 bits.
     pub eps: u64,
     /// Weight bias (0 or 1), as f64 bits.
@@ -213,7 +125,7 @@ pub enum Leaf {
     Exp(u32),
     /// `mean` over the last dim with keepdim (the only mean the rules model).
     MeanLast,
-    /// A quant op's kind ([`QKind`], by its number in [`Attrs`]).
+    /// A quant op's kind ([`FusedQuant`], by its number in [`Attrs`]).
     Quant(u32),
     /// A fused node's kind ([`FKind`], by its number in [`Attrs`]).
     Fused(u32),
@@ -229,7 +141,7 @@ pub enum Leaf {
 pub struct Attrs {
     norms: Interner<NormAttrs>,
     exps: Interner<u64>,
-    quants: Interner<QKind>,
+    quants: Interner<FusedQuant>,
     kinds: Interner<FKind>,
 }
 
@@ -245,7 +157,7 @@ impl Attrs {
     }
 
     /// The leaf of quant kind `q`.
-    pub fn quant_leaf(&mut self, q: QKind) -> Leaf {
+    pub fn quant_leaf(&mut self, q: FusedQuant) -> Leaf {
         Leaf::Quant(self.quants.intern(q))
     }
 
@@ -271,7 +183,7 @@ impl Attrs {
     }
 
     /// The quant kind of leaf `l`, when it is one.
-    pub fn quant(&self, l: Leaf) -> Option<QKind> {
+    pub fn quant(&self, l: Leaf) -> Option<FusedQuant> {
         match l {
             Leaf::Quant(i) => self.quants.get(i),
             _ => None,

@@ -131,8 +131,11 @@ pub const DEFAULT_NODE_LIMIT: usize = 20 * arfuse_ir::MAX_NODES;
 /// runs on this repository's 2-core VM, fastest of 30 lowerings each).
 pub const DEFAULT_WINDOW_NODES: usize = 3072;
 
-/// Options of [`lower_with`].
+/// Options of [`lower_with`]. Non-exhaustive: start from [`LowerOptions::default`] and
+/// set fields (or use the `with_*` methods), so that a new option is not a breaking
+/// change.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LowerOptions {
     /// The layers' tensor-parallel process group. `None`: the group of the graph's
     /// all-reduces if they share one, else the most frequent one (the report says
@@ -215,6 +218,30 @@ impl LowerOptions {
     /// With the hidden sizes of the other graphs sharing the workspace.
     pub fn with_shared_hidden_sizes(mut self, sizes: impl Into<Vec<u64>>) -> Self {
         self.shared_hidden_sizes = sizes.into();
+        self
+    }
+
+    /// With at most `iter_limit` runner iterations.
+    pub fn with_iter_limit(mut self, iter_limit: usize) -> Self {
+        self.iter_limit = iter_limit;
+        self
+    }
+
+    /// With at most `node_limit` e-nodes.
+    pub fn with_node_limit(mut self, node_limit: usize) -> Self {
+        self.node_limit = node_limit;
+        self
+    }
+
+    /// With windows of `window_nodes` nodes (see [`LowerOptions::window_nodes`]).
+    pub fn with_window_nodes(mut self, window_nodes: usize) -> Self {
+        self.window_nodes = window_nodes;
+        self
+    }
+
+    /// With at most `threads` threads (0: the machine's cores, at most 8).
+    pub fn with_threads(mut self, threads: usize) -> Self {
+        self.threads = threads;
         self
     }
 }

@@ -327,15 +327,7 @@ fn site(plan: &Plan, h: u64, tmax: Option<u64>) -> SiteDecision {
             .unwrap_or_else(|| reason.clone());
         return refuse(format!("no token count is fused at H = {h}: {why}"));
     }
-    let dispatch = clipped
-        .iter()
-        .map(|r| DispatchRange {
-            min_tokens: r.lo,
-            max_tokens: r.hi,
-            strategy: r.strategy,
-            required_bytes: r.required_bytes_max,
-        })
-        .collect();
+    let dispatch = clipped.iter().map(DispatchRange::from).collect();
     SiteDecision {
         fused: true,
         reason,

@@ -5,7 +5,7 @@
 
 use crate::analysis::{leaf_of, FxGraph};
 use crate::convert::Classes;
-use crate::lang::{FKind, Fx, Leaf, QKind, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
+use crate::lang::{FKind, Fx, Leaf, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
 use crate::uses::Uses;
 use arfuse_ir::op::{FusedOutput, FusedQuant};
 use arfuse_ir::{Graph, NodeId, NodeOutput, Op, SiteInput, SiteMap, SiteOutput, TensorType, Value};
@@ -196,7 +196,7 @@ impl<'g, 'e, 'a> Index<'g, 'e, 'a> {
         for v in out.values_mut() {
             // Residual form before the first form, an epilogue before none, then a
             // fixed order of kinds and classes.
-            v.sort_by_key(|(c, _, k)| (!k.residual, k.quant == QKind::None, k.quant, *c));
+            v.sort_by_key(|(c, _, k)| (!k.residual, k.quant == FusedQuant::None, k.quant, *c));
             v.dedup();
         }
         out
@@ -548,7 +548,7 @@ impl Site {
         if self.kind.f32_sum {
             name.push_str("(f32_sum)");
         }
-        if self.kind.quant != QKind::None {
+        if self.kind.quant != FusedQuant::None {
             name.push('+');
             name.push_str(self.kind.quant.name());
         }
@@ -559,7 +559,7 @@ impl Site {
     /// norm output; 3/5 NVFP4; 8/9 per-token-group FP8; 10/11 dynamic per-token FP8.
     pub(crate) fn pattern_code(&self) -> u32 {
         let norm = self.ports.iter().any(|p| p.output == FusedOutput::Norm);
-        let (without_norm, with_norm) = match self.kind.quant.to_ir() {
+        let (without_norm, with_norm) = match self.kind.quant {
             FusedQuant::None => return 1,
             FusedQuant::Fp8Static => (2, 4),
             FusedQuant::Nvfp4 { .. } => (3, 5),
@@ -621,6 +621,10 @@ pub(crate) fn choose(
                 continue;
             }
             match index.check(inst, *class, *ch, *kind, claimed) {
+                Ok(s) if kernel_epilogue_refusal(&s, target).is_some() => {
+                    let why = kernel_epilogue_refusal(&s, target).unwrap_or_default();
+                    out.notes.entry(inst).or_default().push(why);
+                }
                 Ok(mut s) => {
                     s.map = Some(site_map(index.g, &s));
                     s.module = s.module_in(index.g);
@@ -739,16 +743,34 @@ impl Claimed {
     }
 }
 
+/// Why arfuse's kernels cannot run a checked site's quant epilogue at its hidden size
+/// and dtype (the ABI's rule, [`arfuse_abi::Quant::unsupported`]: NVFP4 on f32, a
+/// hidden size that is not a multiple of the group or block), or `None`. FlashInfer's
+/// kernels are not judged here.
+fn kernel_epilogue_refusal(s: &Site, target: &Target) -> Option<String> {
+    if target.kernels != arfuse_policy::KernelLibrary::Arfuse {
+        return None;
+    }
+    let quant = s.kind.quant.kernel_quant().ok()?;
+    let dtype = s.x_ty.dtype.activation()?;
+    let why = quant.unsupported(s.hidden()?, dtype)?;
+    Some(format!(
+        "the {} quant epilogue is not fused: {why}; the quant runs unfused after the fused \
+         node",
+        s.kind.quant.name()
+    ))
+}
+
 /// Why a candidate's quant epilogue is not fused on this target (the quant then runs
 /// unfused after a fused node without it), or `None` when it may be.
-fn unfused_epilogue(quant: QKind, nvfp4_ok: bool, target: &Target) -> Option<String> {
+fn unfused_epilogue(quant: FusedQuant, nvfp4_ok: bool, target: &Target) -> Option<String> {
     match quant {
-        QKind::Nvfp4 { .. } if !nvfp4_ok => Some(format!(
+        FusedQuant::Nvfp4 { .. } if !nvfp4_ok => Some(format!(
             "the NVFP4 quant epilogue is not fused: it needs SM >= 100, the target is \
              SM {}; the quant runs unfused after the fused node",
             target.sm
         )),
-        QKind::Fp8Group { group_size, .. } => {
+        FusedQuant::Fp8PerTokenGroup { group_size, .. } => {
             arfuse_policy::group_quant_unsupported_reason(group_size).map(|why| {
                 format!(
                     "the per-token-group FP8 quant epilogue is not fused: {why}; the \

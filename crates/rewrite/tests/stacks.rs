@@ -313,10 +313,8 @@ fn windows_change_nothing_but_the_egraph_totals() {
                                 "{norm:?} 3d={view_3d} {quant:?} gemma={gemma} live={live}, \
                                  windows of {w}"
                             );
-                            let options = arfuse_rewrite::LowerOptions {
-                                window_nodes: w,
-                                ..Default::default()
-                            };
+                            let options =
+                                arfuse_rewrite::LowerOptions::default().with_window_nodes(w);
                             let cut = arfuse_rewrite::lower_with(&g, &target, &options).unwrap();
                             assert!(cut.report.runner.windows > 1, "{what}");
                             assert_eq!(whole.graph.to_string(), cut.graph.to_string(), "{what}");
@@ -338,10 +336,7 @@ fn windows_change_nothing_but_the_egraph_totals() {
 fn the_report_says_how_the_egraph_was_cut() {
     use arfuse_ir::{DType, Dim, Graph, InputKind, Node, TensorType, Value};
     let lower = |g: &Graph, window_nodes: usize| {
-        let options = arfuse_rewrite::LowerOptions {
-            window_nodes,
-            ..Default::default()
-        };
+        let options = arfuse_rewrite::LowerOptions::default().with_window_nodes(window_nodes);
         arfuse_rewrite::lower_with(g, &h200(), &options).unwrap()
     };
     // A stack that fits one window: the e-graph of the whole graph.
@@ -440,24 +435,20 @@ fn threads_give_the_one_thread_answer_at_every_limit() {
     .build();
     let target = h200();
     let lower = |threads: usize, node_limit: usize, iter_limit: usize| {
-        let options = arfuse_rewrite::LowerOptions {
-            window_nodes: 24,
-            threads,
-            node_limit,
-            iter_limit,
-            ..Default::default()
-        };
+        let options = arfuse_rewrite::LowerOptions::default()
+            .with_window_nodes(24)
+            .with_threads(threads)
+            .with_node_limit(node_limit)
+            .with_iter_limit(iter_limit);
         match arfuse_rewrite::lower_with(&g, &target, &options) {
             // The whole answer, compared with `==` (a mismatch prints only the limit).
             Ok(l) => format!("{}\n{}\n{:?}", l.graph, l.report, l.sites),
             Err(e) => format!("error: {e}"),
         }
     };
-    let options = arfuse_rewrite::LowerOptions {
-        window_nodes: 24,
-        threads: 1,
-        ..Default::default()
-    };
+    let options = arfuse_rewrite::LowerOptions::default()
+        .with_window_nodes(24)
+        .with_threads(1);
     let free = arfuse_rewrite::lower_with(&g, &target, &options).unwrap();
     let (windows, total) = (free.report.runner.windows, free.report.runner.egraph_nodes);
     assert!(windows >= 12, "{windows} windows");
@@ -515,11 +506,9 @@ fn paired_steps_give_the_one_thread_errors() {
         Value::new(n, 0)
     }
     let lower = |g: &Graph, threads: usize| {
-        let options = arfuse_rewrite::LowerOptions {
-            window_nodes: 24,
-            threads,
-            ..Default::default()
-        };
+        let options = arfuse_rewrite::LowerOptions::default()
+            .with_window_nodes(24)
+            .with_threads(threads);
         match arfuse_rewrite::lower_with(g, &h200(), &options) {
             Ok(l) => format!("{}\n{}", l.graph, l.report),
             Err(e) => format!("error: {e}"),
@@ -608,11 +597,9 @@ fn paired_reports_name_their_fused_nodes() {
     }
     .build();
     let lower = |threads: usize| {
-        let options = arfuse_rewrite::LowerOptions {
-            window_nodes: 24,
-            threads,
-            ..Default::default()
-        };
+        let options = arfuse_rewrite::LowerOptions::default()
+            .with_window_nodes(24)
+            .with_threads(threads);
         arfuse_rewrite::lower_with(&g, &h200(), &options).unwrap()
     };
     let (one, two) = (lower(1), lower(2));

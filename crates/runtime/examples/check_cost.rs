@@ -5,15 +5,19 @@
 //! `cargo run --release -p arfuse-runtime --example check_cost`
 
 use arfuse_runtime::check::{self, Case};
-use arfuse_runtime::variants::{Dtype, Epilogue, Quant, Strategy};
+use arfuse_runtime::variants::{ActDtype, Epilogue, Quant, Strategy};
 use std::time::Instant;
 
 fn main() {
-    for quant in [Quant::None, Quant::Fp8PerToken, Quant::Nvfp4Swizzled] {
+    for quant in [
+        Quant::None,
+        Quant::Fp8PerToken,
+        Quant::Nvfp4(arfuse_runtime::variants::Nvfp4ScaleLayout::Swizzled128x4),
+    ] {
         let c = Case {
             strategy: Strategy::OneShot,
             world: 8,
-            dtype: Dtype::Bf16,
+            dtype: ActDtype::Bf16,
             epilogue: Epilogue {
                 residual: true,
                 norm: true,

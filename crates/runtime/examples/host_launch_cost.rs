@@ -11,7 +11,7 @@
 
 use arfuse_runtime::check::{self, Case, Liveness};
 use arfuse_runtime::host::{cases, Build, Compiler, HostWorkspace, LaunchOptions};
-use arfuse_runtime::variants::{Dtype, Epilogue, Quant, Strategy};
+use arfuse_runtime::variants::{ActDtype, Epilogue, Quant, Strategy};
 use std::time::{Duration, Instant};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -27,7 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let case = Case {
             strategy,
             world,
-            dtype: Dtype::Bf16,
+            dtype: ActDtype::Bf16,
             epilogue: Epilogue {
                 residual: true,
                 norm: true,
@@ -41,7 +41,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             norm_f32_sum: false,
         };
         let k = c.kernel(&case.variant(), Build::Plain)?;
-        let mut ws = HostWorkspace::create(&check::workspace_for(world, Dtype::Bf16, 256, 128)?)?;
+        let mut ws =
+            HostWorkspace::create(&check::workspace_for(world, ActDtype::Bf16, 256, 128)?)?;
         let inputs = check::make_inputs(&case, 1)?;
         let want = check::expected(&case, &inputs)?;
         let mut io = cases::CaseIo::new(&case, &inputs)?;

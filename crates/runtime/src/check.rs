@@ -17,7 +17,7 @@
 //!   ([`compare_partial`]).
 
 use crate::error::{Error, Result};
-use crate::variants::{Dtype, Epilogue, KernelKind, Quant, Strategy, Variant};
+use crate::variants::{ActDtype, Epilogue, KernelKind, Quant, Strategy, Variant};
 use arfuse_reference::contract;
 use arfuse_reference::numerics::quant::{self as rq, GroupScales};
 use arfuse_reference::numerics::FloatFormat;
@@ -47,15 +47,6 @@ pub const NVFP4_GLOBAL_SCALE: f32 = 64.0;
 /// have written (or must not have written) are told apart from old data.
 pub const FILL_BYTE: u8 = 0xA5;
 
-/// The rounding format of an activation dtype.
-pub fn float_format(dtype: Dtype) -> FloatFormat {
-    match dtype {
-        Dtype::Bf16 => FloatFormat::Bf16,
-        Dtype::F16 => FloatFormat::F16,
-        Dtype::F32 => FloatFormat::F32,
-    }
-}
-
 fn reference(e: ReferenceError) -> Error {
     Error::Invalid(format!("reference: {e}"))
 }
@@ -72,7 +63,7 @@ pub struct Case {
     /// World size W (virtual ranks).
     pub world: u32,
     /// Activation dtype.
-    pub dtype: Dtype,
+    pub dtype: ActDtype,
     /// Epilogue (residual, RMSNorm, quant).
     pub epilogue: Epilogue,
     /// Tokens T.
@@ -120,37 +111,22 @@ impl Case {
         if self.tokens == 0 {
             return Err(Error::Invalid("a case needs T >= 1".into()));
         }
-        if !crate::variants::WORLD_SIZES.contains(&self.world) {
-            return Err(Error::Invalid(format!(
-                "world size {} not in {{2, 4, 8, 16}}",
-                self.world
-            )));
+        if !self.strategy.is_fused() {
+            return Err(Error::Invalid("a case runs a fused strategy".into()));
         }
-        let row = u64::from(self.hidden) * self.dtype.bytes() as u64;
-        if row == 0 || row % 16 != 0 {
-            return Err(Error::Invalid(format!(
-                "H * e = {row} bytes is not a positive multiple of 16"
-            )));
+        // What the kernels run: the ABI's rules, as the planner and the node check.
+        if let Some(why) = arfuse_abi::world_unsupported(self.world) {
+            return Err(Error::Invalid(why));
         }
-        let q = self.epilogue.quant;
-        if q.is_group() && self.hidden % 128 != 0 {
-            return Err(Error::Invalid(format!(
-                "per-token-group FP8 needs H % 128 == 0, H = {}",
-                self.hidden
-            )));
+        if let Some(why) = arfuse_abi::row_unsupported(u64::from(self.hidden), self.dtype) {
+            return Err(Error::Invalid(why));
         }
-        if !q.supports(self.dtype) {
-            return Err(Error::Invalid(format!(
-                "{} is not defined for {} activations",
-                q.name(),
-                self.dtype.name()
-            )));
-        }
-        if q.needs_sm100() && self.hidden % 16 != 0 {
-            return Err(Error::Invalid(format!(
-                "NVFP4 needs H % 16 == 0, H = {}",
-                self.hidden
-            )));
+        if let Some(why) = self
+            .epilogue
+            .quant
+            .unsupported(u64::from(self.hidden), self.dtype)
+        {
+            return Err(Error::Invalid(why));
         }
         // The kernels' block-size limit (H * e <= 64 KiB).
         crate::device::block_size(self.hidden, self.dtype)?;
@@ -188,7 +164,7 @@ impl Case {
         let (t, h) = (u64::from(self.tokens), u64::from(self.hidden));
         let act = t
             .checked_mul(h)
-            .and_then(|v| v.checked_mul(self.dtype.bytes() as u64))
+            .and_then(|v| v.checked_mul(self.dtype.element_bytes()))
             .ok_or(Error::Overflow("activation bytes"))?;
         let (quant, scale) = quant_bytes_of(self.epilogue.quant, self.tokens, self.hidden)?;
         Ok(OutputBytes {
@@ -228,15 +204,11 @@ pub fn quant_bytes_of(quant: Quant, tokens: u32, hidden: u32) -> Result<(u64, u6
         Quant::Fp8PerToken => (th, 4 * t),
         Quant::Fp8Group(layout) => (
             th,
-            rq::group_scale_bytes(t, h, rq::FP8_GROUP_SIZE as u64, layout).map_err(reference)?,
+            rq::group_scale_bytes(t, h, arfuse_abi::FP8_GROUP_SIZE, layout).map_err(reference)?,
         ),
-        Quant::Nvfp4Swizzled => (
+        Quant::Nvfp4(layout) => (
             rq::nvfp4_data_bytes(t, h).map_err(reference)?,
-            rq::nvfp4_scale_bytes(t, h, rq::Nvfp4ScaleLayout::Swizzled128x4).map_err(reference)?,
-        ),
-        Quant::Nvfp4Linear => (
-            rq::nvfp4_data_bytes(t, h).map_err(reference)?,
-            rq::nvfp4_scale_bytes(t, h, rq::Nvfp4ScaleLayout::Linear).map_err(reference)?,
+            rq::nvfp4_scale_bytes(t, h, layout).map_err(reference)?,
         ),
     })
 }
@@ -254,7 +226,7 @@ pub fn all_cases(hidden: u32, nvfp4: bool) -> Vec<Case> {
 pub fn cases_for_tokens(hidden: u32, nvfp4: bool, token_counts: &[u32]) -> Vec<Case> {
     let mut out = Vec::new();
     for world in WORLDS {
-        for dtype in Dtype::ALL {
+        for dtype in ActDtype::ALL {
             for epilogue in crate::variants::all_epilogues() {
                 if epilogue.quant.needs_sm100() && !nvfp4 {
                     continue;
@@ -262,7 +234,7 @@ pub fn cases_for_tokens(hidden: u32, nvfp4: bool, token_counts: &[u32]) -> Vec<C
                 // Strategies alternate call by call on one workspace (a counter
                 // shared between them deadlocked public code).
                 for &tokens in token_counts {
-                    for strategy in [Strategy::OneShot, Strategy::TwoShot] {
+                    for strategy in Strategy::FUSED {
                         let c = Case {
                             strategy,
                             world,
@@ -305,7 +277,7 @@ pub fn cases_for_tokens(hidden: u32, nvfp4: bool, token_counts: &[u32]) -> Vec<C
 /// Lamport limit).
 pub fn workspace_for(
     world: u32,
-    dtype: Dtype,
+    dtype: ActDtype,
     hidden: u32,
     max_tokens: u32,
 ) -> Result<arfuse_policy::Workspace> {
@@ -319,7 +291,7 @@ pub fn workspace_for(
             u64::from(max_tokens),
             u64::from(hidden),
             world,
-            dtype.policy(),
+            dtype,
         )
         .map_err(invalid)
     };
@@ -328,7 +300,7 @@ pub fn workspace_for(
         Backend::Trtllm,
         world,
         u64::from(hidden),
-        dtype.policy(),
+        dtype,
         Some(u64::from(max_tokens)),
         Workspace::arfuse_buffer_for(need).map_err(invalid)?,
     )
@@ -349,9 +321,9 @@ pub fn node_for(
     case: &Case,
     id: &str,
     workspace: &arfuse_policy::Workspace,
-    dispatch: &[(u32, u32, Option<Strategy>)],
+    dispatch: &[(u32, u32, Strategy)],
 ) -> Result<crate::node::NodeKernels> {
-    use arfuse_ir::{DType, FusedOutput, FusedQuant, Nvfp4ScaleLayout};
+    use arfuse_ir::{DType, FusedOutput, FusedQuant};
     let e = case.epilogue;
     if !e.norm {
         return Err(Error::Invalid(format!(
@@ -359,21 +331,7 @@ pub fn node_for(
             case.label()
         )));
     }
-    let quant = match e.quant {
-        Quant::None => FusedQuant::None,
-        Quant::Fp8Static => FusedQuant::Fp8Static,
-        Quant::Fp8PerToken => FusedQuant::Fp8PerToken,
-        Quant::Fp8Group(scale_layout) => FusedQuant::Fp8PerTokenGroup {
-            group_size: rq::FP8_GROUP_SIZE as u64,
-            scale_layout,
-        },
-        Quant::Nvfp4Swizzled => FusedQuant::Nvfp4 {
-            scale_layout: Nvfp4ScaleLayout::Swizzled128x4,
-        },
-        Quant::Nvfp4Linear => FusedQuant::Nvfp4 {
-            scale_layout: Nvfp4ScaleLayout::Linear,
-        },
-    };
+    let quant = FusedQuant::from(e.quant);
     let mut outputs = vec![FusedOutput::Norm, FusedOutput::Residual];
     if e.quant != Quant::None {
         outputs.push(FusedOutput::Quant);
@@ -381,7 +339,6 @@ pub fn node_for(
             outputs.push(FusedOutput::Scale);
         }
     }
-    let strategy = |s: Option<Strategy>| s.map_or(arfuse_ir::Strategy::Unfused, Strategy::policy);
     let attrs = arfuse_ir::FusedAllReduceNorm {
         group: "tp".into(),
         eps: EPS,
@@ -403,7 +360,7 @@ pub fn node_for(
             pattern_code: 0,
             max_token_num: dispatch
                 .iter()
-                .filter(|r| r.2.is_some())
+                .filter(|r| r.2.is_fused())
                 .map(|r| u64::from(r.1))
                 .max()
                 .unwrap_or(0),
@@ -413,23 +370,18 @@ pub fn node_for(
                 .map(|&(lo, hi, s)| arfuse_ir::DispatchRange {
                     min_tokens: u64::from(lo),
                     max_tokens: u64::from(hi),
-                    strategy: strategy(s),
+                    strategy: s,
                     required_bytes: 0,
                 })
                 .collect(),
         }),
     };
-    let ir = |d: Dtype| match d {
-        Dtype::Bf16 => DType::Bf16,
-        Dtype::F16 => DType::F16,
-        Dtype::F32 => DType::F32,
-    };
     crate::node::NodeKernels::new(
         id,
         &attrs,
-        ir(case.dtype),
+        DType::of_activation(case.dtype),
         u64::from(case.hidden),
-        ir(gamma_dtype(case)),
+        DType::of_activation(gamma_dtype(case)),
         case.world,
     )
 }
@@ -462,13 +414,13 @@ pub struct Inputs {
 }
 
 /// Encodes f32 values (each exactly representable) as little-endian `dtype` bytes.
-pub fn encode(dtype: Dtype, values: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(values.len() * dtype.bytes());
+pub fn encode(dtype: ActDtype, values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * (dtype.element_bytes() as usize));
     for &v in values {
         match dtype {
-            Dtype::Bf16 => out.extend(bf16::from_f32(v).to_bits().to_le_bytes()),
-            Dtype::F16 => out.extend(f16::from_f32(v).to_bits().to_le_bytes()),
-            Dtype::F32 => out.extend(v.to_bits().to_le_bytes()),
+            ActDtype::Bf16 => out.extend(bf16::from_f32(v).to_bits().to_le_bytes()),
+            ActDtype::F16 => out.extend(f16::from_f32(v).to_bits().to_le_bytes()),
+            ActDtype::F32 => out.extend(v.to_bits().to_le_bytes()),
         }
     }
     out
@@ -476,17 +428,17 @@ pub fn encode(dtype: Dtype, values: &[f32]) -> Vec<u8> {
 
 /// Decodes little-endian `dtype` bytes to f32 (exact widening). Trailing bytes that
 /// do not form a whole element are ignored.
-pub fn decode(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
+pub fn decode(dtype: ActDtype, bytes: &[u8]) -> Vec<f32> {
     match dtype {
-        Dtype::Bf16 => bytes
+        ActDtype::Bf16 => bytes
             .chunks_exact(2)
             .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
             .collect(),
-        Dtype::F16 => bytes
+        ActDtype::F16 => bytes
             .chunks_exact(2)
             .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
             .collect(),
-        Dtype::F32 => bytes
+        ActDtype::F32 => bytes
             .chunks_exact(4)
             .map(|c| f32::from_bits(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
             .collect(),
@@ -495,24 +447,24 @@ pub fn decode(dtype: Dtype, bytes: &[u8]) -> Vec<f32> {
 
 /// The smallest-magnitude negative subnormal of a dtype (its bit pattern is the
 /// sentinel's plus one: the value a float compare under FTZ confuses with -0.0).
-pub fn negative_subnormal(dtype: Dtype) -> f32 {
+pub fn negative_subnormal(dtype: ActDtype) -> f32 {
     match dtype {
-        Dtype::Bf16 => bf16::from_bits(0x8001).to_f32(),
-        Dtype::F16 => f16::from_bits(0x8001).to_f32(),
-        Dtype::F32 => f32::from_bits(0x8000_0001),
+        ActDtype::Bf16 => bf16::from_bits(0x8001).to_f32(),
+        ActDtype::F16 => f16::from_bits(0x8001).to_f32(),
+        ActDtype::F32 => f32::from_bits(0x8000_0001),
     }
 }
 
 /// A random value of `dtype` drawn from its bits: 1/32 -0.0, 1/32 the smallest
 /// negative subnormal, otherwise `+-(1 + m) * 2^k` with `k` in -9..=0 and `m` on the
 /// dtype's mantissa grid (at most 22 bits), so every value is exact in the dtype.
-fn random_value(dtype: Dtype, rng: &mut SmallRng) -> f32 {
+fn random_value(dtype: ActDtype, rng: &mut SmallRng) -> f32 {
     let r: u32 = rng.gen();
     match r & 31 {
         0 => -0.0,
         1 => negative_subnormal(dtype),
         _ => {
-            let mb = float_format(dtype).mantissa_bits().min(22);
+            let mb = FloatFormat::from(dtype).mantissa_bits().min(22);
             let sign = (r >> 5) & 1;
             let k = ((r >> 6) & 15) % 10; // exponent 2^(k - 9)
             let m = (r >> 10) & ((1u32 << mb) - 1);
@@ -571,9 +523,9 @@ pub fn make_inputs(case: &Case, seed: u64) -> Result<Inputs> {
         // Any f32 (not only values of the activation dtype): w.float() of a trained
         // offset weight, or an f32 parameter.
         let g: Vec<f32> = (0..h).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-        encode(Dtype::F32, &g)
+        encode(ActDtype::F32, &g)
     } else {
-        let fmt = float_format(dtype);
+        let fmt = FloatFormat::from(dtype);
         let g: Vec<f32> = (0..h)
             .map(|_| fmt.round(rng.gen_range(-1024i32..1024) as f32 / 512.0))
             .collect();
@@ -581,7 +533,7 @@ pub fn make_inputs(case: &Case, seed: u64) -> Result<Inputs> {
     };
     let scale_in = match case.epilogue.quant {
         Quant::Fp8Static => STATIC_FP8_SCALE,
-        Quant::Nvfp4Swizzled | Quant::Nvfp4Linear => NVFP4_GLOBAL_SCALE,
+        Quant::Nvfp4(_) => NVFP4_GLOBAL_SCALE,
         _ => 0.0,
     };
     Ok(Inputs {
@@ -624,8 +576,9 @@ pub fn quant_bytes(case: &Case, y: &[f32], scale_in: f32) -> Result<(Vec<u8>, Ve
             (codes, scales.iter().flat_map(|s| s.to_le_bytes()).collect())
         }
         Quant::Fp8Group(layout) => {
-            let g = rq::per_token_group_fp8_quant(y, t, h, rq::FP8_GROUP_SIZE, layout)
-                .map_err(reference)?;
+            let g =
+                rq::per_token_group_fp8_quant(y, t, h, arfuse_abi::FP8_GROUP_SIZE as usize, layout)
+                    .map_err(reference)?;
             let scales = match g.scales {
                 GroupScales::PackedUe8m0 { words, .. } => {
                     words.iter().flat_map(|w| w.to_le_bytes()).collect()
@@ -636,12 +589,7 @@ pub fn quant_bytes(case: &Case, y: &[f32], scale_in: f32) -> Result<(Vec<u8>, Ve
             };
             (g.data, scales)
         }
-        Quant::Nvfp4Swizzled | Quant::Nvfp4Linear => {
-            let layout = if case.epilogue.quant == Quant::Nvfp4Swizzled {
-                rq::Nvfp4ScaleLayout::Swizzled128x4
-            } else {
-                rq::Nvfp4ScaleLayout::Linear
-            };
+        Quant::Nvfp4(layout) => {
             let q = rq::nvfp4_quant(y, t, h, scale_in, layout).map_err(reference)?;
             (q.data, q.scales)
         }
@@ -649,9 +597,9 @@ pub fn quant_bytes(case: &Case, y: &[f32], scale_in: f32) -> Result<(Vec<u8>, Ve
 }
 
 /// The dtype the RMSNorm weight is stored in.
-pub fn gamma_dtype(case: &Case) -> Dtype {
+pub fn gamma_dtype(case: &Case) -> ActDtype {
     if case.gamma_f32 {
-        Dtype::F32
+        ActDtype::F32
     } else {
         case.dtype
     }
@@ -675,8 +623,8 @@ pub fn expected(case: &Case, inputs: &Inputs) -> Result<Vec<RankOutputs>> {
 pub fn expected_with_eps(case: &Case, inputs: &Inputs, eps: f64) -> Result<Vec<RankOutputs>> {
     case.validate()?;
     let n = case.elements()?;
-    let fmt = float_format(case.dtype);
-    let act_bytes = n * case.dtype.bytes();
+    let fmt = FloatFormat::from(case.dtype);
+    let act_bytes = n * (case.dtype.element_bytes() as usize);
     if inputs.x.len() != case.world as usize || inputs.x.iter().any(|v| v.len() != act_bytes) {
         return Err(Error::Invalid(format!(
             "inputs: need {} ranks of {act_bytes} bytes",
@@ -799,8 +747,8 @@ fn byte_mismatches(a: &[u8], b: &[u8]) -> u64 {
     (differing + a.len().abs_diff(b.len())) as u64
 }
 
-fn elem_mismatches(dtype: Dtype, a: &[u8], b: &[u8]) -> u64 {
-    let e = dtype.bytes();
+fn elem_mismatches(dtype: ActDtype, a: &[u8], b: &[u8]) -> u64 {
+    let e = dtype.element_bytes() as usize;
     let differing = a.chunks(e).zip(b.chunks(e)).filter(|(x, y)| x != y).count();
     (differing + a.len().abs_diff(b.len()) / e) as u64
 }
@@ -820,7 +768,7 @@ pub fn compare(
     if expected.len() != got.len() {
         v.size_mismatches += expected.len().abs_diff(got.len()) as u64;
     }
-    let fmt = float_format(case.dtype);
+    let fmt = FloatFormat::from(case.dtype);
     let rank = |(want, have): (&RankOutputs, &RankOutputs)| -> Result<Verdict> {
         let mut r = Verdict::default();
         for (w, h) in [
@@ -965,18 +913,19 @@ pub fn bytes_moved(case: &Case) -> Result<u64> {
     let o = case.output_bytes()?;
     let w = u64::from(case.world);
     let r = o.out;
-    let row = u64::from(case.hidden) * case.dtype.bytes() as u64;
+    let row = u64::from(case.hidden) * case.dtype.element_bytes();
     let t = u64::from(case.tokens);
     let comm = match case.strategy {
         Strategy::OneShot => r.checked_mul(1 + 3 * w),
         Strategy::TwoShot => r
             .checked_mul(5)
             .and_then(|c| c.checked_add((w * t.div_ceil(w) + t).checked_mul(row)?)),
+        Strategy::Unfused => return Err(Error::Invalid("a case runs a fused strategy".into())),
     }
     .ok_or(Error::Overflow("bytes moved"))?;
     let residual_in = if case.epilogue.residual { r } else { 0 };
     let gamma = if case.epilogue.norm {
-        u64::from(case.hidden) * gamma_dtype(case).bytes() as u64
+        u64::from(case.hidden) * gamma_dtype(case).element_bytes()
     } else {
         0
     };
@@ -1012,7 +961,7 @@ pub fn minimum_bytes(case: &Case) -> Result<u64> {
     let o = case.output_bytes()?;
     let residual_in = if case.epilogue.residual { o.out } else { 0 };
     let gamma = if case.epilogue.norm {
-        u64::from(case.hidden) * gamma_dtype(case).bytes() as u64
+        u64::from(case.hidden) * gamma_dtype(case).element_bytes()
     } else {
         0
     };
@@ -1034,9 +983,9 @@ pub fn minimum_bytes(case: &Case) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arfuse_ir::GroupScaleLayout;
+    use arfuse_ir::{GroupScaleLayout, Nvfp4ScaleLayout};
 
-    fn case(epilogue: Epilogue, dtype: Dtype, tokens: u32) -> Case {
+    fn case(epilogue: Epilogue, dtype: ActDtype, tokens: u32) -> Case {
         Case {
             strategy: Strategy::OneShot,
             world: 4,
@@ -1080,7 +1029,11 @@ mod tests {
             .iter()
             .any(|c| c.epilogue.norm && !c.epilogue.residual && c.weight_bias == 1));
         // Both RMSNorm roundings run with every quant form on the residual norms.
-        for q in [Quant::None, Quant::Fp8PerToken, Quant::Nvfp4Swizzled] {
+        for q in [
+            Quant::None,
+            Quant::Fp8PerToken,
+            Quant::Nvfp4(Nvfp4ScaleLayout::Swizzled128x4),
+        ] {
             for twice in [false, true] {
                 assert!(with.iter().any(|c| c.epilogue.residual
                     && c.epilogue.norm
@@ -1110,7 +1063,7 @@ mod tests {
             norm: true,
             quant,
         };
-        let c = |q, t| case(e(q), Dtype::Bf16, t).output_bytes().unwrap();
+        let c = |q, t| case(e(q), ActDtype::Bf16, t).output_bytes().unwrap();
         let b = c(Quant::None, 7);
         assert_eq!(
             (b.out, b.residual_out, b.quant, b.scale),
@@ -1123,23 +1076,28 @@ mod tests {
         assert_eq!(c(g(GroupScaleLayout::PackedUe8m0), 7).scale, 28);
         assert_eq!(c(g(GroupScaleLayout::F32RowMajor), 7).scale, 7 * 2 * 4);
         assert_eq!(c(g(GroupScaleLayout::F32RowMajorUe8m0), 7).scale, 7 * 2 * 4);
-        let mut wide = case(e(g(GroupScaleLayout::PackedUe8m0)), Dtype::Bf16, 7);
+        let mut wide = case(e(g(GroupScaleLayout::PackedUe8m0)), ActDtype::Bf16, 7);
         wide.hidden = 640;
         assert_eq!(wide.output_bytes().unwrap().scale, (7 + 8) * 4);
         // NVFP4 swizzled: round_up(7, 128) x round_up(16, 4) bytes.
-        assert_eq!(c(Quant::Nvfp4Swizzled, 7).scale, 128 * 16);
-        assert_eq!(c(Quant::Nvfp4Linear, 7).scale, 7 * 16);
-        assert_eq!(c(Quant::Nvfp4Linear, 7).quant, 7 * 128);
-        let ar = case(Epilogue::AR_ONLY, Dtype::F32, 3)
+        assert_eq!(
+            c(Quant::Nvfp4(Nvfp4ScaleLayout::Swizzled128x4), 7).scale,
+            128 * 16
+        );
+        assert_eq!(c(Quant::Nvfp4(Nvfp4ScaleLayout::Linear), 7).scale, 7 * 16);
+        assert_eq!(c(Quant::Nvfp4(Nvfp4ScaleLayout::Linear), 7).quant, 7 * 128);
+        let ar = case(Epilogue::AR_ONLY, ActDtype::F32, 3)
             .output_bytes()
             .unwrap();
         assert_eq!((ar.out, ar.residual_out), (3 * 256 * 4, 0));
-        assert!(case(e(Quant::Nvfp4Linear), Dtype::F32, 1)
-            .output_bytes()
-            .is_err());
+        assert!(
+            case(e(Quant::Nvfp4(Nvfp4ScaleLayout::Linear)), ActDtype::F32, 1)
+                .output_bytes()
+                .is_err()
+        );
         let mut bad = case(
             e(Quant::Fp8Group(GroupScaleLayout::F32RowMajor)),
-            Dtype::Bf16,
+            ActDtype::Bf16,
             1,
         );
         bad.hidden = 192;
@@ -1148,15 +1106,15 @@ mod tests {
 
     #[test]
     fn inputs_hold_the_edge_values_and_are_deterministic() {
-        let c = case(Epilogue::RES_NORM, Dtype::Bf16, 16);
+        let c = case(Epilogue::RES_NORM, ActDtype::Bf16, 16);
         let a = make_inputs(&c, 7).unwrap();
         assert_eq!(a, make_inputs(&c, 7).unwrap());
         assert_ne!(a, make_inputs(&c, 8).unwrap());
         assert_eq!(a.x.len(), 4);
-        let x0 = decode(Dtype::Bf16, &a.x[0]);
+        let x0 = decode(ActDtype::Bf16, &a.x[0]);
         assert!(x0[..16].iter().all(|v| v.to_bits() == (-0.0f32).to_bits()));
-        let all: Vec<f32> = a.x.iter().flat_map(|b| decode(Dtype::Bf16, b)).collect();
-        let sub = negative_subnormal(Dtype::Bf16);
+        let all: Vec<f32> = a.x.iter().flat_map(|b| decode(ActDtype::Bf16, b)).collect();
+        let sub = negative_subnormal(ActDtype::Bf16);
         assert!(all.iter().filter(|v| v.to_bits() == sub.to_bits()).count() > 10);
         assert!(all.iter().all(|v| FloatFormat::Bf16.is_exact(*v)));
         // One +inf, in rank 0's last token; its norm output is NaN there, and the
@@ -1172,7 +1130,7 @@ mod tests {
             ..c
         };
         let e = expected(&q, &make_inputs(&q, 7).unwrap()).unwrap();
-        let y = decode(Dtype::Bf16, &e[3].out);
+        let y = decode(ActDtype::Bf16, &e[3].out);
         assert!(y[15 * 256 + 5].is_nan());
         assert_eq!(e[3].quant[15 * 256 + 5], 0x7F);
         assert!(y[..15 * 256].iter().all(|v| v.is_finite()));
@@ -1182,15 +1140,15 @@ mod tests {
     fn expected_outputs_are_the_contract() {
         // All -0.0 columns reduce to +0.0; the negative subnormal survives; residual
         // and norm follow the contract functions.
-        let c = case(Epilogue::RES_NORM, Dtype::Bf16, 2);
+        let c = case(Epilogue::RES_NORM, ActDtype::Bf16, 2);
         let inp = make_inputs(&c, 1).unwrap();
         let e = expected(&c, &inp).unwrap();
         assert_eq!(e.len(), 4);
-        let h0 = decode(Dtype::Bf16, &e[0].residual_out);
-        let r0 = decode(Dtype::Bf16, &inp.residual[0]);
+        let h0 = decode(ActDtype::Bf16, &e[0].residual_out);
+        let r0 = decode(ActDtype::Bf16, &inp.residual[0]);
         // Token 0, element 0: a = +0.0 (all ranks -0.0), residual -0.0 -> +0.0.
         assert_eq!(h0[0].to_bits(), 0.0f32.to_bits());
-        let xs: Vec<Vec<f32>> = inp.x.iter().map(|b| decode(Dtype::Bf16, b)).collect();
+        let xs: Vec<Vec<f32>> = inp.x.iter().map(|b| decode(ActDtype::Bf16, b)).collect();
         for i in [20usize, 300, 511] {
             let mut acc = 0.0f32;
             for x in &xs {
@@ -1200,7 +1158,7 @@ mod tests {
             assert_eq!(h0[i], FloatFormat::Bf16.round(a + r0[i]), "element {i}");
         }
         // AR only: every rank gets the same bytes.
-        let ar = case(Epilogue::AR_ONLY, Dtype::F16, 3);
+        let ar = case(Epilogue::AR_ONLY, ActDtype::F16, 3);
         let e = expected(&ar, &make_inputs(&ar, 2).unwrap()).unwrap();
         assert!(e.windows(2).all(|w| w[0] == w[1]));
         assert!(e[0].residual_out.is_empty());
@@ -1210,7 +1168,7 @@ mod tests {
     fn expected_norm_follows_the_case_rounding() {
         // The two-rounding case is the Llama decomposition element for element, and
         // differs from the one-rounding case somewhere.
-        let once = case(Epilogue::RES_NORM, Dtype::Bf16, 8);
+        let once = case(Epilogue::RES_NORM, ActDtype::Bf16, 8);
         let twice = Case {
             norm_round_twice: true,
             norm_f32_sum: false,
@@ -1221,9 +1179,9 @@ mod tests {
             expected(&once, &inp).unwrap(),
             expected(&twice, &inp).unwrap(),
         );
-        let h = decode(Dtype::Bf16, &et[0].residual_out);
-        let g = decode(Dtype::Bf16, &inp.gamma);
-        let y = decode(Dtype::Bf16, &et[0].out);
+        let h = decode(ActDtype::Bf16, &et[0].residual_out);
+        let g = decode(ActDtype::Bf16, &inp.gamma);
+        let y = decode(ActDtype::Bf16, &et[0].out);
         let bf = FloatFormat::Bf16;
         let hidden = once.hidden as usize;
         let r = contract::rms_inv(
@@ -1251,7 +1209,7 @@ mod tests {
     #[test]
     fn compare_accepts_the_contract_and_catches_each_kind_of_defect() {
         for epilogue in all_quants() {
-            for dtype in Dtype::ALL {
+            for dtype in ActDtype::ALL {
                 let c = case(epilogue, dtype, 5);
                 if c.validate().is_err() {
                     continue;
@@ -1277,7 +1235,7 @@ mod tests {
                 // token 0) is a defect (the kernels' sum order is the contract's):
                 // caught as a norm mismatch.
                 let mut near = want.clone();
-                let e = dtype.bytes();
+                let e = dtype.element_bytes() as usize;
                 bump_ulp(&mut near[2].out[20 * e..21 * e]);
                 let v = compare(&c, &inp, &want, &near).unwrap();
                 assert_eq!(v.norm_mismatches, 1, "{}", c.label());
@@ -1304,7 +1262,7 @@ mod tests {
 
     #[test]
     fn compare_flags_wrong_sizes() {
-        let c = case(Epilogue::RES_NORM, Dtype::Bf16, 2);
+        let c = case(Epilogue::RES_NORM, ActDtype::Bf16, 2);
         let inp = make_inputs(&c, 1).unwrap();
         let want = expected(&c, &inp).unwrap();
         let mut short = want.clone();
@@ -1325,7 +1283,7 @@ mod tests {
             norm: true,
             quant: Quant::Fp8PerToken,
         };
-        let c = case(e, Dtype::Bf16, 3);
+        let c = case(e, ActDtype::Bf16, 3);
         let live = Liveness::partial(&c).unwrap().unwrap();
         assert!(!live.out && live.residual_out && live.quant && live.scale);
         let full = expected(&c, &make_inputs(&c, 1).unwrap()).unwrap();
@@ -1339,36 +1297,38 @@ mod tests {
         part[1].out[5] = FILL_BYTE;
         part[2].scale[0] ^= 1;
         assert_eq!(compare_partial(live, &full, &part), 1);
-        let plain = case(Epilogue::RES_NORM, Dtype::Bf16, 3);
+        let plain = case(Epilogue::RES_NORM, ActDtype::Bf16, 3);
         let l = Liveness::partial(&plain).unwrap().unwrap();
         assert!(l.out && !l.residual_out);
-        assert!(Liveness::partial(&case(Epilogue::AR_ONLY, Dtype::Bf16, 3))
-            .unwrap()
-            .is_none());
+        assert!(
+            Liveness::partial(&case(Epilogue::AR_ONLY, ActDtype::Bf16, 3))
+                .unwrap()
+                .is_none()
+        );
     }
 
     #[test]
     fn bytes_moved_counts_each_rank() {
         // One-shot, W=4, T=1, H=256, bf16, res+norm: R = 512;
         // per rank (1 + 12) R + R residual + R res_out + R out + 512 gamma = 17 R.
-        let c = case(Epilogue::RES_NORM, Dtype::Bf16, 1);
+        let c = case(Epilogue::RES_NORM, ActDtype::Bf16, 1);
         assert_eq!(bytes_moved(&c).unwrap(), 4 * 17 * 512);
         // Two-shot, T=4, R = 2048: 5 R + the re-fill of (4 * 1 + 4) rows of 512 bytes
         // (2 R) + residual, res_out, out (3 R) + gamma.
-        let mut two = case(Epilogue::RES_NORM, Dtype::Bf16, 4);
+        let mut two = case(Epilogue::RES_NORM, ActDtype::Bf16, 4);
         two.strategy = Strategy::TwoShot;
         assert_eq!(bytes_moved(&two).unwrap(), 4 * (10 * 2048 + 512));
         // T=1 < W: R = 512; 5 R + (4 * 1 + 1) rows (5 R) + 3 R + gamma.
         two.tokens = 1;
         assert_eq!(bytes_moved(&two).unwrap(), 4 * (13 * 512 + 512));
-        let ar = case(Epilogue::AR_ONLY, Dtype::Bf16, 1);
+        let ar = case(Epilogue::AR_ONLY, ActDtype::Bf16, 1);
         assert_eq!(bytes_moved(&ar).unwrap(), 4 * 14 * 512);
     }
 
     #[test]
     fn minimum_bytes_are_the_epilogues_alone() {
         // W=4, T=1, H=256, bf16 (R = 512): x, residual, res_out, out and the weight.
-        let c = case(Epilogue::RES_NORM, Dtype::Bf16, 1);
+        let c = case(Epilogue::RES_NORM, ActDtype::Bf16, 1);
         assert_eq!(minimum_bytes(&c).unwrap(), 4 * 5 * 512);
         // The one-shot moves 17 R per rank for the same call (gamma is R here).
         assert_eq!(
@@ -1376,7 +1336,7 @@ mod tests {
             4 * 12 * 512
         );
         // All-reduce only: x read, out written.
-        let ar = case(Epilogue::AR_ONLY, Dtype::Bf16, 1);
+        let ar = case(Epilogue::AR_ONLY, ActDtype::Bf16, 1);
         assert_eq!(minimum_bytes(&ar).unwrap(), 4 * 2 * 512);
     }
 

@@ -15,7 +15,7 @@
 
 use crate::device::{self, arfuse_layout, Allocation, Device, FusedCall, KernelParams};
 use crate::error::{Error, Result};
-use crate::variants::{self, Arch, Dtype, Variant};
+use crate::variants::{self, ActDtype, Arch, Variant};
 use crate::workspace::Backend;
 use arfuse_policy::{ArfuseLayout, Workspace};
 use cudarc::driver::sys;
@@ -711,8 +711,8 @@ impl VirtualWorkspace {
     /// Driver errors.
     pub fn initialise(&self, gpu: &Gpu) -> Result<()> {
         let layout = &self.layout;
-        let lam = arfuse_policy::LAMPORT_BUFFER_COUNT * layout.lamport_buffer_bytes;
-        let dtype = Dtype::from_policy(self.workspace.dtype);
+        let lam = arfuse_abi::LAMPORT_BUFFER_COUNT * layout.lamport_buffer_bytes;
+        let dtype = self.workspace.dtype;
         for r in 0..u64::from(self.workspace.world_size) {
             let rank = self.memory.ptr + r * layout.bytes_per_rank;
             // SAFETY: the state block [0, lamport_offset) of rank r lies inside `memory`
@@ -724,7 +724,7 @@ impl VirtualWorkspace {
             let base = rank + layout.lamport_offset;
             let rc = match dtype {
                 // SAFETY: the Lamport range of rank r lies inside `memory`, as above.
-                Dtype::Bf16 | Dtype::F16 => unsafe {
+                ActDtype::Bf16 | ActDtype::F16 => unsafe {
                     sys::cuMemsetD16Async(
                         base,
                         dtype.sentinel_bits() as u16,
@@ -733,7 +733,7 @@ impl VirtualWorkspace {
                     )
                 },
                 // SAFETY: as above.
-                Dtype::F32 => unsafe {
+                ActDtype::F32 => unsafe {
                     sys::cuMemsetD32Async(
                         base,
                         dtype.sentinel_bits(),
@@ -788,7 +788,6 @@ impl Device for Gpu {
                 "mnnvl needs NVLink multicast between GPUs; virtual ranks use trtllm layout".into(),
             )),
             Backend::Trtllm => VirtualWorkspace::create(self, workspace),
-            Backend::Unfused => Err(Error::Invalid("unfused needs no workspace".into())),
         }
     }
 

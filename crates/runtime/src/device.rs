@@ -19,7 +19,7 @@
 //! [`virtual_allreduce_shape`]), so the two devices cannot accept different calls.
 
 use crate::error::{Error, Result};
-use crate::variants::{self, Dtype, KernelKind, Strategy, Variant};
+use crate::variants::{self, ActDtype, KernelKind, Strategy, Variant};
 use crate::workspace::Backend;
 use arfuse_policy::{ArfuseLayout, Workspace};
 
@@ -71,8 +71,7 @@ pub trait Device {
     /// Device errors.
     fn is_capturing(&self) -> Result<bool>;
 
-    /// Creates `request` for its W ranks, mapped for `backend` (never called with
-    /// [`Backend::Unfused`]).
+    /// Creates `request` for its W ranks, mapped for `backend`.
     ///
     /// # Errors
     /// [`Error::Unsupported`] when this device cannot provide `backend` or the memory;
@@ -195,7 +194,7 @@ pub struct RankTensor {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct KernelParams {
     /// Workspace base address of each rank.
-    pub peer: [u64; 16],
+    pub peer: [u64; arfuse_abi::MAX_RANKS as usize],
     /// All-reduce input (local kernel: input).
     pub x: RankTensor,
     /// Residual input.
@@ -252,7 +251,7 @@ impl KernelParams {
     /// (virtual ranks: rank r of `world` at `base + r * bytes_per_rank`).
     ///
     /// # Errors
-    /// [`Error::Invalid`] for more than 16 ranks; [`Error::Overflow`].
+    /// [`Error::Invalid`] for more than [`arfuse_abi::MAX_RANKS`] ranks; [`Error::Overflow`].
     pub fn with_virtual_workspace(
         mut self,
         layout: &ArfuseLayout,
@@ -262,7 +261,8 @@ impl KernelParams {
     ) -> Result<Self> {
         if world as usize > self.peer.len() {
             return Err(Error::Invalid(format!(
-                "{world} ranks; the kernels take at most 16"
+                "{world} ranks; the kernels take at most {}",
+                arfuse_abi::MAX_RANKS
             )));
         }
         for r in 0..world as usize {
@@ -317,8 +317,8 @@ pub struct FusedCall {
 ///
 /// # Errors
 /// [`Error::Unsupported`] with the policy's reason when the kernels cannot run the row.
-pub fn block_size(hidden: u32, dtype: Dtype) -> Result<u32> {
-    arfuse_policy::arfuse_block_threads(u64::from(hidden), dtype.policy())
+pub fn block_size(hidden: u32, dtype: ActDtype) -> Result<u32> {
+    arfuse_policy::arfuse_block_threads(u64::from(hidden), dtype)
         .map_err(|e| Error::Unsupported(e.to_string()))
 }
 
@@ -358,13 +358,13 @@ pub fn check_fits(
     hidden: u32,
 ) -> Result<()> {
     let misfit = workspace
-        .misfit(strategy.policy(), u64::from(tokens), u64::from(hidden))
+        .misfit(strategy, u64::from(tokens), u64::from(hidden))
         .map_err(|e| Error::Invalid(e.to_string()))?;
     match misfit {
         None => Ok(()),
         Some(arfuse_policy::Misfit::BelowWorldSize { world_size }) => Err(Error::Invalid(format!(
             "{} at T = {tokens} needs T >= W = {world_size}",
-            strategy.policy()
+            strategy
         ))),
         Some(arfuse_policy::Misfit::TooLarge {
             required_bytes,
@@ -372,7 +372,7 @@ pub fn check_fits(
         }) => Err(Error::Invalid(format!(
             "{} at T = {tokens} needs {required_bytes} bytes of one Lamport buffer; it has \
              {available_bytes}",
-            strategy.policy()
+            strategy
         ))),
     }
 }
@@ -392,7 +392,7 @@ pub fn fused_shape(workspace: &Workspace, call: &FusedCall) -> Result<(Strategy,
             call.variant
         )));
     };
-    if world != workspace.world_size || call.variant.dtype.policy() != workspace.dtype {
+    if world != workspace.world_size || call.variant.dtype != workspace.dtype {
         return Err(Error::Invalid(format!(
             "variant {} differs from the workspace (W = {}, {})",
             call.variant, workspace.world_size, workspace.dtype
@@ -425,7 +425,7 @@ pub fn local_shape(call: &FusedCall) -> Result<u32> {
             call.variant
         )));
     }
-    if call.tokens == 0 || !(1..=16).contains(&call.ranks) {
+    if call.tokens == 0 || !(1..=arfuse_abi::MAX_RANKS).contains(&call.ranks) {
         return Err(Error::Invalid(format!(
             "local call of T = {} on {} ranks",
             call.tokens, call.ranks
@@ -485,16 +485,16 @@ pub struct TensorUse {
 pub fn tensor_uses(call: &FusedCall) -> Result<Vec<TensorUse>> {
     use crate::variants::Quant;
     let p = &call.params;
-    let e = call.variant.dtype.bytes() as u64;
+    let e = call.variant.dtype.element_bytes();
     let act = u64::from(call.tokens)
         .checked_mul(u64::from(call.hidden))
         .and_then(|n| n.checked_mul(e))
         .ok_or(Error::Overflow("activation bytes"))?;
     let quant = call.variant.epilogue.quant;
     let (quant_bytes, scale_bytes) = crate::check::quant_bytes_of(quant, call.tokens, call.hidden)?;
-    let vector_elems = 16 / e;
+    let vector_elems = arfuse_abi::VECTOR_BYTES / e;
     let (quant_align, scale_align) = match quant {
-        Quant::Nvfp4Swizzled | Quant::Nvfp4Linear => (vector_elems / 2, 1),
+        Quant::Nvfp4(_) => (vector_elems / 2, 1),
         _ => (vector_elems, 4),
     };
     let gamma_bytes = u64::from(call.hidden) * if p.gamma_f32 != 0 { 4 } else { e };
@@ -502,14 +502,15 @@ pub fn tensor_uses(call: &FusedCall) -> Result<Vec<TensorUse>> {
         ptr,
         rank_stride: 0,
     };
+    let vec = arfuse_abi::VECTOR_BYTES;
     let all = [
-        ("x", p.x, act, 16, false),
-        ("residual_in", p.residual_in, act, 16, false),
-        ("residual_out", p.residual_out, act, 16, true),
-        ("out", p.out, act, 16, true),
+        ("x", p.x, act, vec, false),
+        ("residual_in", p.residual_in, act, vec, false),
+        ("residual_out", p.residual_out, act, vec, true),
+        ("out", p.out, act, vec, true),
         ("quant_out", p.quant_out, quant_bytes, quant_align, true),
         ("scale_out", p.scale_out, scale_bytes, scale_align, true),
-        ("gamma", shared(p.gamma), gamma_bytes, 16, false),
+        ("gamma", shared(p.gamma), gamma_bytes, vec, false),
         ("scale_in", shared(p.scale_in), 4, 4, false),
     ];
     Ok(all
@@ -570,13 +571,13 @@ mod tests {
 
     #[test]
     fn block_sizes_are_the_policys() {
-        assert_eq!(block_size(6144, Dtype::Bf16).unwrap(), 768);
+        assert_eq!(block_size(6144, ActDtype::Bf16).unwrap(), 768);
         assert!(matches!(
-            block_size(65536, Dtype::Bf16),
+            block_size(65536, ActDtype::Bf16),
             Err(Error::Unsupported(_))
         ));
         assert!(matches!(
-            block_size(100, Dtype::Bf16),
+            block_size(100, ActDtype::Bf16),
             Err(Error::Unsupported(_))
         ));
     }
@@ -631,7 +632,7 @@ mod tests {
         let call = |quant, params| FusedCall {
             variant: Variant {
                 kind: KernelKind::Local,
-                dtype: Dtype::Bf16,
+                dtype: ActDtype::Bf16,
                 epilogue: Epilogue {
                     residual: true,
                     norm: true,
@@ -727,7 +728,11 @@ mod tests {
             scale_out: t(0x60001, 128 * 16),
             ..good
         };
-        let uses = check_tensor_uses(&call(Quant::Nvfp4Swizzled, nv)).unwrap();
+        let uses = check_tensor_uses(&call(
+            Quant::Nvfp4(arfuse_abi::Nvfp4ScaleLayout::Swizzled128x4),
+            nv,
+        ))
+        .unwrap();
         assert_eq!(
             uses.iter()
                 .find(|u| u.name == "scale_out")
@@ -746,11 +751,11 @@ mod tests {
 
     #[test]
     fn every_device_refuses_the_same_calls() {
-        let ws = crate::check::workspace_for(4, Dtype::Bf16, 256, 16).unwrap();
+        let ws = crate::check::workspace_for(4, ActDtype::Bf16, 256, 16).unwrap();
         let fused = |strategy, world, tokens| FusedCall {
             variant: Variant {
                 kind: KernelKind::Fused { strategy, world },
-                dtype: Dtype::Bf16,
+                dtype: ActDtype::Bf16,
                 epilogue: variants::Epilogue::RES_NORM,
             },
             tokens,
@@ -784,7 +789,7 @@ mod tests {
         assert!(local_shape(&c).is_err() && virtual_allreduce_shape(&c).is_err());
         c.variant = local;
         assert_eq!(local_shape(&c).unwrap(), 128);
-        c.variant = variants::virtual_allreduce(4, Dtype::Bf16);
+        c.variant = variants::virtual_allreduce(4, ActDtype::Bf16);
         assert_eq!(virtual_allreduce_shape(&c).unwrap(), 128);
         c.ranks = 2;
         assert!(virtual_allreduce_shape(&c).is_err());

@@ -6,6 +6,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 /// Everything that can go wrong in `arfuse-runtime`.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// No NVRTC shared library could be loaded. `searched` lists what was tried.
     #[error("NVRTC library not found (searched: {searched}); run .ci/install-cuda-wheels.sh or set ARFUSE_NVRTC_PATH to libnvrtc.so")]

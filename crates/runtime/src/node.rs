@@ -13,9 +13,9 @@
 //! ([`arfuse_policy::Workspace::misfit`]) when the node is loaded.
 
 use crate::error::{Error, Result};
-use crate::variants::{self, Dtype, Epilogue, KernelKind, Quant, Strategy, Variant};
+use crate::variants::{self, ActDtype, Epilogue, KernelKind, Quant, Strategy, Variant};
 use crate::workspace::Backend;
-use arfuse_ir::{DType, FusedAllReduceNorm, FusedOutput, FusedQuant, Graph, Nvfp4ScaleLayout, Op};
+use arfuse_ir::{DType, FusedAllReduceNorm, FusedOutput, FusedQuant, Graph, Op};
 use arfuse_policy::{ArfuseLayout, Workspace};
 
 /// How one call of the node runs.
@@ -39,7 +39,7 @@ pub struct NodeKernels {
     /// World size W.
     pub world: u32,
     /// Activation dtype.
-    pub dtype: Dtype,
+    pub dtype: ActDtype,
     /// Hidden size H (elements).
     pub hidden: u32,
     /// The epilogue (residual, RMSNorm, quant).
@@ -59,16 +59,16 @@ pub struct NodeKernels {
     pub norm_f32_sum: bool,
     /// Outputs the node writes (the others are passed as null pointers).
     pub outputs: Vec<FusedOutput>,
-    /// The plan's backend, in the runtime's terms.
+    /// The plan's backend.
     pub backend: Backend,
     /// The plan's workspace: what the runtime allocates per rank (shared by the nodes
     /// that carry the same one).
     pub workspace: Workspace,
-    dispatch: Vec<(u32, u32, Option<Strategy>)>,
+    dispatch: Vec<(u32, u32, Strategy)>,
 }
 
-fn activation_dtype(d: DType, node: &str) -> Result<Dtype> {
-    d.activation().map(Dtype::from_policy).ok_or_else(|| {
+fn activation_dtype(d: DType, node: &str) -> Result<ActDtype> {
+    d.activation().ok_or_else(|| {
         Error::Unsupported(format!(
             "node {node}: activation dtype {d:?} has no fused kernel (bf16, f16, f32)"
         ))
@@ -80,40 +80,22 @@ fn to_u32(v: u64, node: &str, what: &str) -> Result<u32> {
         .map_err(|_| Error::Unsupported(format!("node {node}: {what} = {v} exceeds 2^32 - 1")))
 }
 
-/// The kernel quant form of an IR quant epilogue.
+/// The kernel quant form of an IR quant epilogue ([`FusedQuant::kernel_quant`]).
 ///
 /// # Errors
-/// [`Error::Unsupported`] for a per-token-group FP8 group size other than 128 (the
-/// kernels' fixed group).
+/// [`Error::Unsupported`] for a per-token-group FP8 group size other than the ABI's
+/// [`arfuse_abi::FP8_GROUP_SIZE`].
 pub fn quant_of(q: FusedQuant, node: &str) -> Result<Quant> {
-    Ok(match q {
-        FusedQuant::None => Quant::None,
-        FusedQuant::Fp8Static => Quant::Fp8Static,
-        FusedQuant::Fp8PerToken => Quant::Fp8PerToken,
-        FusedQuant::Fp8PerTokenGroup {
-            group_size,
-            scale_layout,
-        } => {
-            if let Some(why) = arfuse_policy::group_quant_unsupported_reason(group_size) {
-                return Err(Error::Unsupported(format!(
-                    "node {node}: per-token-group FP8: {why}"
-                )));
-            }
-            Quant::Fp8Group(scale_layout)
-        }
-        FusedQuant::Nvfp4 { scale_layout } => match scale_layout {
-            Nvfp4ScaleLayout::Swizzled128x4 => Quant::Nvfp4Swizzled,
-            Nvfp4ScaleLayout::Linear => Quant::Nvfp4Linear,
-        },
-    })
+    q.kernel_quant()
+        .map_err(|why| Error::Unsupported(format!("node {node}: per-token-group FP8: {why}")))
 }
 
 /// The plan's workspace must be arfuse's layout for this node's W and dtype, at least
 /// as wide as its H.
-fn node_workspace(node: &str, ws: &Workspace, world: u32, dt: Dtype, hidden: u32) -> Result<()> {
+fn node_workspace(node: &str, ws: &Workspace, world: u32, dt: ActDtype, hidden: u32) -> Result<()> {
     crate::device::arfuse_layout(ws)
         .map_err(|e| Error::Unsupported(format!("node {node}: {e}")))?;
-    if ws.world_size != world || ws.dtype != dt.policy() || ws.hidden < u64::from(hidden) {
+    if ws.world_size != world || ws.dtype != dt || ws.hidden < u64::from(hidden) {
         return Err(Error::Invalid(format!(
             "node {node}: the plan's workspace is for W={} {} H<={}, the node is W={world} {} H={hidden}",
             ws.world_size,
@@ -148,10 +130,8 @@ impl NodeKernels {
     ) -> Result<NodeKernels> {
         let dt = activation_dtype(dtype, node)?;
         let hidden = to_u32(hidden, node, "hidden size")?;
-        if !variants::WORLD_SIZES.contains(&world) {
-            return Err(Error::Unsupported(format!(
-                "node {node}: world size {world}; the kernels are built for 2, 4, 8 and 16"
-            )));
+        if let Some(why) = arfuse_abi::world_unsupported(world) {
+            return Err(Error::Unsupported(format!("node {node}: {why}")));
         }
         let eps = attrs.eps as f32;
         if !(eps.is_finite() && eps > 0.0) {
@@ -174,12 +154,8 @@ impl NodeKernels {
             )));
         }
         let quant = quant_of(attrs.quant, node)?;
-        if !quant.supports(dt) {
-            return Err(Error::Unsupported(format!(
-                "node {node}: {} is not defined for {} activations",
-                quant.name(),
-                dt.name()
-            )));
+        if let Some(why) = quant.unsupported(u64::from(hidden), dt) {
+            return Err(Error::Unsupported(format!("node {node}: {why}")));
         }
         let epilogue = Epilogue {
             residual: attrs.residual,
@@ -190,16 +166,6 @@ impl NodeKernels {
         // its first launch (which may be inside a capture).
         crate::device::block_size(hidden, dt)
             .map_err(|e| Error::Unsupported(format!("node {node}: hidden size {hidden}: {e}")))?;
-        let group = quant.is_group();
-        if (group && u64::from(hidden) % arfuse_policy::FP8_GROUP_SIZE != 0)
-            || (quant.needs_sm100() && hidden % 16 != 0)
-        {
-            return Err(Error::Unsupported(format!(
-                "node {node}: {} needs the hidden size ({hidden}) to be a multiple of {}",
-                quant.name(),
-                if group { 128 } else { 16 }
-            )));
-        }
         let plan = attrs.plan.as_ref().ok_or_else(|| {
             Error::Invalid(format!(
                 "node {node}: the fused node carries no plan; lower the graph with a target first"
@@ -207,7 +173,7 @@ impl NodeKernels {
         })?;
         let workspace = plan.workspace.clone();
         node_workspace(node, &workspace, world, dt, hidden)?;
-        let backend = Backend::from_policy(plan.backend());
+        let backend = plan.backend();
         let mut dispatch = Vec::with_capacity(plan.dispatch.len());
         let mut next = 1u64;
         for r in &plan.dispatch {
@@ -225,8 +191,9 @@ impl NodeKernels {
                     "node {node}: plan range ends at T = {hi}; the kernels take T < 2^31"
                 )));
             }
-            let strategy = Strategy::from_policy(r.strategy);
-            if let Some(s) = strategy {
+            let strategy = r.strategy;
+            if strategy.is_fused() {
+                let s = strategy;
                 // The planner's proof, re-checked with the same rule at both ends of
                 // the range (it is monotone in T), so a plan edited by hand cannot run
                 // a call its workspace does not hold.
@@ -349,7 +316,10 @@ impl NodeKernels {
                 ))
             })?;
         Ok(match hit.2 {
-            Some(strategy) => Route::Fused(Variant {
+            Strategy::Unfused => Route::Unfused {
+                local: self.local_variant(),
+            },
+            strategy => Route::Fused(Variant {
                 kind: KernelKind::Fused {
                     strategy,
                     world: self.world,
@@ -357,9 +327,6 @@ impl NodeKernels {
                 dtype: self.dtype,
                 epilogue: self.epilogue,
             }),
-            None => Route::Unfused {
-                local: self.local_variant(),
-            },
         })
     }
 
@@ -387,8 +354,8 @@ impl NodeKernels {
         self.outputs.contains(&output)
     }
 
-    /// The dispatch ranges: `(first T, last T, strategy or None for unfused)`.
-    pub fn dispatch(&self) -> &[(u32, u32, Option<Strategy>)] {
+    /// The dispatch ranges: `(first T, last T, strategy)`.
+    pub fn dispatch(&self) -> &[(u32, u32, Strategy)] {
         &self.dispatch
     }
 }
@@ -500,7 +467,7 @@ mod tests {
         assert!(err(&g, DType::Bf16, DType::Bf16, 8).contains("groups of 128 elements, not 64"));
         let mut n = s.clone();
         n.quant = FusedQuant::Nvfp4 {
-            scale_layout: Nvfp4ScaleLayout::Linear,
+            scale_layout: arfuse_abi::Nvfp4ScaleLayout::Linear,
         };
         assert!(err(&n, DType::F32, DType::F32, 8).contains("not defined for f32"));
         let mut no_plan = s.clone();

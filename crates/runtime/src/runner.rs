@@ -19,7 +19,7 @@ use crate::device::{self, Device, FusedCall, KernelParams, RankTensor};
 use crate::error::{Error, Result};
 use crate::node::{NodeKernels, Route};
 use crate::variants::{self, Variant};
-use crate::workspace::{Acquired, Backend, WorkspaceManager};
+use crate::workspace::{Acquired, Backend, Fallback, WorkspaceManager};
 use std::collections::BTreeMap;
 
 /// The tensors of one call, each with one slice per virtual rank (`ptr + r *
@@ -69,7 +69,7 @@ pub enum Prepared {
 /// One node's state in a [`Runner`].
 struct NodeState {
     kernels: NodeKernels,
-    chain: Vec<Backend>,
+    chain: Vec<Fallback>,
     prepared: Option<Prepared>,
 }
 
@@ -135,9 +135,8 @@ impl<D: Device> Runner<D> {
             return Err(Error::Invalid(format!("node {} added twice", kernels.node)));
         }
         let chain = match kernels.backend {
-            Backend::Mnnvl => vec![Backend::Mnnvl, Backend::Trtllm, Backend::Unfused],
-            Backend::Trtllm => vec![Backend::Trtllm, Backend::Unfused],
-            Backend::Unfused => vec![Backend::Unfused],
+            Backend::Mnnvl => vec![Some(Backend::Mnnvl), Some(Backend::Trtllm), None],
+            Backend::Trtllm => vec![Some(Backend::Trtllm), None],
         };
         self.nodes.insert(
             kernels.node.clone(),
@@ -408,10 +407,7 @@ fn launch_call<D: Device>(
 /// and lose the CUDA context).
 fn check_tensors(k: &NodeKernels, t: &NodeTensors) -> Result<()> {
     use crate::variants::Quant;
-    let needs_scale = matches!(
-        k.epilogue.quant,
-        Quant::Fp8Static | Quant::Nvfp4Swizzled | Quant::Nvfp4Linear
-    );
+    let needs_scale = matches!(k.epilogue.quant, Quant::Fp8Static | Quant::Nvfp4(_));
     for (missing, what) in [
         (t.x.ptr == 0, "x"),
         (k.epilogue.residual && t.residual_in.ptr == 0, "residual_in"),
@@ -465,7 +461,7 @@ fn extent(t: RankTensor, k: &NodeKernels, tokens: u32) -> Option<(u64, u64)> {
     if t.ptr == 0 {
         return None;
     }
-    let row = u64::from(tokens) * u64::from(k.hidden) * k.dtype.bytes() as u64;
+    let row = u64::from(tokens) * u64::from(k.hidden) * k.dtype.element_bytes();
     let last = t.rank_stride.saturating_mul(u64::from(k.world) - 1);
     Some((t.ptr, t.ptr.saturating_add(last).saturating_add(row)))
 }

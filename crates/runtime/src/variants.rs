@@ -21,7 +21,6 @@
 //! other variant for sm_90a and sm_100a: 826 NVRTC compilations in all, which
 //! `tests/kernels_compile.rs` runs (two threads) and checks for zero spills.
 
-use arfuse_ir::GroupScaleLayout;
 use std::fmt;
 
 /// Source of `kernels/arfuse_common.cuh` (included by the other two).
@@ -33,143 +32,10 @@ pub const LOCAL_SOURCE: &str = include_str!("../../../kernels/unfused.cu");
 /// Source of `kernels/virtual_allreduce.cu` (entry point `arf_virtual_allreduce`).
 pub const VIRTUAL_ALLREDUCE_SOURCE: &str = include_str!("../../../kernels/virtual_allreduce.cu");
 
-/// Activation dtype `T`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Dtype {
-    /// bfloat16 (2 bytes).
-    Bf16,
-    /// IEEE half (2 bytes).
-    F16,
-    /// IEEE single (4 bytes).
-    F32,
-}
-
-impl Dtype {
-    /// All dtypes.
-    pub const ALL: [Dtype; 3] = [Dtype::Bf16, Dtype::F16, Dtype::F32];
-    /// The policy's activation dtype.
-    pub fn policy(self) -> arfuse_policy::ActDtype {
-        match self {
-            Dtype::Bf16 => arfuse_policy::ActDtype::Bf16,
-            Dtype::F16 => arfuse_policy::ActDtype::F16,
-            Dtype::F32 => arfuse_policy::ActDtype::F32,
-        }
-    }
-    /// The runtime's dtype for a policy activation dtype. With [`Dtype::policy`] the
-    /// one conversion between the policy's activation dtype and this kernel-variant type
-    /// (which adds `ARF_DTYPE`, the variant names and the Lamport sentinel); an IR dtype
-    /// reaches it through `arfuse_ir::DType::activation`.
-    pub fn from_policy(d: arfuse_policy::ActDtype) -> Dtype {
-        match d {
-            arfuse_policy::ActDtype::Bf16 => Dtype::Bf16,
-            arfuse_policy::ActDtype::F16 => Dtype::F16,
-            arfuse_policy::ActDtype::F32 => Dtype::F32,
-        }
-    }
-    /// Bytes per element `e`.
-    pub fn bytes(self) -> usize {
-        match self {
-            Dtype::Bf16 | Dtype::F16 => 2,
-            Dtype::F32 => 4,
-        }
-    }
-    /// Value of `ARF_DTYPE`.
-    fn define(self) -> u32 {
-        match self {
-            Dtype::Bf16 => 0,
-            Dtype::F16 => 1,
-            Dtype::F32 => 2,
-        }
-    }
-    /// Short name used in variant names.
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::Bf16 => "bf16",
-            Dtype::F16 => "f16",
-            Dtype::F32 => "f32",
-        }
-    }
-    /// The Lamport "empty" bit pattern of one element (-0.0).
-    pub fn sentinel_bits(self) -> u32 {
-        match self {
-            Dtype::Bf16 | Dtype::F16 => 0x8000,
-            Dtype::F32 => 0x8000_0000,
-        }
-    }
-}
-
-/// Quantisation epilogue (domain.md section 1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Quant {
-    /// No quant output.
-    None,
-    /// Per-tensor FP8 e4m3, fp32 dequant scale given.
-    Fp8Static,
-    /// Dynamic per-token FP8, fp32 scales `[T, 1]`.
-    Fp8PerToken,
-    /// Per-token-group FP8 (group 128) in one of the IR's scale forms (the one
-    /// definition: [`GroupScaleLayout`]): fp32 `[T, H/128]` row-major unrounded, the
-    /// same with power-of-two values, or ue8m0 packed 4 per int32, column-major with
-    /// a column stride of `round_up(T, 4)` words (`T + (ceil(H/512) - 1) *
-    /// round_up(T, 4)` words, vLLM's allocation).
-    Fp8Group(GroupScaleLayout),
-    /// NVFP4 (SM100+), scales in the swizzled 128x4 layout.
-    Nvfp4Swizzled,
-    /// NVFP4 (SM100+), scales row-major `[T, H/16]`.
-    Nvfp4Linear,
-}
-
-impl Quant {
-    /// Every quant kind including `None`.
-    pub const ALL: [Quant; 8] = [
-        Quant::None,
-        Quant::Fp8Static,
-        Quant::Fp8PerToken,
-        Quant::Fp8Group(GroupScaleLayout::PackedUe8m0),
-        Quant::Fp8Group(GroupScaleLayout::F32RowMajor),
-        Quant::Fp8Group(GroupScaleLayout::F32RowMajorUe8m0),
-        Quant::Nvfp4Swizzled,
-        Quant::Nvfp4Linear,
-    ];
-    /// The kernels' `ARF_QUANT` value (`kernels/arfuse_common.cuh`, `ARF_Q_*`).
-    fn define(self) -> u32 {
-        match self {
-            Quant::None => 0,
-            Quant::Fp8Static => 1,
-            Quant::Fp8PerToken => 2,
-            Quant::Fp8Group(GroupScaleLayout::PackedUe8m0) => 3,
-            Quant::Fp8Group(GroupScaleLayout::F32RowMajor) => 4,
-            Quant::Nvfp4Swizzled => 5,
-            Quant::Nvfp4Linear => 6,
-            Quant::Fp8Group(GroupScaleLayout::F32RowMajorUe8m0) => 7,
-        }
-    }
-    /// Short name used in variant names.
-    pub fn name(self) -> &'static str {
-        match self {
-            Quant::None => "",
-            Quant::Fp8Static => "fp8s",
-            Quant::Fp8PerToken => "fp8tok",
-            Quant::Fp8Group(GroupScaleLayout::PackedUe8m0) => "fp8grp_ue8m0",
-            Quant::Fp8Group(GroupScaleLayout::F32RowMajor) => "fp8grp_f32",
-            Quant::Fp8Group(GroupScaleLayout::F32RowMajorUe8m0) => "fp8grp_f32_ue8m0",
-            Quant::Nvfp4Swizzled => "nvfp4_swz",
-            Quant::Nvfp4Linear => "nvfp4_lin",
-        }
-    }
-    /// Whether this is a per-token-group FP8 form (group 128, H % 128 == 0).
-    pub fn is_group(self) -> bool {
-        matches!(self, Quant::Fp8Group(_))
-    }
-    /// Whether the quant needs SM100 or later (`cvt ... e2m1x2`).
-    pub fn needs_sm100(self) -> bool {
-        matches!(self, Quant::Nvfp4Swizzled | Quant::Nvfp4Linear)
-    }
-    /// Whether the dtype can feed this quant (NVFP4 is defined for 16-bit inputs).
-    pub fn supports(self, d: Dtype) -> bool {
-        !(self.needs_sm100() && d == Dtype::F32)
-    }
-}
+/// The kernels' enums: the ABI's one definition (`arfuse-abi`), which this module
+/// builds its variants from (`ARF_DTYPE`, `ARF_QUANT`, `ARF_STRATEGY` are their
+/// `kernel_code`s).
+pub use arfuse_abi::{ActDtype, Nvfp4ScaleLayout, Quant, Strategy, WORLD_SIZES};
 
 /// What the kernel does after the all-reduce. Which outputs are live is a run-time
 /// choice (null pointer = dead), not part of the variant.
@@ -217,52 +83,14 @@ impl Epilogue {
     }
 }
 
-/// Communication strategy of a fused kernel (domain.md section 6).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Strategy {
-    /// One-shot Lamport (triple buffered, no barrier).
-    OneShot,
-    /// Two-shot Lamport: reduce-scatter + all-gather in the same rotating buffers.
-    TwoShot,
-}
-
-impl Strategy {
-    /// The policy's strategy (whose capacity rule the runtime checks against). With
-    /// [`Strategy::from_policy`] the one conversion between the policy's strategy (also
-    /// the IR's) and this kernel-variant type, which has no unfused member.
-    pub fn policy(self) -> arfuse_policy::Strategy {
-        match self {
-            Strategy::OneShot => arfuse_policy::Strategy::OneShot,
-            Strategy::TwoShot => arfuse_policy::Strategy::TwoShot,
-        }
-    }
-
-    /// The fused kernel of a policy (or IR) strategy; `None` for unfused.
-    pub fn from_policy(s: arfuse_policy::Strategy) -> Option<Strategy> {
-        match s {
-            arfuse_policy::Strategy::OneShot => Some(Strategy::OneShot),
-            arfuse_policy::Strategy::TwoShot => Some(Strategy::TwoShot),
-            arfuse_policy::Strategy::Unfused => None,
-        }
-    }
-
-    /// Short name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Strategy::OneShot => "oneshot",
-            Strategy::TwoShot => "twoshot",
-        }
-    }
-}
-
 /// Which kernel source a variant is built from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum KernelKind {
     /// `arf_fused` from `allreduce_fused.cu`, for one strategy and world size.
     Fused {
-        /// Communication strategy.
+        /// Communication strategy: one of [`Strategy::FUSED`].
         strategy: Strategy,
-        /// World size W in {2, 4, 8, 16}.
+        /// World size W, one of [`WORLD_SIZES`].
         world: u32,
     },
     /// `arf_local` from `unfused.cu` (no communication).
@@ -270,7 +98,7 @@ pub enum KernelKind {
     /// `arf_virtual_allreduce` from `virtual_allreduce.cu`: the all-reduce of the
     /// unfused path on W virtual ranks (no workspace; epilogue all-reduce only).
     VirtualAllReduce {
-        /// World size W in {2, 4, 8, 16}.
+        /// World size W, one of [`WORLD_SIZES`].
         world: u32,
     },
 }
@@ -281,7 +109,7 @@ pub struct Variant {
     /// Kernel and its communication parameters.
     pub kind: KernelKind,
     /// Activation dtype.
-    pub dtype: Dtype,
+    pub dtype: ActDtype,
     /// Epilogue.
     pub epilogue: Epilogue,
 }
@@ -317,16 +145,13 @@ impl Arch {
     }
 }
 
-/// World sizes the fused kernels support (trtllm backend; domain.md section 3).
-pub const WORLD_SIZES: [u32; 4] = [2, 4, 8, 16];
-
 impl Variant {
     /// Stable, unique name, e.g. `oneshot_w8_bf16_res_norm_fp8tok`, `local_f16_norm`.
     pub fn name(&self) -> String {
         match self.kind {
             KernelKind::Fused { strategy, world } => format!(
                 "{}_w{}_{}_{}",
-                strategy.name(),
+                strategy.variant_name(),
                 world,
                 self.dtype.name(),
                 self.epilogue.name()
@@ -356,25 +181,24 @@ impl Variant {
         }
     }
 
-    /// The `-D` defines that select this variant.
+    /// The `-D` defines that select this variant (the ABI's own numbers,
+    /// [`arfuse_abi::kernel_defines`], come with every compilation on top of these).
     pub fn defines(&self) -> Vec<(String, u32)> {
         let mut d = vec![
-            ("ARF_DTYPE".to_string(), self.dtype.define()),
+            ("ARF_DTYPE".to_string(), self.dtype.kernel_code()),
             (
                 "ARF_RESIDUAL".to_string(),
                 u32::from(self.epilogue.residual),
             ),
             ("ARF_NORM".to_string(), u32::from(self.epilogue.norm)),
-            ("ARF_QUANT".to_string(), self.epilogue.quant.define()),
+            ("ARF_QUANT".to_string(), self.epilogue.quant.kernel_code()),
         ];
         if let KernelKind::Fused { strategy, world } = self.kind {
-            d.push((
-                "ARF_STRATEGY".to_string(),
-                match strategy {
-                    Strategy::OneShot => 1,
-                    Strategy::TwoShot => 2,
-                },
-            ));
+            // An unfused "fused kernel" is no variant of the matrix; its missing
+            // ARF_STRATEGY makes the source refuse to compile.
+            if let Some(code) = strategy.kernel_code() {
+                d.push(("ARF_STRATEGY".to_string(), code));
+            }
             d.push(("ARF_W".to_string(), world));
         }
         if let KernelKind::VirtualAllReduce { world } = self.kind {
@@ -406,6 +230,7 @@ impl Variant {
         if ptxas_verbose {
             o.push("--ptxas-options=--verbose".to_string());
         }
+        o.extend(arfuse_abi::kernel_defines().iter().map(|d| d.option()));
         for (k, v) in self.defines() {
             o.push(format!("-D{k}={v}"));
         }
@@ -438,9 +263,9 @@ pub fn all_epilogues() -> Vec<Epilogue> {
 /// The variant matrix (see the module documentation), sorted and without duplicates.
 pub fn all() -> Vec<Variant> {
     let mut out = Vec::new();
-    for strategy in [Strategy::OneShot, Strategy::TwoShot] {
+    for strategy in Strategy::FUSED {
         for world in WORLD_SIZES {
-            for dtype in Dtype::ALL {
+            for dtype in ActDtype::ALL {
                 for epilogue in all_epilogues() {
                     if epilogue.quant.supports(dtype) {
                         out.push(Variant {
@@ -453,7 +278,7 @@ pub fn all() -> Vec<Variant> {
             }
         }
     }
-    for dtype in Dtype::ALL {
+    for dtype in ActDtype::ALL {
         let local = |epilogue| Variant {
             kind: KernelKind::Local,
             dtype,
@@ -483,7 +308,7 @@ pub fn all() -> Vec<Variant> {
 }
 
 /// The virtual-rank all-reduce of the unfused path for W ranks of `dtype`.
-pub fn virtual_allreduce(world: u32, dtype: Dtype) -> Variant {
+pub fn virtual_allreduce(world: u32, dtype: ActDtype) -> Variant {
     Variant {
         kind: KernelKind::VirtualAllReduce { world },
         dtype,
@@ -492,7 +317,7 @@ pub fn virtual_allreduce(world: u32, dtype: Dtype) -> Variant {
 }
 
 /// Finds the variant for a request; `None` when it is not in the matrix.
-pub fn find(kind: KernelKind, dtype: Dtype, epilogue: Epilogue) -> Option<Variant> {
+pub fn find(kind: KernelKind, dtype: ActDtype, epilogue: Epilogue) -> Option<Variant> {
     let v = Variant {
         kind,
         dtype,
@@ -567,7 +392,7 @@ mod tests {
             }
             if v.epilogue.quant.needs_sm100() {
                 assert_eq!(v.archs(), vec![Arch::Sm100a]);
-                assert_ne!(v.dtype, Dtype::F32);
+                assert_ne!(v.dtype, ActDtype::F32);
             }
         }
     }
@@ -577,13 +402,13 @@ mod tests {
         let all = all();
         assert_eq!(all_epilogues().len(), 17);
         let mut fused = 0;
-        for s in [Strategy::OneShot, Strategy::TwoShot] {
+        for s in Strategy::FUSED {
             for w in WORLD_SIZES {
                 let k = KernelKind::Fused {
                     strategy: s,
                     world: w,
                 };
-                for d in Dtype::ALL {
+                for d in ActDtype::ALL {
                     for e in all_epilogues() {
                         let found = find(k, d, e);
                         if e.quant.supports(d) {
@@ -605,7 +430,7 @@ mod tests {
         let n_local = all.iter().filter(|v| v.kind == KernelKind::Local).count();
         assert_eq!(n_local, (16 + 7) + (16 + 7) + (12 + 5));
         // Every norm epilogue the pass can emit has a local kernel (the unfused path).
-        for d in Dtype::ALL {
+        for d in ActDtype::ALL {
             for e in all_epilogues().into_iter().filter(|e| e.norm) {
                 assert_eq!(
                     find(KernelKind::Local, d, e).is_some(),
@@ -636,16 +461,16 @@ mod tests {
             norm: true,
             quant: Quant::Fp8PerToken,
         };
-        let v = find(k, Dtype::F16, e).expect("twoshot_w4_f16_res_norm_fp8tok");
+        let v = find(k, ActDtype::F16, e).expect("twoshot_w4_f16_res_norm_fp8tok");
         assert_eq!(v.name(), "twoshot_w4_f16_res_norm_fp8tok");
         assert_eq!(v.archs(), Arch::ALL.to_vec());
         let nvfp4 = Epilogue {
-            quant: Quant::Nvfp4Linear,
+            quant: Quant::Nvfp4(Nvfp4ScaleLayout::Linear),
             ..e
         };
-        assert!(find(k, Dtype::F32, nvfp4).is_none());
+        assert!(find(k, ActDtype::F32, nvfp4).is_none());
         assert_eq!(
-            find(k, Dtype::Bf16, nvfp4).unwrap().archs(),
+            find(k, ActDtype::Bf16, nvfp4).unwrap().archs(),
             vec![Arch::Sm100a]
         );
     }

@@ -11,39 +11,17 @@ use crate::error::{Error, Result};
 use arfuse_policy::Workspace as WorkspaceRequest;
 use std::collections::HashMap;
 
-/// Where the fused kernel's peer buffers live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Backend {
-    /// NVLink multicast buffers (needs multicast on every rank).
-    Mnnvl,
-    /// CUDA IPC peer buffers inside one node (or virtual ranks on one GPU).
-    Trtllm,
-    /// No workspace: NCCL-style all-reduce + local kernels.
-    Unfused,
-}
+/// Where the fused kernel's peer buffers live: the ABI's one definition (mnnvl:
+/// NVLink multicast buffers, needs multicast on every rank; trtllm: CUDA IPC peer
+/// buffers inside one node, or virtual ranks on one GPU).
+pub use arfuse_abi::Backend;
 
-impl Backend {
-    /// The fallback chain's backend for the policy's (and IR's) backend: the one
-    /// conversion. This type is the fallback chain's element, so it adds `Unfused`.
-    pub fn from_policy(b: arfuse_policy::Backend) -> Backend {
-        match b {
-            arfuse_policy::Backend::Mnnvl => Backend::Mnnvl,
-            arfuse_policy::Backend::Trtllm => Backend::Trtllm,
-        }
-    }
-
-    /// Name as used in plans and reasons.
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Mnnvl => "mnnvl",
-            Backend::Trtllm => "trtllm",
-            Backend::Unfused => "unfused",
-        }
-    }
-}
+/// One step of a fallback chain: a fused backend, or `None` for the unfused path
+/// (NCCL-style all-reduce + local kernels, no workspace).
+pub type Fallback = Option<Backend>;
 
 /// The default fallback chain.
-pub const FALLBACK_CHAIN: [Backend; 3] = [Backend::Mnnvl, Backend::Trtllm, Backend::Unfused];
+pub const FALLBACK_CHAIN: [Fallback; 3] = [Some(Backend::Mnnvl), Some(Backend::Trtllm), None];
 
 /// Creates workspaces on some device (a real GPU, or a fake in tests).
 pub trait WorkspaceFactory {
@@ -51,8 +29,7 @@ pub trait WorkspaceFactory {
     type Workspace;
     /// Whether any stream of this device is capturing a graph right now.
     fn is_capturing(&self) -> Result<bool>;
-    /// Creates the workspace `request` (the plan's, per rank) mapped for `backend`
-    /// (never called for [`Backend::Unfused`]).
+    /// Creates the workspace `request` (the plan's, per rank) mapped for `backend`.
     fn create(&mut self, backend: Backend, request: &WorkspaceRequest) -> Result<Self::Workspace>;
 }
 
@@ -159,12 +136,12 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
     ///
     /// # Errors
     /// [`Error::Capturing`] when a workspace would have to be created while a stream
-    /// captures; [`Error::NoBackend`] when the chain has no `Unfused` entry and every
-    /// fused backend failed.
+    /// captures; [`Error::NoBackend`] when the chain has no unfused (`None`) entry and
+    /// every fused backend failed.
     pub fn acquire(
         &mut self,
         request: WorkspaceRequest,
-        chain: &[Backend],
+        chain: &[Fallback],
     ) -> Result<Acquired<'_, F::Workspace>> {
         if self.live.contains_key(&request) {
             let (backend, ws) = &self.live[&request];
@@ -175,10 +152,10 @@ impl<F: WorkspaceFactory> WorkspaceManager<F> {
         }
         let mut reasons = Vec::new();
         let mut capture_checked = false;
-        for &backend in chain {
-            if backend == Backend::Unfused {
+        for &step in chain {
+            let Some(backend) = step else {
                 return Ok(Acquired::Unfused { reasons });
-            }
+            };
             if let Some(why) = self.failures.get(&(backend, request.clone())) {
                 reasons.push(format!(
                     "{}: failed earlier (not retried): {why}",
@@ -237,7 +214,6 @@ mod tests {
             let ok = match backend {
                 Backend::Mnnvl => self.mnnvl_ok,
                 Backend::Trtllm => self.trtllm_ok,
-                Backend::Unfused => true,
             };
             if ok {
                 Ok(backend)
@@ -312,7 +288,7 @@ mod tests {
         }
         assert_eq!(m.attempts(), 2, "failures must never be retried");
         let err = m
-            .acquire(req(6144), &[Backend::Mnnvl, Backend::Trtllm])
+            .acquire(req(6144), &[Some(Backend::Mnnvl), Some(Backend::Trtllm)])
             .unwrap_err();
         assert!(matches!(err, Error::NoBackend(_)));
     }

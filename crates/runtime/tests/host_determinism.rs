@@ -19,7 +19,7 @@ mod common;
 use arfuse_runtime::check::{self, Case, Inputs, Liveness, RankOutputs};
 use arfuse_runtime::host::cases::{self, CaseIo};
 use arfuse_runtime::host::{Build, Compiler, HostKernel, HostWorkspace, LaunchOptions};
-use arfuse_runtime::variants::{self, Dtype, Epilogue, Quant, Strategy, Variant};
+use arfuse_runtime::variants::{self, ActDtype, Epilogue, Quant, Strategy, Variant};
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -36,13 +36,13 @@ fn compiler() -> &'static Compiler {
     C.get_or_init(common::new_compiler)
 }
 
-fn case(world: u32, dtype: Dtype, epilogue: Epilogue, strategy: Strategy, tokens: u32) -> Case {
+fn case(world: u32, dtype: ActDtype, epilogue: Epilogue, strategy: Strategy, tokens: u32) -> Case {
     common::weight_form_case(world, dtype, epilogue, strategy, tokens, HIDDEN)
 }
 
 /// Rows `rows` of `inputs` (a `[T, H]` case) as the inputs of a `rows.len()`-token call.
 fn rows_of(c: &Case, inputs: &Inputs, rows: &[u32]) -> Inputs {
-    let row = c.hidden as usize * c.dtype.bytes();
+    let row = c.hidden as usize * (c.dtype.element_bytes() as usize);
     let pick = |t: &Vec<u8>| -> Vec<u8> {
         rows.iter()
             .flat_map(|&i| t[i as usize * row..(i as usize + 1) * row].iter().copied())
@@ -71,7 +71,9 @@ fn token_bytes(c: &Case, o: &RankOutputs, i: u32) -> Vec<u8> {
         }
     }
     let row_major_scales = match c.epilogue.quant {
-        Quant::Fp8PerToken | Quant::Nvfp4Linear => true,
+        Quant::Fp8PerToken | Quant::Nvfp4(arfuse_runtime::variants::Nvfp4ScaleLayout::Linear) => {
+            true
+        }
         Quant::Fp8Group(layout) => layout != arfuse_ir::GroupScaleLayout::PackedUe8m0,
         _ => false,
     };
@@ -116,7 +118,7 @@ fn run(
 }
 
 /// Every check of this file for one (W, dtype, epilogue); returns what failed.
-fn check_one(k: &Kernels, world: u32, dtype: Dtype, e: Epilogue) -> Vec<String> {
+fn check_one(k: &Kernels, world: u32, dtype: ActDtype, e: Epilogue) -> Vec<String> {
     let mut bad = Vec::new();
     let mut ws =
         HostWorkspace::create(&check::workspace_for(world, dtype, HIDDEN, T_BATCH).unwrap())
@@ -179,7 +181,7 @@ fn every_path_and_every_batch_gives_a_row_the_same_bits() {
     let t0 = Instant::now();
     let mut combos = Vec::new();
     for world in [2u32, 4, 8] {
-        for dtype in Dtype::ALL {
+        for dtype in ActDtype::ALL {
             for e in variants::all_epilogues() {
                 if case(world, dtype, e, Strategy::OneShot, T_BATCH)
                     .validate()

@@ -24,12 +24,15 @@
 //!   sentinel with a float compare under flush-to-zero (the public bug) never sees the
 //!   subnormals arrive and ends in the kernel's timeout.
 //! - `wide_tokens`: H with several 16-byte vectors per thread and partial blocks.
+//! - `every_emittable_node_runs_at_every_world_size`: every (W, dtype, quant, strategy)
+//!   the planner can emit (W in the ABI's `WORLD_SIZES`, W = 16 included, which the
+//!   GPU check's matrix leaves out) has a built variant and runs on the host device.
 
-use arfuse_ir::GroupScaleLayout;
+use arfuse_ir::{GroupScaleLayout, Nvfp4ScaleLayout};
 use arfuse_runtime::check::{self, Case, Liveness, RankOutputs};
 use arfuse_runtime::host::cases::{self, CaseIo};
 use arfuse_runtime::host::{Build, Compiler, HostKernel, HostWorkspace, LaunchOptions};
-use arfuse_runtime::variants::{self, Dtype, Epilogue, Quant, Strategy, Variant};
+use arfuse_runtime::variants::{self, ActDtype, Epilogue, Quant, Strategy, Variant};
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -67,7 +70,7 @@ fn kernels(variants: &[Variant]) -> HashMap<Variant, Arc<HostKernel>> {
     variants.iter().copied().zip(ks).collect()
 }
 
-fn request(world: u32, dtype: Dtype, hidden: u32, max_tokens: u32) -> arfuse_policy::Workspace {
+fn request(world: u32, dtype: ActDtype, hidden: u32, max_tokens: u32) -> arfuse_policy::Workspace {
     check::workspace_for(world, dtype, hidden, max_tokens).expect("workspace sizes")
 }
 
@@ -119,7 +122,7 @@ fn all_reduce_only() {
     vs.dedup();
     let ks = kernels(&vs);
     let mut failures = Vec::new();
-    let mut wss: HashMap<(u32, Dtype), HostWorkspace> = HashMap::new();
+    let mut wss: HashMap<(u32, ActDtype), HostWorkspace> = HashMap::new();
     for c in &cases {
         let ws = wss.entry((c.world, c.dtype)).or_insert_with(|| {
             HostWorkspace::create(&request(c.world, c.dtype, HIDDEN, 128)).expect("workspace")
@@ -129,10 +132,66 @@ fn all_reduce_only() {
         }
     }
     let steps = random_steps(24, 24);
-    let (bad, lead) = skewed_sequence(8, Dtype::F32, Epilogue::AR_ONLY, &steps, 24);
+    let (bad, lead) = skewed_sequence(8, ActDtype::F32, Epilogue::AR_ONLY, &steps, 24);
     failures.extend(bad.into_iter().map(|b| format!("skewed sequence: {b}")));
     println!(
         "all-reduce only: {} cases and a 24-call sequence (ranks up to {lead} calls apart) in {:.1} s",
+        cases.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Every (W, dtype, quant, strategy) the planner can emit (the ABI's world sizes, its
+/// dtypes, every quant a dtype supports, both fused strategies), as a residual + RMSNorm
+/// node: the variant is in the matrix and the kernel runs on the host device against
+/// the contract at T = 7.
+#[test]
+fn every_emittable_node_runs_at_every_world_size() {
+    let t0 = Instant::now();
+    const T: u32 = 7;
+    let mut cases = Vec::new();
+    for world in arfuse_abi::WORLD_SIZES {
+        for dtype in ActDtype::ALL {
+            for quant in Quant::ALL.into_iter().filter(|q| q.supports(dtype)) {
+                for strategy in Strategy::FUSED {
+                    let epilogue = Epilogue {
+                        residual: true,
+                        norm: true,
+                        quant,
+                    };
+                    let c = case_of(world, dtype, epilogue, strategy, T, HIDDEN);
+                    c.validate()
+                        .unwrap_or_else(|e| panic!("{}: {e}", c.label()));
+                    let v = c.variant();
+                    assert_eq!(
+                        variants::find(v.kind, v.dtype, v.epilogue),
+                        Some(v),
+                        "{v} is not built"
+                    );
+                    cases.push(c);
+                }
+            }
+        }
+    }
+    // 4 world sizes x (8 + 8 + 6 quants) x 2 strategies.
+    assert_eq!(cases.len(), 4 * 22 * 2);
+    let mut vs: Vec<Variant> = cases.iter().map(Case::variant).collect();
+    vs.sort();
+    vs.dedup();
+    let ks = kernels(&vs);
+    let mut failures = Vec::new();
+    let mut wss: HashMap<(u32, ActDtype), HostWorkspace> = HashMap::new();
+    for c in &cases {
+        let ws = wss.entry((c.world, c.dtype)).or_insert_with(|| {
+            HostWorkspace::create(&request(c.world, c.dtype, HIDDEN, T)).expect("workspace")
+        });
+        if let Err(e) = run_case(&ks[&c.variant()], ws, c) {
+            failures.push(format!("{}: {e}", c.label()));
+        }
+    }
+    println!(
+        "{} emittable nodes (W up to 16) in {:.1} s",
         cases.len(),
         t0.elapsed().as_secs_f64()
     );
@@ -159,7 +218,7 @@ fn random_steps(steps: usize, seed: u64) -> Vec<(Strategy, u32)> {
 
 fn case_of(
     world: u32,
-    dtype: Dtype,
+    dtype: ActDtype,
     epilogue: Epilogue,
     strategy: Strategy,
     tokens: u32,
@@ -186,7 +245,7 @@ fn case_of(
 /// calls ahead of another), then checks every call's outputs.
 fn skewed_sequence(
     world: u32,
-    dtype: Dtype,
+    dtype: ActDtype,
     epilogue: Epilogue,
     steps: &[(Strategy, u32)],
     seed: u64,
@@ -225,7 +284,7 @@ fn check_inputs(case: &Case, seed: u64) -> check::Inputs {
 fn run_sequence(
     ks: &HashMap<Variant, Arc<HostKernel>>,
     world: u32,
-    dtype: Dtype,
+    dtype: ActDtype,
     epilogue: Epilogue,
     steps: &[(Strategy, u32)],
     opts: &LaunchOptions,
@@ -285,22 +344,25 @@ fn run_sequence(
 #[test]
 fn harness_finds_the_lamport_clearing_race() {
     const ATTEMPTS: u64 = 8;
-    let (world, dtype, e) = (4, Dtype::Bf16, Epilogue::RES_NORM);
+    let (world, dtype, e) = (4, ActDtype::Bf16, Epilogue::RES_NORM);
     let variant = case_of(world, dtype, e, Strategy::OneShot, 1, HIDDEN).variant();
     // Re-fill (and forget) the buffer of call n - 2 instead of call n - 1: the buffer a
     // peer that is one call ahead may already be writing.
     let patched = variants::FUSED_SOURCE
-        .replace("st + 2 + (n + 2u) % 3u", "st + 2 + (n + 1u) % 3u")
         .replace(
-            "(u64)((s_call + 2u) % 3u) * p.lamport_stride",
-            "(u64)((s_call + 1u) % 3u) * p.lamport_stride",
+            "st + 2 + (n + ARF_NBUF - 1u) % ARF_NBUF",
+            "st + 2 + (n + 1u) % ARF_NBUF",
         )
         .replace(
-            "st[2 + (call + 2u) % 3u] = 0u;",
-            "st[2 + (call + 1u) % 3u] = 0u;",
+            "(u64)((s_call + ARF_NBUF - 1u) % ARF_NBUF) * p.lamport_stride",
+            "(u64)((s_call + 1u) % ARF_NBUF) * p.lamport_stride",
+        )
+        .replace(
+            "st[2 + (call + ARF_NBUF - 1u) % ARF_NBUF] = 0u;",
+            "st[2 + (call + 1u) % ARF_NBUF] = 0u;",
         );
     assert_eq!(
-        patched.matches("+ 1u) % 3u").count(),
+        patched.matches("+ 1u) % ARF_NBUF").count(),
         3,
         "the patch no longer applies to kernels/allreduce_fused.cu"
     );
@@ -358,7 +420,7 @@ fn harness_finds_the_lamport_clearing_race() {
 /// the GPU check makes them).
 fn uniform_inputs(case: &Case, seed: u64, bits: u32) -> check::Inputs {
     let mut inputs = check_inputs(case, seed);
-    let e = case.dtype.bytes();
+    let e = case.dtype.element_bytes() as usize;
     for x in &mut inputs.x {
         for el in x.chunks_exact_mut(e) {
             el.copy_from_slice(&bits.to_le_bytes()[..e]);
@@ -402,7 +464,7 @@ fn sentinel_inputs(case: &Case, seed: u64) -> check::Inputs {
 fn sentinel_inputs_never_hang_and_a_float_compare_would() {
     let world = 4;
     let e = Epilogue::AR_ONLY;
-    for dtype in Dtype::ALL {
+    for dtype in ActDtype::ALL {
         let vs: Vec<Variant> = [Strategy::OneShot, Strategy::TwoShot]
             .iter()
             .map(|&s| case_of(world, dtype, e, s, 1, HIDDEN).variant())
@@ -428,9 +490,9 @@ fn sentinel_inputs_never_hang_and_a_float_compare_would() {
             let got = check::decode(dtype, &want[0].out);
             let bits = if i % 2 == 0 { 0 } else { sentinel + world };
             let as_bits = |v: f32| match dtype {
-                Dtype::Bf16 => u32::from(half::bf16::from_f32(v).to_bits()),
-                Dtype::F16 => u32::from(half::f16::from_f32(v).to_bits()),
-                Dtype::F32 => v.to_bits(),
+                ActDtype::Bf16 => u32::from(half::bf16::from_f32(v).to_bits()),
+                ActDtype::F16 => u32::from(half::f16::from_f32(v).to_bits()),
+                ActDtype::F32 => v.to_bits(),
             };
             assert!(
                 got.iter().all(|v| as_bits(*v) == bits),
@@ -440,7 +502,7 @@ fn sentinel_inputs_never_hang_and_a_float_compare_would() {
         }
     }
     // The float compare under FTZ, patched into the poll of a bf16 copy of the kernels.
-    let dtype = Dtype::Bf16;
+    let dtype = ActDtype::Bf16;
     let ftz = r"
 // Fault injection (test only): an element is 'empty' when a float compare under
 // flush-to-zero says it is -0.0: sign set, exponent zero (a negative subnormal too).
@@ -515,17 +577,17 @@ fn wide_tokens() {
     for strategy in [Strategy::OneShot, Strategy::TwoShot] {
         for tokens in [1, 7] {
             for (dtype, hidden) in [
-                (Dtype::Bf16, 8448),
-                (Dtype::F16, 8448),
-                (Dtype::F32, 4224),
-                (Dtype::Bf16, 2880),
+                (ActDtype::Bf16, 8448),
+                (ActDtype::F16, 8448),
+                (ActDtype::F32, 4224),
+                (ActDtype::Bf16, 2880),
             ] {
                 for quant in [
                     Quant::None,
                     Quant::Fp8PerToken,
                     Quant::Fp8Group(GroupScaleLayout::F32RowMajor),
                     Quant::Fp8Group(GroupScaleLayout::F32RowMajorUe8m0),
-                    Quant::Nvfp4Linear,
+                    Quant::Nvfp4(Nvfp4ScaleLayout::Linear),
                 ] {
                     let e = Epilogue {
                         residual: true,
@@ -545,7 +607,7 @@ fn wide_tokens() {
     vs.dedup();
     let ks = kernels(&vs);
     let mut failures = Vec::new();
-    let mut wss: HashMap<(Dtype, u32), HostWorkspace> = HashMap::new();
+    let mut wss: HashMap<(ActDtype, u32), HostWorkspace> = HashMap::new();
     for c in &cs {
         assert!(
             arfuse_runtime::device::block_size(c.hidden, c.dtype).unwrap() > 128

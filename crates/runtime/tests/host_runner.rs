@@ -29,7 +29,7 @@ use arfuse_runtime::device::{Allocation, Device, RankTensor};
 use arfuse_runtime::host::{Compiler, HostDevice, HostMem, HostOptions, LaunchOptions};
 use arfuse_runtime::node::{NodeKernels, Route};
 use arfuse_runtime::runner::{NodeTensors, Runner};
-use arfuse_runtime::variants::{self, Dtype, Epilogue, Quant, Strategy};
+use arfuse_runtime::variants::{self, ActDtype, Epilogue, Quant, Strategy};
 use arfuse_runtime::Error;
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
@@ -140,8 +140,8 @@ struct Io {
 }
 
 impl Io {
-    fn new(dev: &mut HostDevice, world: u32, dtype: Dtype, max_t: u32) -> Io {
-        let act = u64::from(max_t) * u64::from(HIDDEN) * dtype.bytes() as u64;
+    fn new(dev: &mut HostDevice, world: u32, dtype: ActDtype, max_t: u32) -> Io {
+        let act = u64::from(max_t) * u64::from(HIDDEN) * dtype.element_bytes();
         let (mut q, mut s) = (0, 0);
         for quant in Quant::ALL {
             if let Ok((a, b)) = check::quant_bytes_of(quant, max_t, HIDDEN) {
@@ -281,7 +281,7 @@ fn matrix(world: u32) {
             continue;
         }
         let ws = check::workspace_for(world, c.dtype, HIDDEN, MAX_T).expect("workspace");
-        let k = check::node_for(c, &id, &ws, &[(1, MAX_T, Some(c.strategy))]).expect("node");
+        let k = check::node_for(c, &id, &ws, &[(1, MAX_T, c.strategy)]).expect("node");
         runner.add(k).expect("add");
         added.insert(id, ());
     }
@@ -291,12 +291,12 @@ fn matrix(world: u32) {
         .all(|(_, p)| matches!(p, arfuse_runtime::runner::Prepared::Fused(_))));
     assert_eq!(
         runner.workspaces(),
-        Dtype::ALL.len(),
+        ActDtype::ALL.len(),
         "one workspace per dtype"
     );
     let t_run = Instant::now();
     let mut failures = Vec::new();
-    for dtype in Dtype::ALL {
+    for dtype in ActDtype::ALL {
         let io = Io::new(runner.device(), world, dtype, MAX_T);
         for c in cases.iter().filter(|c| c.dtype == dtype) {
             let id = node_id(c, c.strategy.name());
@@ -338,7 +338,13 @@ fn matrix_w8() {
 /// A case of W, dtype, epilogue at T with the Llama rounding on residual norms (vLLM's
 /// norm of the unrounded f32 sum too, except at W = 4) and the Gemma weight form on the
 /// others.
-fn case_of(world: u32, dtype: Dtype, epilogue: Epilogue, strategy: Strategy, tokens: u32) -> Case {
+fn case_of(
+    world: u32,
+    dtype: ActDtype,
+    epilogue: Epilogue,
+    strategy: Strategy,
+    tokens: u32,
+) -> Case {
     let offset = !epilogue.residual;
     Case {
         strategy,
@@ -365,7 +371,7 @@ fn three_routes(runner: &mut Runner<HostDevice>, c: &Case) -> [String; 3] {
     ];
     for (id, s) in ids
         .iter()
-        .zip([Some(Strategy::OneShot), Some(Strategy::TwoShot), None])
+        .zip([Strategy::OneShot, Strategy::TwoShot, Strategy::Unfused])
     {
         runner
             .add(check::node_for(c, id, &ws, &[(1, MAX_T, s)]).expect("node"))
@@ -378,7 +384,7 @@ fn three_routes(runner: &mut Runner<HostDevice>, c: &Case) -> [String; 3] {
 /// how far the ranks drifted apart.
 fn switching_sequence(
     world: u32,
-    dtype: Dtype,
+    dtype: ActDtype,
     epilogue: Epilogue,
     seed: u64,
 ) -> (Vec<String>, usize) {
@@ -473,17 +479,18 @@ fn workspace_is_clean(
     let k: NodeKernels = runner.kernels(node).expect("node").clone();
     let layout = k.layout().map_err(|e| e.to_string())?;
     let calls = fused.len() as u32;
-    let row = u64::from(HIDDEN) * last.dtype.bytes() as u64;
+    let row = u64::from(HIDDEN) * last.dtype.element_bytes();
     let w = u64::from(last.world);
     let used = match last.strategy {
         Strategy::OneShot => w * u64::from(last.tokens) * row,
         Strategy::TwoShot => {
             (w * u64::from(last.tokens).div_ceil(w) + u64::from(last.tokens)) * row
         }
+        Strategy::Unfused => return Err("a fused call ran unfused".into()),
     };
     let cur = (calls - 1) % 3;
     let sentinel = last.dtype.sentinel_bits().to_le_bytes();
-    let e = last.dtype.bytes();
+    let e = last.dtype.element_bytes() as usize;
     let ws = runner.workspace(node).ok_or("no workspace")?.clone();
     for rank in 0..last.world {
         let bytes = runner
@@ -529,13 +536,13 @@ fn switching_sequences() {
     let nvfp4 = Epilogue {
         residual: false,
         norm: true,
-        quant: Quant::Nvfp4Swizzled,
+        quant: Quant::Nvfp4(arfuse_runtime::variants::Nvfp4ScaleLayout::Swizzled128x4),
     };
-    let runs: [(u32, Dtype, Epilogue, u64); 4] = [
-        (2, Dtype::Bf16, Epilogue::RES_NORM, 21),
-        (4, Dtype::F16, fp8grp, 22),
-        (8, Dtype::F32, Epilogue::RES_NORM, 23),
-        (4, Dtype::Bf16, nvfp4, 25),
+    let runs: [(u32, ActDtype, Epilogue, u64); 4] = [
+        (2, ActDtype::Bf16, Epilogue::RES_NORM, 21),
+        (4, ActDtype::F16, fp8grp, 22),
+        (8, ActDtype::F32, Epilogue::RES_NORM, 23),
+        (4, ActDtype::Bf16, nvfp4, 25),
     ];
     let mut failures = Vec::new();
     let mut leads = Vec::new();
@@ -561,10 +568,10 @@ fn switching_sequences() {
 }
 
 /// The plan of `capture_then_replay`: one-shot to 16, two-shot to 64, unfused to 128.
-const CAPTURE_PLAN: [(u32, u32, Option<Strategy>); 3] = [
-    (1, 16, Some(Strategy::OneShot)),
-    (17, 64, Some(Strategy::TwoShot)),
-    (65, MAX_T, None),
+const CAPTURE_PLAN: [(u32, u32, Strategy); 3] = [
+    (1, 16, Strategy::OneShot),
+    (17, 64, Strategy::TwoShot),
+    (65, MAX_T, Strategy::Unfused),
 ];
 
 #[test]
@@ -573,9 +580,13 @@ fn capture_then_replay() {
     let sizes = [1u32, 16, 17, 64, 65, 128];
     let mut failures = Vec::new();
     for (world, dtype, quant) in [
-        (8, Dtype::Bf16, Quant::Fp8PerToken),
-        (4, Dtype::F16, Quant::Nvfp4Swizzled),
-        (2, Dtype::F32, Quant::None),
+        (8, ActDtype::Bf16, Quant::Fp8PerToken),
+        (
+            4,
+            ActDtype::F16,
+            Quant::Nvfp4(arfuse_runtime::variants::Nvfp4ScaleLayout::Swizzled128x4),
+        ),
+        (2, ActDtype::F32, Quant::None),
     ] {
         let e = Epilogue {
             residual: true,
@@ -659,7 +670,7 @@ fn capture_then_replay() {
 /// the rank is back: the runner reset the workspace after the timeout, so the next
 /// calls give the contract's outputs and leave the workspace as a fresh one would be
 /// after them (the call counter counts only the calls since the reset).
-fn missing_rank(route: Option<Strategy>) -> Error {
+fn missing_rank(route: Strategy) -> Error {
     let world = 4;
     let opts = HostOptions {
         timeout_ns: Some(200_000_000),
@@ -669,9 +680,13 @@ fn missing_rank(route: Option<Strategy>) -> Error {
     let mut runner = Runner::new(device(opts));
     let case = case_of(
         world,
-        Dtype::Bf16,
+        ActDtype::Bf16,
         Epilogue::RES_NORM,
-        route.unwrap_or(Strategy::OneShot),
+        if route.is_fused() {
+            route
+        } else {
+            Strategy::OneShot
+        },
         16,
     );
     let ws = check::workspace_for(world, case.dtype, HIDDEN, 16).expect("workspace");
@@ -708,7 +723,7 @@ fn missing_rank(route: Option<Strategy>) -> Error {
             .unwrap_or_else(|f| panic!("{route:?}: after the timeout, seed {seed}: {f}"));
         calls += 1 + usize::from(Liveness::partial(&case).unwrap().is_some());
     }
-    if route.is_some() {
+    if route.is_fused() {
         let fused = vec![&case; calls];
         workspace_is_clean(&mut runner, "layers.3.norm", &fused)
             .unwrap_or_else(|f| panic!("{route:?}: after the timeout: {f}"));
@@ -718,7 +733,7 @@ fn missing_rank(route: Option<Strategy>) -> Error {
 
 #[test]
 fn missing_rank_one_shot_is_an_error_naming_the_node() {
-    match missing_rank(Some(Strategy::OneShot)) {
+    match missing_rank(Strategy::OneShot) {
         Error::Node { node, source } => {
             assert_eq!(node, "layers.3.norm");
             assert!(matches!(*source, Error::KernelTimeout(1)), "{source}");
@@ -729,7 +744,7 @@ fn missing_rank_one_shot_is_an_error_naming_the_node() {
 
 #[test]
 fn missing_rank_two_shot_is_an_error_naming_the_node() {
-    match missing_rank(Some(Strategy::TwoShot)) {
+    match missing_rank(Strategy::TwoShot) {
         Error::Node { node, source } => {
             assert_eq!(node, "layers.3.norm");
             assert!(matches!(*source, Error::KernelTimeout(2)), "{source}");
@@ -740,7 +755,7 @@ fn missing_rank_two_shot_is_an_error_naming_the_node() {
 
 #[test]
 fn missing_rank_unfused_is_an_error_naming_the_node() {
-    let e = missing_rank(None);
+    let e = missing_rank(Strategy::Unfused);
     let text = e.to_string();
     assert!(
         text.starts_with("node layers.3.norm:") && text.contains("rank 3 is absent"),
@@ -754,7 +769,7 @@ fn unfused_route() {
     let world = 4;
     let mut runner = Runner::new(device(skewed(77)));
     let mut cases = Vec::new();
-    for dtype in Dtype::ALL {
+    for dtype in ActDtype::ALL {
         let ws = check::workspace_for(world, dtype, HIDDEN, 42).expect("workspace");
         for e in variants::all_epilogues().into_iter().filter(|e| e.norm) {
             let c = case_of(world, dtype, e, Strategy::OneShot, 42);
@@ -763,14 +778,14 @@ fn unfused_route() {
             }
             let id = node_id(&c, "unfused");
             runner
-                .add(check::node_for(&c, &id, &ws, &[(1, 42, None)]).expect("node"))
+                .add(check::node_for(&c, &id, &ws, &[(1, 42, Strategy::Unfused)]).expect("node"))
                 .expect("add");
             cases.push((id, c));
         }
     }
     runner.prepare().expect("prepare");
     let mut failures = Vec::new();
-    let ios: BTreeMap<Dtype, Io> = Dtype::ALL
+    let ios: BTreeMap<ActDtype, Io> = ActDtype::ALL
         .iter()
         .map(|&d| (d, Io::new(runner.device(), world, d, 42)))
         .collect();

@@ -23,7 +23,7 @@ mod common;
 use arfuse_runtime::check::{self, Case, Liveness};
 use arfuse_runtime::host::cases::{self, CaseIo};
 use arfuse_runtime::host::{Build, Compiler, HostKernel, HostWorkspace, LaunchOptions};
-use arfuse_runtime::variants::{self, Dtype, Epilogue, Strategy, Variant};
+use arfuse_runtime::variants::{self, ActDtype, Epilogue, Strategy, Variant};
 use std::collections::HashMap;
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
@@ -38,7 +38,7 @@ fn compiler() -> Compiler {
     common::new_compiler()
 }
 
-fn case(world: u32, dtype: Dtype, epilogue: Epilogue, strategy: Strategy, tokens: u32) -> Case {
+fn case(world: u32, dtype: ActDtype, epilogue: Epilogue, strategy: Strategy, tokens: u32) -> Case {
     common::weight_form_case(world, dtype, epilogue, strategy, tokens, HIDDEN)
 }
 
@@ -46,7 +46,7 @@ fn case(world: u32, dtype: Dtype, epilogue: Epilogue, strategy: Strategy, tokens
 fn plan() -> (Vec<Case>, Vec<Case>) {
     let fused = check::cases_for_tokens(HIDDEN, true, &TOKENS);
     let mut unfused = Vec::new();
-    for dtype in Dtype::ALL {
+    for dtype in ActDtype::ALL {
         for e in variants::all_epilogues().into_iter().filter(|e| e.norm) {
             let c = case(4, dtype, e, Strategy::OneShot, 42);
             if c.validate().is_ok() {
@@ -190,7 +190,7 @@ fn child() -> ExitCode {
     };
     let t0 = Instant::now();
     let mut failures = Vec::new();
-    let mut wss: HashMap<(u32, Dtype), HostWorkspace> = HashMap::new();
+    let mut wss: HashMap<(u32, ActDtype), HostWorkspace> = HashMap::new();
     for c in &fused {
         let ws = wss.entry((c.world, c.dtype)).or_insert_with(|| {
             HostWorkspace::create(

@@ -35,7 +35,9 @@ class LowerError(ArfuseError):
 class Target:
     """The machine, the all-reduce group and the engine settings a plan is made for.
     Every count is of the tensor-parallel (all-reduce) group; the fields and their
-    defaults are those of the TOML format (README, `arfuse_policy::Target`)."""
+    defaults are those of the TOML format (README, `arfuse_policy::Target`): a keyword
+    left out (or None) gets the TOML default from the same code, so
+    `multicast_all_ranks` defaults to true on "nvswitch" and "nvlink-fabric"."""
 
     def __init__(
         self,
@@ -45,16 +47,16 @@ class Target:
         gpus_per_node: int,
         interconnect: str,
         max_batched_tokens: int,
-        group_nodes: int = 1,
-        multicast_all_ranks: bool = False,
-        dtype: str = "bf16",
-        capture_sizes: Sequence[int] = ...,
-        compile_range_boundaries: Sequence[int] = ...,
-        num_speculative_tokens: int = 0,
-        deterministic: bool = False,
-        unfused_all_reduce: str = "arfuse",
-        requested_backend: str = "auto",
-        kernels: str = "arfuse",
+        group_nodes: Optional[int] = None,
+        multicast_all_ranks: Optional[bool] = None,
+        dtype: Optional[str] = None,
+        capture_sizes: Optional[Sequence[int]] = None,
+        compile_range_boundaries: Optional[Sequence[int]] = None,
+        num_speculative_tokens: Optional[int] = None,
+        deterministic: Optional[bool] = None,
+        unfused_all_reduce: Optional[str] = None,
+        requested_backend: Optional[str] = None,
+        kernels: Optional[str] = None,
         max_bytes_override: Optional[int] = None,
     ) -> None: ...
     @staticmethod

@@ -36,6 +36,17 @@ pub enum FloatFormat {
     F32,
 }
 
+impl From<arfuse_abi::ActDtype> for FloatFormat {
+    /// The rounding format of an activation dtype.
+    fn from(d: arfuse_abi::ActDtype) -> FloatFormat {
+        match d {
+            arfuse_abi::ActDtype::Bf16 => FloatFormat::Bf16,
+            arfuse_abi::ActDtype::F16 => FloatFormat::F16,
+            arfuse_abi::ActDtype::F32 => FloatFormat::F32,
+        }
+    }
+}
+
 /// `round_T` for f16 (kept out of line: the bf16 path is the hot one).
 #[inline(never)]
 fn round_f16(x: f32) -> f32 {

@@ -28,16 +28,12 @@ pub const GROUP_FP8_MIN_SCALE: f32 = 1e-10;
 /// multiplies the block amax by (`RECIPROCAL_6` in `cvt_warp_fp16_to_fp4`).
 pub const NVFP4_RECIPROCAL_6: f32 = 1.0 / 6.0;
 
-/// Group size of DeepSeek-style per-token-group FP8 quantisation.
-pub const FP8_GROUP_SIZE: usize = 128;
+/// The NVFP4 block and its swizzled tile, and the kernels' FP8 group size: the ABI's
+/// one definition.
+pub use arfuse_abi::{FP8_GROUP_SIZE, NVFP4_BLOCK, NVFP4_TILE_COLS, NVFP4_TILE_ROWS};
 
-/// Elements per NVFP4 scale factor block.
-pub const NVFP4_BLOCK: usize = 16;
-
-/// Rows of one swizzled NVFP4 scale tile.
-pub const NVFP4_TILE_ROWS: u64 = 128;
-/// Scale columns of one swizzled NVFP4 scale tile.
-pub const NVFP4_TILE_COLS: u64 = 4;
+/// [`NVFP4_BLOCK`] as a slice length.
+const NVFP4_BLOCK_LEN: usize = NVFP4_BLOCK as usize;
 /// Bytes of one swizzled NVFP4 scale tile (128 rows x 4 columns).
 pub const NVFP4_TILE_BYTES: u64 = 512;
 
@@ -336,7 +332,7 @@ pub fn nvfp4_data_bytes(tokens: u64, hidden: u64) -> Result<u64> {
 /// 114,688 (linear 896, the under-allocation bug of domain.md section 1).
 pub fn nvfp4_scale_bytes(tokens: u64, hidden: u64, layout: Nvfp4ScaleLayout) -> Result<u64> {
     check_nvfp4_hidden(hidden)?;
-    let cols = hidden / NVFP4_BLOCK as u64;
+    let cols = hidden / NVFP4_BLOCK;
     match layout {
         Nvfp4ScaleLayout::Linear => tokens.checked_mul(cols),
         Nvfp4ScaleLayout::Swizzled128x4 => {
@@ -375,7 +371,7 @@ pub fn nvfp4_scale_offset(
     layout: Nvfp4ScaleLayout,
 ) -> Result<u64> {
     check_nvfp4_hidden(hidden)?;
-    let cols = hidden / NVFP4_BLOCK as u64;
+    let cols = hidden / NVFP4_BLOCK;
     if row >= tokens || col >= cols {
         return Err(ReferenceError::InvalidShape(format!(
             "NVFP4 scale ({row}, {col}) outside [{tokens}, {cols}]"
@@ -457,9 +453,9 @@ pub fn nvfp4_quant(
         .map_err(|_| ReferenceError::SizeOverflow("NVFP4 scale bytes"))?;
     let mut scales = vec![0u8; scale_bytes];
     let mut codes = Vec::with_capacity(y.len());
-    let cols = hidden / NVFP4_BLOCK;
+    let cols = hidden / NVFP4_BLOCK_LEN;
     for (t, row) in y.chunks_exact(hidden).enumerate() {
-        for (c, block) in row.chunks_exact(NVFP4_BLOCK).enumerate() {
+        for (c, block) in row.chunks_exact(NVFP4_BLOCK_LEN).enumerate() {
             let sf_code = nvfp4_block_scale(block, global_scale);
             let os = nvfp4_output_scale(sf_code, global_scale);
             let off = nvfp4_scale_offset(t as u64, c as u64, tokens as u64, hidden as u64, layout)?;
@@ -467,7 +463,7 @@ pub fn nvfp4_quant(
             scales[off as usize] = sf_code;
             codes.extend(block.iter().map(|&v| e2m1_from_f32(v * os)));
         }
-        debug_assert_eq!(cols * NVFP4_BLOCK, hidden);
+        debug_assert_eq!(cols * NVFP4_BLOCK_LEN, hidden);
     }
     Ok(Nvfp4Quant {
         data: pack_e2m1(&codes)?,
@@ -476,9 +472,9 @@ pub fn nvfp4_quant(
 }
 
 fn check_nvfp4_hidden(hidden: u64) -> Result<()> {
-    if hidden == 0 || hidden % NVFP4_BLOCK as u64 != 0 {
+    if hidden == 0 || hidden % NVFP4_BLOCK != 0 {
         return Err(ReferenceError::InvalidShape(format!(
-            "NVFP4 needs a hidden size that is a positive multiple of 16, got {hidden}"
+            "NVFP4 needs a hidden size that is a positive multiple of {NVFP4_BLOCK}, got {hidden}"
         )));
     }
     Ok(())

@@ -33,9 +33,10 @@
 
 use super::{get, leaf, rule, union, Rule, Vars};
 use crate::analysis::{all_reduce_in, leaf_of, FxGraph};
-use crate::lang::{FKind, Fx, Leaf, NormAttrs, QKind, PORT_NORM, PORT_RESIDUAL};
+use crate::lang::{FKind, Fx, Leaf, NormAttrs, PORT_NORM, PORT_RESIDUAL};
+use arfuse_abi::{MIN_ROW_BYTES, VECTOR_BYTES};
+use arfuse_ir::op::FusedQuant;
 use arfuse_ir::DType;
-use arfuse_policy::{MIN_ROW_BYTES, VECTOR_BYTES};
 use egg::Id;
 use smallvec::SmallVec;
 
@@ -248,7 +249,7 @@ fn check(eg: &FxGraph, n: Id, inst: u32, x: Id, r: Option<Id>, w: Id) -> Result<
     }
     Ok(FKind {
         residual: r.is_some(),
-        quant: QKind::None,
+        quant: FusedQuant::None,
         eps,
         bias,
         twice,

@@ -11,9 +11,9 @@
 //! - an applier says whether it changed the e-graph (a union that merged two classes)
 //!   and nothing else, so the runner can detect saturation.
 //!
-//! The runner ([`saturate`]) is egg's `Runner` with its `SimpleScheduler`, iteration for
-//! iteration (the same searches on the rebuilt e-graph, the same application order,
-//! the same limits and stop reasons, the same iteration count, except that an
+//! The runner ([`saturate`]) is not egg's `Runner` but a loop of its own that runs as
+//! `Runner` with its `SimpleScheduler` would, iteration for iteration (the same
+//! searches on the rebuilt e-graph, the same application order, the same limits and stop reasons, the same iteration count, except that an
 //! iteration stopped by a limit before its search is not counted), but it matches each
 //! rule's pattern directly against the classes holding its root op, with no pattern
 //! machine and no substitution per match: a pattern here is one op with variables for

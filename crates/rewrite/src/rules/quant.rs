@@ -25,6 +25,7 @@
 use super::{get, leaf, rule, union, Rule, Vars};
 use crate::analysis::{leaf_of, FxGraph};
 use crate::lang::{Fx, Leaf, PORT_NORM, PORT_QUANT, PORT_RESIDUAL, PORT_SCALE};
+use arfuse_ir::op::FusedQuant;
 use arfuse_ir::DType;
 use egg::Id;
 
@@ -46,7 +47,7 @@ fn fuse_quant(eg: &mut FxGraph, eclass: Id, &[q, y, s, ..]: &Vars) -> bool {
         for tn in &eg[t].nodes {
             if let Fx::Fused(ch) = tn {
                 let kind = leaf_of(eg, ch[0]).and_then(|l| eg.analysis.attrs.fused(l));
-                if matches!(kind, Some(k) if k.quant == crate::lang::QKind::None) {
+                if matches!(kind, Some(k) if k.quant == FusedQuant::None) {
                     out.push((*ch, view));
                 }
             }

@@ -49,7 +49,7 @@ impl CaseIo {
     pub fn new(case: &Case, inputs: &Inputs) -> Result<CaseIo> {
         let b = case.output_bytes()?;
         let w = case.world;
-        let gamma_bytes = u64::from(case.hidden) * check::gamma_dtype(case).bytes() as u64;
+        let gamma_bytes = u64::from(case.hidden) * check::gamma_dtype(case).element_bytes();
         let mut io = CaseIo {
             case: *case,
             x: Slots::new(b.out, w)?,
@@ -166,10 +166,7 @@ impl CaseIo {
             quant_out: Self::tensor(&self.quant, live.quant),
             scale_out: Self::tensor(&self.scale, live.scale),
             gamma: self.gamma.addr(0),
-            scale_in: if matches!(
-                c.epilogue.quant,
-                Quant::Fp8Static | Quant::Nvfp4Swizzled | Quant::Nvfp4Linear
-            ) {
+            scale_in: if matches!(c.epilogue.quant, Quant::Fp8Static | Quant::Nvfp4(_)) {
                 self.scale_in.addr(0)
             } else {
                 0
@@ -203,9 +200,7 @@ fn check_fits(
     }
     if let Some(ws) = ws {
         let r = &ws.workspace;
-        if r.world_size != case.world
-            || r.dtype != case.dtype.policy()
-            || r.hidden < u64::from(case.hidden)
+        if r.world_size != case.world || r.dtype != case.dtype || r.hidden < u64::from(case.hidden)
         {
             return Err(Error::Invalid(format!(
                 "case {} does not match the workspace (W={}, {}, H<={})",

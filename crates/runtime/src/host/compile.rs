@@ -1,8 +1,9 @@
 //! Compiling kernel variants for the host with the machine's C++ compiler, cached.
 //!
 //! A variant is compiled from the same `kernels/` text NVRTC gets (embedded in this
-//! crate, so a binary carries its sources), with the same `-D` defines
-//! ([`Variant::defines`]) plus `-DARF_HOST=1`, as one translation unit that includes
+//! crate, so a binary carries its sources), with the same `-D` defines (the ABI's,
+//! [`arfuse_abi::kernel_defines`], and the variant's, [`Variant::defines`]) plus
+//! `-DARF_HOST=1`, as one translation unit that includes
 //! the kernel's `.cu` file and `ARF_HOST_ENTRY(<entry>)`. Output: a shared object in
 //! `<cache>/<variant>-<build>-<key>/kernel.so`, where `key` hashes (SHA-256) the
 //! compiler's identity, the flags, the defines and every source text; an existing
@@ -315,6 +316,9 @@ impl Compiler {
         for f in BASE_FLAGS.iter().chain(build.flags()) {
             field(f.as_bytes());
         }
+        for d in arfuse_abi::kernel_defines() {
+            field(d.option().as_bytes());
+        }
         for (k, v) in &unit.defines {
             field(format!("-D{k}={v}").as_bytes());
         }
@@ -362,6 +366,8 @@ impl Compiler {
         // inherit it.
         cmd.env_remove("LD_PRELOAD");
         cmd.args(BASE_FLAGS).args(build.flags());
+        // The ABI's numbers, as NVRTC gets them (`Variant::nvrtc_options`).
+        cmd.args(arfuse_abi::kernel_defines().iter().map(|d| d.option()));
         for (k, v) in &unit.defines {
             cmd.arg(format!("-D{k}={v}"));
         }
@@ -484,7 +490,7 @@ extern "C" __global__ void t_partial_warp(const ArfParams p) {
         };
         let so = c.object(&unit, Build::Plain).expect("test kernel builds");
         // Any variant as the label of the errors.
-        let label = variants::virtual_allreduce(2, variants::Dtype::Bf16);
+        let label = variants::virtual_allreduce(2, variants::ActDtype::Bf16);
         HostKernel::load(label, Build::Plain, &so).expect("loads")
     }
 

@@ -502,7 +502,6 @@ impl Device for HostDevice {
             Backend::Trtllm => Ok(HostDeviceWorkspace {
                 inner: Arc::new(SharedWorkspace(HostWorkspace::create(request)?)),
             }),
-            Backend::Unfused => Err(Error::Invalid("unfused needs no workspace".into())),
         }
     }
 
@@ -688,7 +687,7 @@ mod tests {
     #[test]
     fn capture_refuses_to_create_anything() {
         let mut d = device();
-        let ws = crate::check::workspace_for(2, crate::variants::Dtype::Bf16, 256, 4).unwrap();
+        let ws = crate::check::workspace_for(2, crate::variants::ActDtype::Bf16, 256, 4).unwrap();
         let g = d
             .capture(&mut |d: &mut HostDevice| {
                 assert!(d.is_capturing().unwrap());
@@ -698,7 +697,7 @@ mod tests {
                 assert!(matches!(e, Error::Capturing(_)), "{e}");
                 let e = d.load(&[crate::variants::virtual_allreduce(
                     2,
-                    crate::variants::Dtype::Bf16,
+                    crate::variants::ActDtype::Bf16,
                 )]);
                 assert!(matches!(e, Err(Error::Capturing(_))));
                 Ok(())

@@ -3,7 +3,7 @@
 
 use crate::device::KernelParams;
 use crate::error::{Error, Result};
-use crate::variants::Dtype;
+use crate::variants::ActDtype;
 use arfuse_policy::{ArfuseLayout, Workspace};
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -274,20 +274,16 @@ pub struct HostWorkspace {
 /// One rank's workspace bytes in their initial state: the state block (everything
 /// before the Lamport buffers) zero, every element of the Lamport buffers the -0.0
 /// sentinel of `dtype`.
-fn initialise_rank(
-    bytes: &mut [u8],
-    layout: &ArfuseLayout,
-    dtype: arfuse_policy::ActDtype,
-) -> Result<()> {
-    let dtype = Dtype::from_policy(dtype);
+fn initialise_rank(bytes: &mut [u8], layout: &ArfuseLayout, dtype: ActDtype) -> Result<()> {
+    let dtype = dtype;
     let bits = dtype.sentinel_bits().to_le_bytes();
-    let word = &bits[..dtype.bytes()];
+    let word = &bits[..dtype.element_bytes() as usize];
     let size = |v: u64| usize::try_from(v).map_err(|_| Error::Overflow("workspace"));
     let start = size(layout.lamport_offset)?;
     let lam = size(
         layout
             .lamport_buffer_bytes
-            .checked_mul(arfuse_policy::LAMPORT_BUFFER_COUNT)
+            .checked_mul(arfuse_abi::LAMPORT_BUFFER_COUNT)
             .ok_or(Error::Overflow("lamport"))?,
     )?;
     let end = start.checked_add(lam).ok_or(Error::Overflow("lamport"))?;
@@ -445,7 +441,7 @@ mod tests {
     #[test]
     fn workspace_starts_with_sentinels_and_separate_ranks() {
         let ws =
-            HostWorkspace::create(&crate::check::workspace_for(2, Dtype::Bf16, 256, 4).unwrap())
+            HostWorkspace::create(&crate::check::workspace_for(2, ActDtype::Bf16, 256, 4).unwrap())
                 .unwrap();
         let p = ws.params(KernelParams::default()).unwrap();
         assert_eq!(p.peer[0], ws.base());

@@ -4,7 +4,7 @@
 
 use arfuse_runtime::check::Case;
 use arfuse_runtime::host::Compiler;
-use arfuse_runtime::variants::{Dtype, Epilogue, Strategy};
+use arfuse_runtime::variants::{ActDtype, Epilogue, Strategy};
 
 /// The host compiler, caching its objects under the test target's tmp dir.
 pub fn new_compiler() -> Compiler {
@@ -19,7 +19,7 @@ pub fn new_compiler() -> Compiler {
 /// form), so both norm inputs run too.
 pub fn weight_form_case(
     world: u32,
-    dtype: Dtype,
+    dtype: ActDtype,
     epilogue: Epilogue,
     strategy: Strategy,
     tokens: u32,
