@@ -13,8 +13,11 @@
 //
 // Workspace of each rank: arfuse's one layout, defined in the policy crate
 // (arfuse_policy::ArfuseLayout; offsets in ArfParams):
-//   state     u32 words: [0] call counter n, [1] CTA arrival count, [2..5) bytes the last
-//             call that used Lamport buffer i wrote into it (ARFUSE_STATE_BYTES)
+//   state     u32 words (arfuse_abi::protocol): ARF_STATE_CALL call counter n,
+//             ARF_STATE_ARRIVALS CTA arrival count, ARF_STATE_USED + i bytes the last
+//             call that used Lamport buffer i wrote into it, ARF_STATE_ABORT the abort
+//             word a rank that gives up writes into every peer, ARF_STATE_HEADERS the
+//             call headers (below)
 //   lamport   3 buffers of lamport_stride bytes, filled with -0.0 at creation
 // Both strategies run in the current buffer n % 3 and share the one call counter, so a
 // graph may switch strategy (and T) between any two calls: there is no second counter
@@ -65,16 +68,83 @@ struct ArfCall {
   u64 cur;  // byte offset of this call's Lamport buffer in every rank's workspace
 };
 
+// Byte offset of call `call`'s Lamport buffer in every rank's workspace, re-derived
+// where it is used rather than held in registers across the call's phases.
+__device__ __forceinline__ u64 arf_cur_off(const ArfParams& p, u32 call) {
+  return p.off_lamport + (u64)(call % ARF_NBUF) * p.lamport_stride;
+}
+
+// Address of state word `word` of `rank`'s workspace.
+__device__ __forceinline__ u64 arf_state_word(const ArfParams& p, int rank, u32 word) {
+  return p.peer[rank] + p.off_state + (u64)word * 4u;
+}
+
+// The call header of call `call` of this launch (arfuse_abi::protocol::call_header).
+__device__ __forceinline__ u32 arf_call_header(const ArfParams& p, u32 call) {
+  return (((call + 1u) & 0xffu) << ARF_HDR_SEQ_SHIFT) | (((u32)p.T & 0xffffu) << ARF_HDR_T_SHIFT) |
+         (p.call_tag & 0xffu);
+}
+
+// Header slot of `q` for call `call` in `rank`'s state block: two per rank, by parity
+// (no rank is ever more than one call ahead of another).
+__device__ __forceinline__ u64 arf_header_slot(const ArfParams& p, int rank, u32 call, int q) {
+  return arf_state_word(p, rank, ARF_STATE_HEADERS + (call & 1u) * ARF_MAX_RANKS + (u32)q);
+}
+
+// Tells every peer that this rank gave up the call with `code` (its abort word), so that
+// the peers stop polling at once instead of waiting for their own timeouts (on real
+// ranks every process has its own error word). Once per CTA that gave up, from
+// arf_call_end: not inlined into the poll loops, where it cost registers.
+__device__ __forceinline__ void arf_abort_call(const ArfParams& p, int rank, u32 code) {
+  for (int q = 0; q < ARF_W; ++q) arf_st_release_sys(arf_state_word(p, q, ARF_STATE_ABORT), code | ((u32)(rank + 1) << ARF_ABORT_RANK_SHIFT));
+}
+
+// Poll bookkeeping: every 1024 polls read the clock; give up (return true) after
+// timeout_ns (setting the error word), or at once when this rank's error word or abort
+// word says that a CTA of this rank or a peer already gave up.
+struct ArfPoll {
+  u64 t0;
+  u32 spins;
+};
+// This rank's abort word, written by thread 0 at the call's begin: the polls read its
+// address from shared memory in their rare path rather than deriving it there.
+__shared__ u64 s_arf_abort_word;
+__device__ __forceinline__ bool arf_poll_expired(ArfPoll& st, const ArfParams& p, u32 code) {
+#if defined(ARF_HOST)
+  arf_host::spin_yield();  // every poll of a spin-wait lets the other threads run
+#endif
+  if ((++st.spins & 1023u) != 0u) return false;
+  const u64 now = arf_globaltimer();
+  if (st.t0 == 0) st.t0 = now;
+  if (arf_ld_volatile_u32(p.err) != 0u) return true;
+  // Read through a volatile access so that the address is not hoisted into registers
+  // held across the poll loops.
+  if (arf_ld_volatile_u32(*reinterpret_cast<volatile u64*>(&s_arf_abort_word)) != 0u) {
+    atomicOr(reinterpret_cast<u32*>(p.err), ARF_ERR_PEER_ABORT);
+    return true;
+  }
+  if (now - st.t0 > p.timeout_ns) {
+    atomicOr(reinterpret_cast<u32*>(p.err), code);
+    return true;
+  }
+  return false;
+}
+
 // Reads the call number and the previous buffer's used bytes (thread 0, into shared
-// memory), then re-fills this rank's share of the previous call's buffer.
+// memory), then re-fills this rank's share of the previous call's buffer. CTA 0's
+// thread 0 writes this rank's call header into every peer.
 __device__ __forceinline__ ArfCall arf_call_begin(const ArfParams& p, int rank, u32& s_call) {
   __shared__ u32 s_prev_used;
   const u64 ws = p.peer[rank];
-  u32* st = reinterpret_cast<u32*>(ws + p.off_state);
   if (threadIdx.x == 0) {
-    const u32 n = arf_ld_volatile_u32(reinterpret_cast<u64>(st));
+    const u32 n = arf_ld_volatile_u32(arf_state_word(p, rank, ARF_STATE_CALL));
     s_call = n;
-    s_prev_used = arf_ld_volatile_u32(reinterpret_cast<u64>(st + 2 + (n + ARF_NBUF - 1u) % ARF_NBUF));
+    s_arf_abort_word = arf_state_word(p, rank, ARF_STATE_ABORT);
+    s_prev_used = arf_ld_volatile_u32(arf_state_word(p, rank, ARF_STATE_USED + (n + ARF_NBUF - 1u) % ARF_NBUF));
+    if (blockIdx.x == 0) {
+      const u32 h = arf_call_header(p, n);
+      for (int q = 0; q < ARF_W; ++q) arf_st_release_sys(arf_header_slot(p, q, n, rank), h);
+    }
   }
   __syncthreads();
   const u64 base = ws + p.off_lamport + (u64)((s_call + ARF_NBUF - 1u) % ARF_NBUF) * p.lamport_stride;
@@ -88,20 +158,52 @@ __device__ __forceinline__ ArfCall arf_call_begin(const ArfParams& p, int rank, 
   return c;
 }
 
+// CTA 0's thread 0, after its pushes: waits for the W call headers of this call in this
+// rank's state block and compares them with its own. A rank that runs another T,
+// another call tag or another call of the sequence stops every rank with
+// ARF_ERR_CALL_MISMATCH; without the check, such ranks would sum slots of different
+// calls (a rank that skipped a call) or of different layouts (another T).
+__device__ __forceinline__ void arf_check_headers(const ArfParams& p, int rank, u32 call, ArfPoll& poll,
+                                                  volatile int* bail, u32 code) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const u32 mine = arf_call_header(p, call);
+  for (int q = 0; q < ARF_W && !*bail; ++q) {
+    const u64 slot = arf_header_slot(p, rank, call, q);
+    u32 h = arf_ld_acquire_sys(slot);
+    while ((h >> ARF_HDR_SEQ_SHIFT) != (mine >> ARF_HDR_SEQ_SHIFT) && !*bail) {
+      if (arf_poll_expired(poll, p, code)) {
+        *bail = 1;
+        break;
+      }
+      h = arf_ld_acquire_sys(slot);
+    }
+    if (!*bail && h != mine) {
+      atomicOr(reinterpret_cast<u32*>(p.err), ARF_ERR_CALL_MISMATCH);
+      *bail = 1;
+    }
+  }
+}
+
 // The last CTA of this rank to arrive advances the call counter and records the bytes
-// this call wrote into its buffer (what call n + 1 clears).
-__device__ __forceinline__ void arf_call_end(const ArfParams& p, int rank, u32 call, u64 used) {
+// this call wrote into its buffer (what call n + 1 clears). A CTA that gave up on its
+// own (a timeout, a header mismatch: error bits other than a peer's abort) first tells
+// every peer.
+__device__ __forceinline__ void arf_call_end(const ArfParams& p, int rank, u32 call, u64 used, volatile int* bail) {
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (*bail) {
+      const u32 own = arf_ld_volatile_u32(p.err) & ~ARF_ERR_PEER_ABORT;
+      if (own != 0u) arf_abort_call(p, rank, own);
+    }
     u32* st = reinterpret_cast<u32*>(p.peer[rank] + p.off_state);
     __threadfence();  // this CTA's read of the call number before its arrival
-    const u32 arrived = atomicAdd(st + 1, 1u);
+    const u32 arrived = atomicAdd(st + ARF_STATE_ARRIVALS, 1u);
     if (arrived == gridDim.x - 1u) {
       // Read by the next kernel only (no fence: see "Fences").
-      st[1] = 0u;
-      st[2 + (call + ARF_NBUF - 1u) % ARF_NBUF] = 0u;
-      st[2 + call % ARF_NBUF] = (u32)used;
-      st[0] = call + 1u;
+      st[ARF_STATE_ARRIVALS] = 0u;
+      st[ARF_STATE_USED + (call + ARF_NBUF - 1u) % ARF_NBUF] = 0u;
+      st[ARF_STATE_USED + call % ARF_NBUF] = (u32)used;
+      st[ARF_STATE_CALL] = call + 1u;
     }
   }
 }
@@ -235,6 +337,7 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
   // 2. Poll, reduce in fixed rank order, epilogue. The buffer offset is re-derived from
   // s_call per token rather than held in registers across the epilogue (see arf_tid).
   ArfPoll poll = {0, 0};
+  arf_check_headers(p, rank, s_call, poll, &s_bail, ARF_ERR_ONESHOT_TIMEOUT);
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     arf_prefetch_epilogue(p, rank, t, vpt, nvec);
     const u64 tok = c.ws + p.off_lamport + (u64)(s_call % ARF_NBUF) * p.lamport_stride + (u64)t * row_bytes;
@@ -249,7 +352,7 @@ __device__ __forceinline__ void arf_oneshot(const ArfParams& p, int rank, int vp
     }
     arf_epilogue(p, rank, t, a, vpt, nvec, red);
   }
-  arf_call_end(p, rank, s_call, (u64)ARF_W * slot_bytes);
+  arf_call_end(p, rank, s_call, (u64)ARF_W * slot_bytes, &s_bail);
 }
 #endif
 
@@ -284,14 +387,14 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
   __shared__ u32 s_call;
   __shared__ volatile int s_bail;
   if (threadIdx.x == 0) s_bail = 0;
-  const ArfCall c = arf_call_begin(p, rank, s_call);
+  arf_call_begin(p, rank, s_call);
   const u64 x = arf_rank_ptr(p.x, rank);
 
   // 1. Reduce-scatter, push: token t goes to slot `rank` of its owner's buffer. No
   // fence before the pushes (see "Fences" above).
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     const int o = arf_owner_of(t, p.T);
-    const u64 dst = p.peer[o] + c.cur + ((u64)rank * rows + (u64)(t - arf_owner_start(o, p.T))) * row_bytes;
+    const u64 dst = p.peer[o] + arf_cur_off(p, s_call) + ((u64)rank * rows + (u64)(t - arf_owner_start(o, p.T))) * row_bytes;
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
       const int idx = arf_vec_idx(v);
@@ -302,11 +405,12 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
 
   // 2. Reduce the owned tokens (polled) in rank order, round, all-gather to every rank.
   ArfPoll poll = {0, 0};
+  arf_check_headers(p, rank, s_call, poll, &s_bail, ARF_ERR_TWOSHOT_TIMEOUT);
   const int my_start = arf_owner_start(rank, p.T);
   const int my_end = arf_owner_start(rank + 1, p.T);
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     if (t < my_start || t >= my_end) continue;
-    const u64 src = c.ws + p.off_lamport + (u64)(s_call % ARF_NBUF) * p.lamport_stride + (u64)(t - my_start) * row_bytes;
+    const u64 src = p.peer[rank] + p.off_lamport + (u64)(s_call % ARF_NBUF) * p.lamport_stride + (u64)(t - my_start) * row_bytes;
     arf_prefetch_slots(src, rows * row_bytes, vpt, nvec);
 #pragma unroll
     for (int v = 0; v < ARF_MAX_VPT; ++v) {
@@ -314,7 +418,7 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
       if (v < vpt && idx < nvec) {
         const uint4 r =
             arf_reduce_slots(p, src + (u64)idx * (u64)ARF_VECTOR_BYTES, rows * row_bytes, poll, &s_bail, ARF_ERR_TWOSHOT_TIMEOUT);
-        const u64 off = c.cur + ((u64)ARF_W * rows + (u64)t) * row_bytes + (u64)idx * (u64)ARF_VECTOR_BYTES;
+        const u64 off = arf_cur_off(p, s_call) + ((u64)ARF_W * rows + (u64)t) * row_bytes + (u64)idx * (u64)ARF_VECTOR_BYTES;
 #pragma unroll
         for (int q = 0; q < ARF_W; ++q) arf_st_sys(p.peer[q] + off, r);
       }
@@ -324,7 +428,7 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
   // 3. Every rank polls the gathered rows of this CTA's tokens and runs the epilogue.
   for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
     arf_prefetch_epilogue(p, rank, t, vpt, nvec);
-    const u64 row = c.ws + p.off_lamport + (u64)(s_call % ARF_NBUF) * p.lamport_stride +
+    const u64 row = p.peer[rank] + p.off_lamport + (u64)(s_call % ARF_NBUF) * p.lamport_stride +
                     ((u64)ARF_W * rows + (u64)t) * row_bytes;
     uint4 a[ARF_MAX_VPT];
 #pragma unroll
@@ -336,7 +440,7 @@ __device__ __forceinline__ void arf_twoshot(const ArfParams& p, int rank, int vp
     }
     arf_epilogue(p, rank, t, a, vpt, nvec, red);
   }
-  arf_call_end(p, rank, s_call, ((u64)ARF_W * rows + (u64)p.T) * row_bytes);
+  arf_call_end(p, rank, s_call, ((u64)ARF_W * rows + (u64)p.T) * row_bytes, &s_bail);
 }
 #endif
 

@@ -95,9 +95,9 @@ typedef unsigned long long u64;
 // The Lamport buffers as an unsigned count (call n uses buffer n % ARF_NBUF).
 #define ARF_NBUF ((u32)ARF_LAMPORT_BUFFERS)
 
-// Error word bits (the kernel exits instead of hanging and sets one of these).
-#define ARF_ERR_ONESHOT_TIMEOUT 1u
-#define ARF_ERR_TWOSHOT_TIMEOUT 2u
+// Error word bits (the kernel exits instead of hanging and sets them): ARF_ERR_* from
+// the ABI (arfuse_abi::protocol), as are the state words ARF_STATE_* and the call
+// header's fields ARF_HDR_*.
 
 // A tensor addressed per rank: rank r's data starts at ptr + r * rank_stride (bytes).
 // Virtual ranks on one GPU use rank_stride = bytes of one rank's tensor; a real rank
@@ -135,8 +135,9 @@ struct ArfParams {
   int gamma_f32;           // 1: gamma is f32 (Gemma's 1 + w.float()); 0: gamma is T
   int norm_round_twice;    // 1: round h * r to T before the weight multiply (Llama order)
   int norm_f32_sum;        // 1: normalise the unrounded f32 sum a + residual (ARF_RESIDUAL)
+  u32 call_tag;            // the caller's tag of this call (its fused site), in the call header
 };
-static_assert(sizeof(ArfParams) == 312, "ArfParams layout changed: update KernelParams in crates/runtime/src/device.rs");
+static_assert(sizeof(ArfParams) == 320, "ArfParams layout changed: update KernelParams in crates/runtime/src/device.rs");
 
 // ---------------------------------------------------------------- conversions
 __device__ __forceinline__ float arf_bits_to_f32(u32 b) {
@@ -308,27 +309,6 @@ __device__ __forceinline__ u64 arf_globaltimer() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 #endif
-}
-
-// Poll bookkeeping: every 1024 polls read the clock; give up (set the error word and
-// return true) after timeout_ns, or at once when another rank already gave up.
-struct ArfPoll {
-  u64 t0;
-  u32 spins;
-};
-__device__ __forceinline__ bool arf_poll_expired(ArfPoll& st, const ArfParams& p, u32 code) {
-#if defined(ARF_HOST)
-  arf_host::spin_yield();  // every poll of a spin-wait lets the other threads run
-#endif
-  if ((++st.spins & 1023u) != 0u) return false;
-  const u64 now = arf_globaltimer();
-  if (st.t0 == 0) st.t0 = now;
-  if (arf_ld_volatile_u32(p.err) != 0u) return true;
-  if (now - st.t0 > p.timeout_ns) {
-    atomicOr(reinterpret_cast<u32*>(p.err), code);
-    return true;
-  }
-  return false;
 }
 
 // ---------------------------------------------------------------- PDL

@@ -235,13 +235,32 @@ inline uint4 ld_relaxed_v4(uint64_t addr) {
   return uint4{load_relaxed(addr), load_relaxed(addr + 4), load_relaxed(addr + 8), load_relaxed(addr + 12)};
 }
 inline void chaos_point();
-// st.relaxed.sys.global.v4.u32: four relaxed 32-bit stores.
+inline uint64_t chaos_draw();
+// st.relaxed.sys.global.v4.u32: four relaxed 32-bit stores. PTX gives a v4 store no
+// single-copy atomicity across its words, so with chaos on the store tears: its words
+// go out in a random order, with a chance of a pause (chaos_point) between any two, so
+// that a peer's poll can see any subset of them written (a reader that tests only one
+// word of a vector for readiness then reads the others unwritten).
 inline void st_relaxed_v4(uint64_t addr, uint4 v) {
   chaos_point();
-  store_relaxed(addr, v.x);
-  store_relaxed(addr + 4, v.y);
-  store_relaxed(addr + 8, v.z);
-  store_relaxed(addr + 12, v.w);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint64_t r = chaos_draw();
+  if (r == 0) {
+    for (int i = 0; i < 4; ++i) store_relaxed(addr + 4u * (uint64_t)i, w[i]);
+    return;
+  }
+  int order[4] = {0, 1, 2, 3};
+  for (int i = 3; i > 0; --i) {
+    const int j = (int)(r % (uint64_t)(i + 1));
+    r /= (uint64_t)(i + 1);
+    const int t = order[i];
+    order[i] = order[j];
+    order[j] = t;
+  }
+  for (int i = 0; i < 4; ++i) {
+    if (i > 0) chaos_point();
+    store_relaxed(addr + 4u * (uint64_t)order[i], w[order[i]]);
+  }
 }
 // %globaltimer: nanoseconds of a monotonic clock.
 inline uint64_t globaltimer() {
@@ -430,6 +449,13 @@ inline void chaos_point() {
   if (r % 1000u >= k->chaos) return;
   timespec ts{0, (long)((r >> 32) % 2000u) * 1000L};
   nanosleep(&ts, nullptr);
+}
+
+// A random number for a torn store's word order, or 0 when chaos is off.
+inline uint64_t chaos_draw() {
+  Cta* k = t_cta;
+  if (k == nullptr || k->chaos == 0) return 0;
+  return next_random(k->chaos_rng) | 1u;
 }
 
 // After a pass without progress: yield the OS thread, then sleep, at most 200 us.

@@ -8,6 +8,7 @@ use crate::limits::{
     MAX_VECTORS_PER_THREAD, NVFP4_BLOCK, NVFP4_TILE_COLS, NVFP4_TILE_ROWS, STATE_BYTES,
     VECTOR_BYTES, WORLD_SIZES,
 };
+use crate::protocol;
 use crate::quant::Quant;
 use crate::strategy::Strategy;
 
@@ -42,6 +43,10 @@ impl KernelDefine {
 /// | `ARF_NVFP4_TILE_ROWS`, `ARF_NVFP4_TILE_COLS` | [`NVFP4_TILE_ROWS`], [`NVFP4_TILE_COLS`] |
 /// | `ARF_LAMPORT_BUFFERS` | [`LAMPORT_BUFFER_COUNT`] |
 /// | `ARF_STATE_BYTES`, `ARF_BUFFER_ALIGN` | [`STATE_BYTES`], [`BUFFER_ALIGN_BYTES`] |
+/// | `ARF_STATE_CALL` ... `ARF_STATE_HEADERS` | the state words of [`protocol`] |
+/// | `ARF_ERR_*` | the error word bits of [`protocol`] |
+/// | `ARF_HDR_SEQ_SHIFT`, `ARF_HDR_T_SHIFT` | [`protocol::call_header`]'s fields |
+/// | `ARF_ABORT_RANK_SHIFT` | [`protocol::abort_word`]'s rank field |
 /// | `ARF_DTYPE_BF16`, `ARF_DTYPE_F16`, `ARF_DTYPE_F32` | [`ActDtype::kernel_code`] |
 /// | `ARF_Q_NONE` ... `ARF_Q_FP8_GROUP_F32_UE8M0` | [`Quant::kernel_code`] |
 /// | `ARF_ONE_SHOT`, `ARF_TWO_SHOT` | [`Strategy::kernel_code`] |
@@ -63,6 +68,30 @@ pub fn kernel_defines() -> Vec<KernelDefine> {
         d("ARF_LAMPORT_BUFFERS", LAMPORT_BUFFER_COUNT),
         d("ARF_STATE_BYTES", STATE_BYTES),
         d("ARF_BUFFER_ALIGN", BUFFER_ALIGN_BYTES),
+        d("ARF_STATE_CALL", protocol::STATE_WORD_CALL),
+        d("ARF_STATE_ARRIVALS", protocol::STATE_WORD_ARRIVALS),
+        d("ARF_STATE_USED", protocol::STATE_WORD_USED),
+        d("ARF_STATE_ABORT", protocol::STATE_WORD_ABORT),
+        d("ARF_STATE_HEADERS", protocol::STATE_WORD_HEADERS),
+        d(
+            "ARF_ERR_ONESHOT_TIMEOUT",
+            u64::from(protocol::ERR_ONESHOT_TIMEOUT),
+        ),
+        d(
+            "ARF_ERR_TWOSHOT_TIMEOUT",
+            u64::from(protocol::ERR_TWOSHOT_TIMEOUT),
+        ),
+        d(
+            "ARF_ERR_CALL_MISMATCH",
+            u64::from(protocol::ERR_CALL_MISMATCH),
+        ),
+        d("ARF_ERR_PEER_ABORT", u64::from(protocol::ERR_PEER_ABORT)),
+        d("ARF_HDR_SEQ_SHIFT", u64::from(protocol::HEADER_SEQ_SHIFT)),
+        d("ARF_HDR_T_SHIFT", u64::from(protocol::HEADER_TOKENS_SHIFT)),
+        d(
+            "ARF_ABORT_RANK_SHIFT",
+            u64::from(protocol::ABORT_RANK_SHIFT),
+        ),
     ];
     for t in ActDtype::ALL {
         out.push(d(t.define_name(), u64::from(t.kernel_code())));

@@ -24,6 +24,7 @@
 mod defines;
 mod dtype;
 mod limits;
+pub mod protocol;
 mod quant;
 mod strategy;
 

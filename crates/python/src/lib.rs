@@ -11,6 +11,7 @@
 mod errors;
 mod kernel;
 mod lowering;
+mod ranks;
 mod target;
 mod walk;
 
@@ -44,5 +45,7 @@ fn _arfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(lowering::_fx_graph_json, m)?)?;
     m.add_function(wrap_pyfunction!(kernel::_fused_allreduce_rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernel::_quant_fp8_per_token_cpu, m)?)?;
+    m.add_class::<ranks::HostRanks>()?;
+    m.add("HOST_CALL_TOKENS", ranks::HOST_CALL_TOKENS)?;
     Ok(())
 }

@@ -9,8 +9,9 @@ functional collectives after the embedding and every row-parallel projection.
 The eager reference computes each fused chain as arfuse's rounding contract defines it:
 the all-reduce sums every rank's input in rank order in f32 from +0.0 (clause 1; gloo's
 own sum has another order and rounds at every step, which at W = 4 gives other bits),
-and the RMSNorm sums the squares sequentially and takes 1 / sqrt (clause 3; torch's CPU
-`mean` reduces in another order and its `rsqrt` is not the correctly rounded 1 / sqrt).
+and the RMSNorm sums the squares in the kernels' block tree and takes 1 / sqrt (clause 3
+in the kernels' order, which the fused op's kernels compute; torch's CPU `mean` reduces
+in another order and its `rsqrt` is not the correctly rounded 1 / sqrt).
 Everything else is torch eager. Under torch.compile the model traces the plain Hugging
 Face code (`torch.compiler.is_compiling()`), which is what the pass sees and fuses. That
 these torch-op forms are the contract is asserted first (`check_reference`), against
@@ -77,14 +78,45 @@ def contract_all_reduce(y: torch.Tensor, group: str) -> torch.Tensor:
     return acc.to(y.dtype)
 
 
-def contract_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Clause 3, `twice` (Llama's order): sequential f32 sum of squares, r = 1 / sqrt(ss / H
-    + eps), n = round(h * r), y = round(n * w)."""
-    h = x.float()
+def kernel_sum_of_squares(h: torch.Tensor) -> torch.Tensor:
+    """Clause 3's sum of squares in arfuse's kernels' block tree (the contract's
+    `SumOrder::KernelTree`, `arfuse_reference::contract::sum_of_squares`), which the
+    fused op's kernels compute: B threads (`arfuse_policy::arfuse_block_threads`: whole
+    warps, at least 128, at most 4 vectors each), each summing the squares of its 16-byte
+    vectors t, t + B, ... element by element; each warp's 32 lane sums combined by the
+    butterfly `v_l += v_(l ^ o)`, o = 16, 8, 4, 2, 1; the warp totals by the same
+    butterfly. For 16-bit rows (8 elements per vector)."""
+    per_vec = 8
+    nvec = h.shape[-1] // per_vec
+    per_thread = -(-nvec // 1024)
+    block = max(-(-(-(-nvec // per_thread)) // 32) * 32, 128)
     sq = h * h
-    ss = torch.zeros(tuple(h.shape[:-1]) + (1,), dtype=torch.float32)
-    for i in range(h.shape[-1]):
-        ss = ss + sq[..., i : i + 1]
+    vec = torch.zeros(tuple(h.shape[:-1]) + (nvec,), dtype=torch.float32)
+    for i in range(per_vec):
+        vec = vec + sq[..., i::per_vec]
+    lanes = torch.zeros(tuple(h.shape[:-1]) + (block,), dtype=torch.float32)
+    for v in range(per_thread):
+        part = vec[..., v * block : (v + 1) * block]
+        lanes[..., : part.shape[-1]] = lanes[..., : part.shape[-1]] + part
+
+    def butterfly(x: torch.Tensor) -> torch.Tensor:
+        idx = torch.arange(32)
+        for o in (16, 8, 4, 2, 1):
+            x = x + x[..., idx ^ o]
+        return x[..., 0]
+
+    totals = torch.zeros(tuple(h.shape[:-1]) + (32,), dtype=torch.float32)
+    for w in range(block // 32):
+        totals[..., w] = butterfly(lanes[..., w * 32 : (w + 1) * 32])
+    return butterfly(totals).unsqueeze(-1)
+
+
+def contract_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Clause 3, `twice` (Llama's order), as arfuse's kernels compute it: the f32 sum of
+    squares in the kernels' block tree, r = 1 / sqrt(ss / H + eps), n = round(h * r),
+    y = round(n * w)."""
+    h = x.float()
+    ss = kernel_sum_of_squares(h)
     r = torch.ones_like(ss) / torch.sqrt(ss / h.shape[-1] + eps)
     n = (h * r).to(x.dtype)
     return (n.float() * weight.float()).to(x.dtype)
@@ -152,8 +184,8 @@ def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def check_reference(rank: int, world: int, group: str) -> dict:
-    """The eager reference's torch-op forms equal the fused op's CPU kernel (Rust,
-    arfuse-reference) bit for bit, on rows of realistic magnitude; and at W = 2 gloo's own
+    """The eager reference's torch-op forms equal the fused op (arfuse's kernels on the
+    host device, across the group's processes) bit for bit, on rows of realistic magnitude; and at W = 2 gloo's own
     sum equals clause 1 (one addition is the same in any order)."""
     g = torch.Generator().manual_seed(rank)
     x = (torch.randn(64, HIDDEN, generator=g) * 3).to(torch.bfloat16)

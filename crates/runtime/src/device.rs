@@ -242,9 +242,13 @@ pub struct KernelParams {
     /// the residual (`NormInput::F32Sum`), 0 for the rounded residual.
     /// `ArfParams::norm_f32_sum`.
     pub norm_f32_sum: i32,
+    /// The caller's tag of this call (its fused site; the low byte counts), written into
+    /// the call header every rank checks (`arfuse_abi::protocol`): ranks that run
+    /// different sites in the same call stop with `ERR_CALL_MISMATCH`.
+    pub call_tag: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<KernelParams>() == 312);
+const _: () = assert!(std::mem::size_of::<KernelParams>() == 320);
 
 impl KernelParams {
     /// Fills the workspace fields from a layout and the base of rank 0's slice
@@ -411,6 +415,37 @@ pub fn fused_shape(workspace: &Workspace, call: &FusedCall) -> Result<(Strategy,
         world,
         block_size(call.hidden, call.variant.dtype)?,
     ))
+}
+
+/// [`fused_shape`] for one real rank's launch: the same checks of the variant, the
+/// world size and the fit, with the tensors checked as one rank's (a real rank passes
+/// its own tensors with `rank_stride` 0; its peers' are in their processes).
+///
+/// # Errors
+/// As [`fused_shape`].
+pub fn fused_shape_of_rank(
+    workspace: &Workspace,
+    call: &FusedCall,
+) -> Result<(Strategy, u32, u32)> {
+    let shape = fused_shape(
+        workspace,
+        &FusedCall {
+            params: KernelParams {
+                x: RankTensor::default(),
+                residual_in: RankTensor::default(),
+                residual_out: RankTensor::default(),
+                out: RankTensor::default(),
+                quant_out: RankTensor::default(),
+                scale_out: RankTensor::default(),
+                gamma: 0,
+                scale_in: 0,
+                ..call.params
+            },
+            ..*call
+        },
+    )?;
+    check_tensor_uses(&FusedCall { ranks: 1, ..*call })?;
+    Ok(shape)
 }
 
 /// The checks of a local launch: a local variant, T >= 1, ranks in 1..=16. Returns the

@@ -102,6 +102,36 @@ pub enum Error {
         /// What went wrong.
         msg: String,
     },
+    /// A collective of the process group failed: a peer is gone or did not answer in
+    /// time, or sent something malformed.
+    #[error("process group: {0}")]
+    Group(String),
+    /// A collective step (workspace creation, reset) failed on `rank`; every rank of
+    /// the group returns this same error.
+    #[error("rank {rank} failed in {step}: {cause}")]
+    RankFailed {
+        /// The lowest rank that failed.
+        rank: u32,
+        /// The step (`backend vote`, `allocation`, `mapping`, ...).
+        step: String,
+        /// What that rank reported.
+        cause: String,
+    },
+    /// A fused call on real ranks failed: the error word of this rank (and, when a peer
+    /// aborted the call, which rank did and why).
+    #[error("fused call {call} failed on rank {rank}: {what} (error word {word:#x}){peer}")]
+    CallFailed {
+        /// This process's rank.
+        rank: u32,
+        /// The call's sequence number on this workspace.
+        call: u64,
+        /// The error word.
+        word: u32,
+        /// The error word in words (`arfuse_abi::protocol::describe_error_word`).
+        what: String,
+        /// `; rank q gave up first: ...` when the abort word names a peer, else empty.
+        peer: String,
+    },
     /// An error while running one fused node of a graph.
     #[error("node {node}: {source}")]
     Node {

@@ -34,6 +34,8 @@
 //! - [`host`]: the host device: the same kernel sources compiled with the machine's
 //!   C++ compiler and run on the CPU (CTAs as OS threads, CUDA threads as fibers, each
 //!   rank its own launch stream), for testing the kernels without a GPU.
+//! - [`group`]: real ranks: the process group ([`group::Group`]; [`group::SocketGroup`]
+//!   for W processes of this machine) and the all-or-nothing step of collective creation.
 //! - [`workspace`]: the backend fallback chain with cached failures (device-independent).
 //! - [`variants`]: the kernel variants in `kernels/` and their NVRTC compilation.
 //! - [`nvrtc`]: finding and calling NVRTC (PyPI wheel, CUDA toolkit, or system).
@@ -47,6 +49,7 @@ pub mod check;
 pub mod cuda;
 pub mod device;
 pub mod error;
+pub mod group;
 pub mod host;
 pub mod node;
 pub mod nvrtc;

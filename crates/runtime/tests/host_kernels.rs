@@ -350,16 +350,16 @@ fn harness_finds_the_lamport_clearing_race() {
     // peer that is one call ahead may already be writing.
     let patched = variants::FUSED_SOURCE
         .replace(
-            "st + 2 + (n + ARF_NBUF - 1u) % ARF_NBUF",
-            "st + 2 + (n + 1u) % ARF_NBUF",
+            "ARF_STATE_USED + (n + ARF_NBUF - 1u) % ARF_NBUF",
+            "ARF_STATE_USED + (n + 1u) % ARF_NBUF",
         )
         .replace(
             "(u64)((s_call + ARF_NBUF - 1u) % ARF_NBUF) * p.lamport_stride",
             "(u64)((s_call + 1u) % ARF_NBUF) * p.lamport_stride",
         )
         .replace(
-            "st[2 + (call + ARF_NBUF - 1u) % ARF_NBUF] = 0u;",
-            "st[2 + (call + 1u) % ARF_NBUF] = 0u;",
+            "st[ARF_STATE_USED + (call + ARF_NBUF - 1u) % ARF_NBUF] = 0u;",
+            "st[ARF_STATE_USED + (call + 1u) % ARF_NBUF] = 0u;",
         );
     assert_eq!(
         patched.matches("+ 1u) % ARF_NBUF").count(),
@@ -414,6 +414,72 @@ fn harness_finds_the_lamport_clearing_race() {
     }
     let (attempt, bad) = caught.expect("the patched (racy) kernel passed every skewed sequence");
     println!("race found in attempt {attempt}: {}", bad[0]);
+}
+
+/// The harness finds a readiness test that looks at one word of a 16-byte vector: with
+/// chaos on, the host device's vector stores tear (their four words land in a random
+/// order with pauses between them, as PTX allows), so a poll that sees the first word
+/// written reads the others before they land. A copy of the kernel patched that way
+/// must fail a skewed sequence with chaos; the real kernel passes the same sequence.
+#[test]
+fn harness_finds_a_readiness_test_of_one_word() {
+    const ATTEMPTS: u64 = 4;
+    let (world, dtype, e) = (4, ActDtype::Bf16, Epilogue::RES_NORM);
+    let variant = case_of(world, dtype, e, Strategy::OneShot, 1, HIDDEN).variant();
+    let common = variants::COMMON_HEADER.replace(
+        "return arf_word_ready(v.x) && arf_word_ready(v.y) && arf_word_ready(v.z) && arf_word_ready(v.w);",
+        "return arf_word_ready(v.x);",
+    );
+    assert_ne!(
+        common,
+        variants::COMMON_HEADER,
+        "the patch no longer applies to kernels/arfuse_common.cuh"
+    );
+    let patched = variants::FUSED_SOURCE.replace("#include \"arfuse_common.cuh\"", &common);
+    let k = compiler()
+        .kernel_from_source(&variant, Build::Plain, patched)
+        .expect("patched kernel builds");
+    let weak: HashMap<Variant, Arc<HostKernel>> = [(variant, Arc::new(k))].into_iter().collect();
+    let real = kernels(&[variant]);
+    let mut caught = None;
+    for attempt in 0..ATTEMPTS {
+        let steps: Vec<(Strategy, u32)> = random_steps(12, 70 + attempt)
+            .into_iter()
+            .map(|(_, t)| (Strategy::OneShot, t))
+            .collect();
+        let opts = LaunchOptions::skewed(70 + attempt, Duration::from_micros(100)).with_chaos(20);
+        let (bad, _) = run_sequence(
+            &real,
+            world,
+            dtype,
+            e,
+            &steps,
+            &opts,
+            2_000_000_000,
+            &check_inputs,
+        );
+        assert!(
+            bad.is_empty(),
+            "the real kernel failed attempt {attempt}: {}",
+            bad.join("; ")
+        );
+        let (bad, _) = run_sequence(
+            &weak,
+            world,
+            dtype,
+            e,
+            &steps,
+            &opts,
+            2_000_000_000,
+            &check_inputs,
+        );
+        if !bad.is_empty() {
+            caught = Some((attempt, bad));
+            break;
+        }
+    }
+    let (attempt, bad) = caught.expect("the one-word readiness test passed every torn sequence");
+    println!("one-word readiness caught in attempt {attempt}: {}", bad[0]);
 }
 
 /// Inputs whose every x element is `bits` on every rank (the residual and weight as

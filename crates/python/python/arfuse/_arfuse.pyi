@@ -191,3 +191,38 @@ def _fused_allreduce_rms_norm_cpu(
 def _quant_fp8_per_token_cpu(
     dtype: str, x: int, numel: int, hidden: int, quant_out: int, scale_out: int
 ) -> None: ...
+
+HOST_CALL_TOKENS: int
+
+class _HostRanks:
+    """One rank's workspace of the fused op on the host device, shared with the other
+    processes of a group (created collectively by the constructor)."""
+
+    def __init__(
+        self,
+        group: Any,
+        dtype: str,
+        hidden: int,
+        max_bytes: Optional[int] = None,
+        timeout_ms: Optional[int] = None,
+    ) -> None: ...
+    @property
+    def bytes_per_rank(self) -> int: ...
+    def run(
+        self,
+        x: int,
+        residual: int,
+        weight: int,
+        weight_dtype: str,
+        numel: int,
+        eps: float,
+        weight_bias: float,
+        norm_round_twice: bool,
+        norm_f32_sum: bool,
+        quant: str,
+        norm_out: int,
+        residual_out: int,
+        quant_out: int,
+        scale_out: int,
+        call_tag: int,
+    ) -> None: ...

@@ -8,14 +8,20 @@
   rewrites the graph so that each fused site is one call of
   `torch.ops.arfuse.fused_allreduce_rms_norm` (`arfuse::splice` says what to change).
 - `torch.ops.arfuse.fused_allreduce_rms_norm(input, residual, weight, group_name, eps,
-  weight_bias, norm_round_twice, norm_f32_sum, quant) -> (norm, residual_out,
+  weight_bias, norm_round_twice, norm_f32_sum, quant, call_tag=0) -> (norm, residual_out,
   quant_out, scale)`: the
   fused all-reduce -> (residual add ->) RMSNorm (-> per-token FP8 quant) op. CPU
-  kernel: all-gathers every rank's input over the process group `group_name`
-  (torch.distributed) and computes arfuse's rounding contract on them in Rust (clause 1
-  sums in rank order from +0.0 in f32; torch.distributed's own sum, e.g. gloo's, uses
-  another order and rounds at every step). A fake kernel for compilation. CUDA: not
-  built in this package; the CUDA entry raises.
+  kernel: arfuse's own fused kernels (kernels/, compiled for the CPU: the runtime's
+  host device) run on every rank of the process group `group_name`
+  (torch.distributed) over a workspace in shared memory that the ranks create together
+  on the first call (one per group, dtype and hidden size, kept for the life of the
+  process); they sum in rank order from +0.0 in f32 (contract clause 1;
+  torch.distributed's own sum, e.g. gloo's, uses another order and rounds at every
+  step). A failed call (a rank that times out, dies or calls with another T or another
+  site) raises on every rank and resets the workspace. Groups of a size the kernels are
+  not built for (1, or W outside 2, 4, 8, 16) are computed by the reference contract
+  from an all-gather. A fake kernel for compilation. CUDA: not built in this package;
+  the CUDA entry raises.
 - `torch.ops.arfuse.quant_fp8_per_token(input) -> (quant, scale)`: dynamic per-token
   FP8 quant (contract clause 4, the fused op's epilogue): e4m3 values and f32 scales
   `[..., 1]`. The importer reads it as the IR's `quant_fp8_per_token`, so a model that
@@ -24,10 +30,12 @@
 Importing this module registers the ops. Inference only (no autograd formulas).
 """
 
+import atexit
 import gc
 import hashlib
 import json
 import operator
+import os
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -102,15 +110,19 @@ def _process_group(group_name: str):
     return _resolve_process_group(group_name)
 
 
-def _gather_ranks(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Every rank's `x`, in rank order: `[world, *x.shape]` (a one-rank group needs no
-    collective)."""
+def _process_group_of(group_name: str):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"arfuse.fused_allreduce_rms_norm: process group {group_name!r} needs an "
             "initialised torch.distributed"
         )
-    pg = _process_group(group_name)
+    return _process_group(group_name)
+
+
+def _gather_ranks(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Every rank's `x`, in rank order: `[world, *x.shape]` (a one-rank group needs no
+    collective)."""
+    pg = _process_group_of(group_name)
     world = dist.get_world_size(pg)
     out = torch.empty((world,) + tuple(x.shape), dtype=x.dtype)
     if world == 1:
@@ -118,6 +130,52 @@ def _gather_ranks(x: torch.Tensor, group_name: str) -> torch.Tensor:
     else:
         dist.all_gather(list(out.unbind(0)), x, group=pg)
     return out
+
+
+# World sizes arfuse's kernels are built for (arfuse_abi::WORLD_SIZES).
+KERNEL_WORLD_SIZES = (2, 4, 8, 16)
+
+
+class _TorchGroup:
+    """The runtime's view of a torch.distributed process group: rank, world size and an
+    all-gather of bytes (`all_gather_object`, so any backend the group has works)."""
+
+    def __init__(self, pg) -> None:
+        self.pg = pg
+        self.rank = dist.get_rank(pg)
+        self.world_size = dist.get_world_size(pg)
+
+    def all_gather(self, mine: bytes) -> List[bytes]:
+        out: List[Any] = [None] * self.world_size
+        dist.all_gather_object(out, bytes(mine), group=self.pg)
+        return out
+
+
+# One workspace per (group name, dtype, hidden size), created on the first call and
+# freed at exit.
+_HOST_RANKS: Dict[Tuple[str, str, int], Any] = {}
+
+
+def _host_ranks(group_name: str, pg, dtype: str, hidden: int):
+    key = (group_name, dtype, hidden)
+    ws = _HOST_RANKS.get(key)
+    if ws is None:
+        max_bytes = os.environ.get("ARFUSE_HOST_MAX_BYTES")
+        timeout_ms = os.environ.get("ARFUSE_HOST_TIMEOUT_MS")
+        ws = _arfuse._HostRanks(
+            _TorchGroup(pg),
+            dtype,
+            hidden,
+            None if not max_bytes else int(max_bytes),
+            None if not timeout_ms else int(timeout_ms),
+        )
+        _HOST_RANKS[key] = ws
+    return ws
+
+
+@atexit.register
+def _free_workspaces() -> None:
+    _HOST_RANKS.clear()
 
 
 @torch.library.custom_op("arfuse::fused_allreduce_rms_norm", mutates_args=(), device_types="cpu")
@@ -131,12 +189,15 @@ def fused_allreduce_rms_norm(
     norm_round_twice: bool,
     norm_f32_sum: bool,
     quant: str,
+    call_tag: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused op on this rank (see the module documentation). `input` `[..., H]`,
     `residual` like `input` (or None), `weight` `[H]` (the activation dtype, or f32).
     `norm_round_twice`: the norm rounds `h * r` to the activation dtype before the
     weight multiply; `norm_f32_sum`: it normalises the unrounded f32 sum of the
     all-reduce output and the residual (vLLM's native `fused_add_rms_norm`).
+    `call_tag`: the site of this call (the pass numbers its sites); every rank's call
+    carries it, and ranks that run different sites in one call stop with an error.
     Returns (norm, residual_out, quant_out, scale): norm and residual_out like input;
     for quant `fp8_per_token`, e4m3 values like input and f32 scales `[..., 1]`, else
     two empty tensors."""
@@ -158,8 +219,28 @@ def fused_allreduce_rms_norm(
                 f"input {input.dtype}{list(input.shape)}"
             )
         r = residual.contiguous()
-    ranks = _gather_ranks(x, group_name)
     norm, res, q, s = _outputs_like(input, quant)
+    pg = _process_group_of(group_name)
+    if dist.get_world_size(pg) in KERNEL_WORLD_SIZES and x.numel() > 0:
+        _host_ranks(group_name, pg, dtype, hidden).run(
+            x.data_ptr(),
+            0 if r is None else r.data_ptr(),
+            w.data_ptr(),
+            _dtype_name("weight", w),
+            x.numel(),
+            float(eps),
+            float(weight_bias),
+            bool(norm_round_twice),
+            bool(norm_f32_sum),
+            quant,
+            norm.data_ptr(),
+            res.data_ptr(),
+            q.data_ptr() if quant != "none" else 0,
+            s.data_ptr() if quant != "none" else 0,
+            int(call_tag),
+        )
+        return norm, res, q, s
+    ranks = _gather_ranks(x, group_name)
     _arfuse._fused_allreduce_rms_norm_cpu(
         dtype,
         ranks.data_ptr(),
@@ -183,7 +264,7 @@ def fused_allreduce_rms_norm(
 
 
 @fused_allreduce_rms_norm.register_kernel("cuda")
-def _fused_cuda(input, residual, weight, group_name, eps, weight_bias, norm_round_twice, norm_f32_sum, quant):
+def _fused_cuda(input, residual, weight, group_name, eps, weight_bias, norm_round_twice, norm_f32_sum, quant, call_tag=0):
     raise NotImplementedError(
         "arfuse.fused_allreduce_rms_norm: the CUDA kernel is not built into this package "
         "(arfuse's CUDA kernels run through the Rust crate arfuse-runtime, which the "
@@ -193,7 +274,7 @@ def _fused_cuda(input, residual, weight, group_name, eps, weight_bias, norm_roun
 
 
 @fused_allreduce_rms_norm.register_fake
-def _fused_fake(input, residual, weight, group_name, eps, weight_bias, norm_round_twice, norm_f32_sum, quant):
+def _fused_fake(input, residual, weight, group_name, eps, weight_bias, norm_round_twice, norm_f32_sum, quant, call_tag=0):
     _check_quant(quant)
     return _outputs_like(input, quant)
 
@@ -416,8 +497,8 @@ def apply_splice(graph: torch.fx.Graph, splice: Dict[str, Any]) -> List[str]:
         vals = _Vals(graph, removed, pool)
     outs: List[Optional[List[torch.fx.Node]]] = []
     tail: Dict[torch.fx.Node, torch.fx.Node] = {}
-    for p in planned:
-        outs.append(None if p is None else _insert_site(graph, p, outs, tail, vals))
+    for tag, p in enumerate(planned):
+        outs.append(None if p is None else _insert_site(graph, p, outs, tail, vals, tag))
     _erase_dead(graph, removed)
     return left
 
@@ -588,9 +669,11 @@ def _insert_site(
     outs: Sequence[Optional[List[torch.fx.Node]]],
     tail: Dict[torch.fx.Node, torch.fx.Node],
     site_vals: _Vals,
+    call_tag: int,
 ) -> List[torch.fx.Node]:
-    """Inserts one planned site's call after the nodes already inserted at its anchor;
-    returns its outputs (one per written output)."""
+    """Inserts one planned site's call (tagged `call_tag`, its index in the splice)
+    after the nodes already inserted at its anchor; returns its outputs (one per written
+    output)."""
     ins = []
     for a in p.args:
         if isinstance(a, torch.fx.Node):
@@ -604,7 +687,7 @@ def _insert_site(
     res = rest[0] if residual else None
     weight = rest[1] if residual else rest[0]
     group, eps, weight_bias, twice, f32_sum, quant = p.call_args
-    call_args = (x, res, weight, group, eps, weight_bias, twice, f32_sum, quant)
+    call_args = (x, res, weight, group, eps, weight_bias, twice, f32_sum, quant, call_tag)
     op = torch.ops.arfuse.fused_allreduce_rms_norm.default
     vals = site_vals.for_site(p, quant)
     after = tail.get(p.anchor, p.anchor)

@@ -274,7 +274,11 @@ pub struct HostWorkspace {
 /// One rank's workspace bytes in their initial state: the state block (everything
 /// before the Lamport buffers) zero, every element of the Lamport buffers the -0.0
 /// sentinel of `dtype`.
-fn initialise_rank(bytes: &mut [u8], layout: &ArfuseLayout, dtype: ActDtype) -> Result<()> {
+pub(crate) fn initialise_rank(
+    bytes: &mut [u8],
+    layout: &ArfuseLayout,
+    dtype: ActDtype,
+) -> Result<()> {
     let dtype = dtype;
     let bits = dtype.sentinel_bits().to_le_bytes();
     let word = &bits[..dtype.element_bytes() as usize];

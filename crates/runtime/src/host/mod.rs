@@ -12,6 +12,8 @@
 //!   (what [`crate::runner::Runner`] runs on without a GPU): every rank its own launch
 //!   stream, launches queued until a sync, capture and replay, memory it checks every
 //!   launch against.
+//! - [`ranks`]: real ranks: W processes of a [`crate::group::Group`] over a workspace in
+//!   POSIX shared memory ([`RankWorkspace`], created collectively, all or nothing).
 //! - [`cases`]: the GPU check's cases ([`crate::check`]) on the host: buffers, fused
 //!   calls with every rank launched separately, the unfused path.
 //! - [`Conversions`]: the software `cvt` conversions of the host build, callable from
@@ -28,11 +30,13 @@ pub mod compile;
 pub mod device;
 pub mod launch;
 pub mod memory;
+pub mod ranks;
 
 pub use compile::{Build, Compiler};
 pub use device::{HostDevice, HostDeviceWorkspace, HostGraph, HostMem, HostOptions};
 pub use launch::{run_rank_set, run_ranks, HostKernel, LaunchOptions, RankLaunch, RankTrace};
 pub use memory::{HostBuffer, HostWorkspace, Slots};
+pub use ranks::{RankOptions, RankWorkspace};
 
 use crate::error::{Error, Result};
 
