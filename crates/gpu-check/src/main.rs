@@ -1,6 +1,12 @@
 //! `gpu_check`: the one prepared script for a GPU machine. Built here
 //! (`cargo xtask gpu-check --build-only`), carried and run there.
 //!
+//! 0. Preflight (`preflight`, `real_ranks`): the launch unknowns one at a time, each in
+//!    its own child process with a bound (a fault or hang is reported, not inherited):
+//!    the fused kernel on virtual ranks launched cooperative + PDL, cooperative alone,
+//!    PDL with a non-cooperative grid sized to fit, and neither, each directly and from
+//!    a captured graph; then W = 2 real ranks (two processes on GPU 0 over CUDA IPC).
+//!    Only then the matrix.
 //! 1. Correctness, on virtual ranks (W logical ranks on one GPU, one cooperative
 //!    launch): every fused pattern x dtype x W in {2, 4, 8} x strategy x T in
 //!    {1, 7, 16, 40, 42, 128, 1024} (`arfuse_runtime::check::all_cases`), checked
@@ -16,8 +22,9 @@
 //!    vs unfused (arfuse's all-reduce-only kernel + local kernel); bandwidth at T = 256,
 //!    1024, 4096 as GB/s over the algorithm's bytes (`check::bytes_moved`) and over the
 //!    fewest bytes any algorithm moves (`check::minimum_bytes`), each against a
-//!    measured device-to-device copy; the targets (>= 2x unfused at small T, <= 4 us at
-//!    T = 1, >= 80% of the copy at large T).
+//!    measured device-to-device copy. Every table is labelled as W virtual ranks on one
+//!    GPU (no NVLink hop) and claims none of the latency or bandwidth targets: those
+//!    need real ranks on W GPUs.
 //! 3. The same unfused sequence written with torch ops (`torch_baseline.py` next to this
 //!    crate, run with the machine's `python3`), when PyTorch is there.
 //!
@@ -25,6 +32,8 @@
 //! nothing was checked (no CUDA driver on this machine); 64 bad arguments.
 
 mod node_check;
+mod preflight;
+mod real_ranks;
 mod timings;
 
 use anyhow::{anyhow, Context};
@@ -113,6 +122,15 @@ struct Args {
     /// Skip the torch baseline.
     #[arg(long)]
     no_torch: bool,
+    /// Skip the preflight (launch modes, real ranks).
+    #[arg(long)]
+    no_preflight: bool,
+    /// Internal: run preflight launch mode N in this process.
+    #[arg(long, hide = true)]
+    preflight_mode: Option<usize>,
+    /// Internal: run one real rank (`RANK:SOCKET`) in this process.
+    #[arg(long, hide = true)]
+    real_rank_child: Option<String>,
 }
 
 /// Device buffers for W ranks' tensors of the largest case, reused by every case.
@@ -631,6 +649,14 @@ fn validate(args: &Args) -> anyhow::Result<()> {
 }
 
 fn run(args: &Args) -> anyhow::Result<usize> {
+    if let Some(mode) = args.preflight_mode {
+        preflight::run_mode(mode, args.hidden)?;
+        return Ok(0);
+    }
+    if let Some(spec) = &args.real_rank_child {
+        real_ranks::run_child(spec, args.hidden)?;
+        return Ok(0);
+    }
     match args.device {
         DeviceKind::Cuda => run_cuda(args),
         DeviceKind::Host => run_host(args),
@@ -655,6 +681,10 @@ fn run_cuda(args: &Args) -> anyhow::Result<usize> {
         nv.path()
     );
     let mut failures = 0;
+    if !args.no_preflight {
+        failures += preflight::run(args.hidden)?;
+        failures += real_ranks::run(args.hidden)?;
+    }
     if !args.no_correctness {
         failures += correctness(&mut gpu, args, info.sm >= 100)?;
         let open = || -> anyhow::Result<Gpu> {

@@ -46,6 +46,7 @@ fn _arfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel::_fused_allreduce_rms_norm_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(kernel::_quant_fp8_per_token_cpu, m)?)?;
     m.add_class::<ranks::HostRanks>()?;
-    m.add("HOST_CALL_TOKENS", ranks::HOST_CALL_TOKENS)?;
+    m.add_class::<ranks::CudaRanks>()?;
+    m.add("CALL_TOKENS", ranks::CALL_TOKENS)?;
     Ok(())
 }

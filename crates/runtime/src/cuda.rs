@@ -10,6 +10,8 @@
 //! ranks cannot starve each other. Real peers later pass IPC or multicast-unicast
 //! addresses in the same `peer[]` array and launch `(nblocks, 1, 1)` per GPU.
 //!
+//! Real ranks (one GPU per process of a [`crate::group::Group`]): [`ipc::IpcWorkspace`].
+//!
 //! NOT YET RUN ON A GPU: this session had no device machine; this module compiles and
 //! its CPU-side parts (shapes, parameters) are unit-tested, the rest is unverified.
 
@@ -22,6 +24,8 @@ use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
+
+pub mod ipc;
 
 /// Checks that a driver library can be loaded, without touching cudarc.
 ///
@@ -141,6 +145,7 @@ pub struct Gpu {
     capturing: std::cell::Cell<bool>,
     compile_threads: usize,
     pdl: bool,
+    cooperative: bool,
 }
 
 impl Gpu {
@@ -201,6 +206,7 @@ impl Gpu {
                 capturing: std::cell::Cell::new(false),
                 compile_threads: 4,
                 pdl: true,
+                cooperative: true,
             })
         })
     }
@@ -372,6 +378,50 @@ impl Gpu {
         cooperative: bool,
         pdl: bool,
     ) -> Result<()> {
+        self.launch_on(self.stream, f, gx, gy, block, params, cooperative, pdl)
+    }
+
+    /// Whether `stream` (a stream of this device's context, e.g. torch's current
+    /// stream) is capturing.
+    ///
+    /// # Errors
+    /// Driver errors.
+    fn stream_capturing(&self, stream: sys::CUstream) -> Result<bool> {
+        let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a stream handle of this context and a valid out-pointer.
+        check(
+            unsafe { sys::cuStreamIsCapturing(stream, &mut st) },
+            "cuStreamIsCapturing",
+        )?;
+        Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Waits for everything enqueued on `stream`.
+    ///
+    /// # Errors
+    /// Driver errors (a kernel fault included).
+    fn sync_stream(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: a stream handle of this context.
+        check(
+            unsafe { sys::cuStreamSynchronize(stream) },
+            "cuStreamSynchronize",
+        )
+    }
+
+    /// [`Gpu::launch`] on `stream` (a stream of this device's context, e.g. torch's
+    /// current stream) instead of this handle's own.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_on(
+        &self,
+        stream: sys::CUstream,
+        f: KernelFn,
+        gx: u32,
+        gy: u32,
+        block: u32,
+        params: &KernelParams,
+        cooperative: bool,
+        pdl: bool,
+    ) -> Result<()> {
         // SAFETY: zeroed attribute structs are valid (plain C data).
         let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
         let mut n = 0usize;
@@ -394,7 +444,7 @@ impl Gpu {
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: 0,
-            hStream: self.stream,
+            hStream: stream,
             attrs: attrs.as_mut_ptr(),
             numAttrs: n as u32,
         };
@@ -503,6 +553,14 @@ impl Gpu {
     /// after the final barrier). Off: every launch waits for the previous kernel to end.
     pub fn set_pdl(&mut self, on: bool) {
         self.pdl = on;
+    }
+
+    /// Whether fused launches of virtual ranks are cooperative (the default: the driver
+    /// then guarantees that every CTA is resident at once). Off, the grid is still
+    /// sized to what the GPU holds at once, without the guarantee: the GPU check's
+    /// preflight compares the two.
+    pub fn set_cooperative(&mut self, on: bool) {
+        self.cooperative = on;
     }
 
     /// Whether PDL is on ([`Gpu::set_pdl`]).
@@ -662,6 +720,37 @@ impl Drop for Graph {
     }
 }
 
+/// Enqueues on the work stream the initial state of one rank's workspace at `rank`
+/// (device address of its first byte, [`ArfuseLayout::bytes_per_rank`] bytes there): the
+/// state block zero, the Lamport buffers the -0.0 sentinel of `dtype`.
+///
+/// # Errors
+/// Driver errors.
+fn enqueue_rank_fill(gpu: &Gpu, rank: u64, layout: &ArfuseLayout, dtype: ActDtype) -> Result<()> {
+    let lam = arfuse_abi::LAMPORT_BUFFER_COUNT * layout.lamport_buffer_bytes;
+    // SAFETY: the state block [0, lamport_offset) of the rank lies inside its
+    // allocation (layout arithmetic is checked when the workspace is made).
+    let rc = unsafe { sys::cuMemsetD8Async(rank, 0, layout.lamport_offset as usize, gpu.stream) };
+    check(rc, "cuMemsetD8Async (workspace state)")?;
+    let base = rank + layout.lamport_offset;
+    let rc = match dtype {
+        // SAFETY: the Lamport range of the rank lies inside its allocation, as above.
+        ActDtype::Bf16 | ActDtype::F16 => unsafe {
+            sys::cuMemsetD16Async(
+                base,
+                dtype.sentinel_bits() as u16,
+                (lam / 2) as usize,
+                gpu.stream,
+            )
+        },
+        // SAFETY: as above.
+        ActDtype::F32 => unsafe {
+            sys::cuMemsetD32Async(base, dtype.sentinel_bits(), (lam / 4) as usize, gpu.stream)
+        },
+    };
+    check(rc, "cuMemsetD16/D32Async (Lamport sentinel)")
+}
+
 /// W virtual ranks' workspaces in one allocation, plus the error word.
 pub struct VirtualWorkspace {
     /// The workspace the plan proved (what is allocated per rank).
@@ -710,39 +799,9 @@ impl VirtualWorkspace {
     /// # Errors
     /// Driver errors.
     pub fn initialise(&self, gpu: &Gpu) -> Result<()> {
-        let layout = &self.layout;
-        let lam = arfuse_abi::LAMPORT_BUFFER_COUNT * layout.lamport_buffer_bytes;
-        let dtype = self.workspace.dtype;
         for r in 0..u64::from(self.workspace.world_size) {
-            let rank = self.memory.ptr + r * layout.bytes_per_rank;
-            // SAFETY: the state block [0, lamport_offset) of rank r lies inside `memory`
-            // (layout arithmetic is checked when the workspace is created).
-            let rc = unsafe {
-                sys::cuMemsetD8Async(rank, 0, layout.lamport_offset as usize, gpu.stream)
-            };
-            check(rc, "cuMemsetD8Async (workspace state)")?;
-            let base = rank + layout.lamport_offset;
-            let rc = match dtype {
-                // SAFETY: the Lamport range of rank r lies inside `memory`, as above.
-                ActDtype::Bf16 | ActDtype::F16 => unsafe {
-                    sys::cuMemsetD16Async(
-                        base,
-                        dtype.sentinel_bits() as u16,
-                        (lam / 2) as usize,
-                        gpu.stream,
-                    )
-                },
-                // SAFETY: as above.
-                ActDtype::F32 => unsafe {
-                    sys::cuMemsetD32Async(
-                        base,
-                        dtype.sentinel_bits(),
-                        (lam / 4) as usize,
-                        gpu.stream,
-                    )
-                },
-            };
-            check(rc, "cuMemsetD16/D32Async (Lamport sentinel)")?;
+            let rank = self.memory.ptr + r * self.layout.bytes_per_rank;
+            enqueue_rank_fill(gpu, rank, &self.layout, self.workspace.dtype)?;
         }
         // SAFETY: the error word is the 4 bytes of `err`.
         let rc = unsafe { sys::cuMemsetD8Async(self.err.ptr, 0, 4, gpu.stream) };
@@ -810,7 +869,7 @@ impl Device for Gpu {
             .params
             .with_virtual_workspace(&ws.layout, world, ws.memory.ptr, ws.err.ptr)?
             .for_call(call)?;
-        self.launch(f, gx, world, block, &p, true, self.pdl)
+        self.launch(f, gx, world, block, &p, self.cooperative, self.pdl)
     }
 
     fn launch_local(&mut self, call: &FusedCall) -> Result<()> {

@@ -169,6 +169,42 @@ pub fn vote(
     )))
 }
 
+/// The outcome of real-rank call `call` of `rank`, from its error word `word` and the
+/// abort word of its state block `abort` (`arfuse_abi::protocol`): `Ok` when both are
+/// clear. A peer's abort fails the call here too, even when this rank's CTAs had every
+/// value they needed (the call failed on that rank, and the workspace is reset on every
+/// rank); this rank's own abort, which its other CTAs read as a peer's, is not
+/// reported as a peer's.
+///
+/// # Errors
+/// [`Error::CallFailed`] naming this rank, the call, the error bits in words and, when
+/// a peer aborted, that peer and its cause.
+pub fn call_result(rank: u32, call: u64, word: u32, abort: u32) -> Result<()> {
+    use arfuse_abi::protocol::{abort_word_parts, describe_error_word, ERR_PEER_ABORT};
+    let mut word = word;
+    let peer = match abort_word_parts(abort) {
+        Some((r, code)) if r != rank => {
+            word |= ERR_PEER_ABORT;
+            format!("; rank {r} gave up first: {}", describe_error_word(code))
+        }
+        Some(_) if word & !ERR_PEER_ABORT != 0 => {
+            word &= !ERR_PEER_ABORT;
+            String::new()
+        }
+        _ => String::new(),
+    };
+    if word == 0 {
+        return Ok(());
+    }
+    Err(Error::CallFailed {
+        rank,
+        call,
+        word,
+        what: describe_error_word(word),
+        peer,
+    })
+}
+
 /// A [`Group`] of W processes on this machine over a Unix socket: rank 0 listens at a
 /// path and every other rank connects to it; an all-gather sends each rank's bytes to
 /// rank 0, which sends every rank all of them. For Rust programs and tests; an engine
@@ -406,6 +442,33 @@ mod tests {
         }
         drop(gs);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn call_results_name_the_rank_that_gave_up() {
+        use arfuse_abi::protocol::{
+            abort_word, ERR_CALL_MISMATCH, ERR_ONESHOT_TIMEOUT, ERR_PEER_ABORT,
+        };
+        assert!(call_result(1, 4, 0, 0).is_ok());
+        // A peer's abort fails a call whose own word is clear.
+        let e = call_result(1, 4, 0, abort_word(ERR_CALL_MISMATCH, 0)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "fused call 4 failed on rank 1: a peer aborted the call (error word 0x8); rank 0 \
+             gave up first: ranks disagree on the call (T, call tag or sequence)"
+        );
+        // This rank's own abort is not a peer's.
+        let e = call_result(
+            2,
+            0,
+            ERR_ONESHOT_TIMEOUT | ERR_PEER_ABORT,
+            abort_word(ERR_ONESHOT_TIMEOUT, 2),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "fused call 0 failed on rank 2: one-shot timeout waiting for a peer (error word 0x1)"
+        );
     }
 
     #[test]

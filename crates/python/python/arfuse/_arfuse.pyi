@@ -192,7 +192,7 @@ def _quant_fp8_per_token_cpu(
     dtype: str, x: int, numel: int, hidden: int, quant_out: int, scale_out: int
 ) -> None: ...
 
-HOST_CALL_TOKENS: int
+CALL_TOKENS: int
 
 class _HostRanks:
     """One rank's workspace of the fused op on the host device, shared with the other
@@ -225,4 +225,37 @@ class _HostRanks:
         quant_out: int,
         scale_out: int,
         call_tag: int,
+    ) -> None: ...
+
+class _CudaRanks:
+    """One rank's workspace of the fused op on a CUDA GPU, shared with the other
+    processes of a group over CUDA IPC (created collectively, outside any capture)."""
+
+    def __init__(
+        self,
+        group: Any,
+        dtype: str,
+        hidden: int,
+        device: int,
+        stream: int,
+        timeout_ms: Optional[int] = None,
+    ) -> None: ...
+    def run(
+        self,
+        x: int,
+        residual: int,
+        weight: int,
+        weight_dtype: str,
+        numel: int,
+        eps: float,
+        weight_bias: float,
+        norm_round_twice: bool,
+        norm_f32_sum: bool,
+        quant: str,
+        norm_out: int,
+        residual_out: int,
+        quant_out: int,
+        scale_out: int,
+        call_tag: int,
+        stream: int,
     ) -> None: ...

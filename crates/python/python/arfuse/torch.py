@@ -20,8 +20,9 @@
   step). A failed call (a rank that times out, dies or calls with another T or another
   site) raises on every rank and resets the workspace. Groups of a size the kernels are
   not built for (1, or W outside 2, 4, 8, 16) are computed by the reference contract
-  from an all-gather. A fake kernel for compilation. CUDA: not built in this package;
-  the CUDA entry raises.
+  from an all-gather. A fake kernel for compilation. CUDA tensors: the same kernels
+  through the runtime's CUDA device on torch's current stream, the workspace over CUDA
+  IPC, made on the first call before any graph capture (written, not yet run on a GPU).
 - `torch.ops.arfuse.quant_fp8_per_token(input) -> (quant, scale)`: dynamic per-token
   FP8 quant (contract clause 4, the fused op's epilogue): e4m3 values and f32 scales
   `[..., 1]`. The importer reads it as the IR's `quant_fp8_per_token`, so a model that
@@ -132,6 +133,33 @@ def _gather_ranks(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return out
 
 
+def _op_inputs(input, residual, weight, quant: str, device: str):
+    """The fused op's checked inputs: (dtype name, H, input, residual or None, weight),
+    contiguous, every tensor on `device` (`cpu` or `cuda`)."""
+    _check_quant(quant)
+    dtype = _dtype_name("input", input)
+    hidden = input.shape[-1] if input.dim() > 0 else 0
+    tensors = [("input", input), ("weight", weight)] + ([("residual", residual)] if residual is not None else [])
+    for what, t in tensors:
+        if t.device.type != device:
+            raise ValueError(f"arfuse: {what} is on {t.device}; this kernel runs on {device}")
+    if input.device.type == "cuda" and any(t.device != input.device for _, t in tensors):
+        raise ValueError("arfuse: input, residual and weight are on different devices")
+    x = input.contiguous()
+    w = weight.contiguous()
+    if w.numel() != hidden:
+        raise ValueError(f"arfuse: weight has {w.numel()} elements, the hidden size is {hidden}")
+    r = None
+    if residual is not None:
+        if residual.dtype != input.dtype or residual.numel() != input.numel():
+            raise ValueError(
+                f"arfuse: residual {residual.dtype}{list(residual.shape)} does not match "
+                f"input {input.dtype}{list(input.shape)}"
+            )
+        r = residual.contiguous()
+    return dtype, hidden, x, r, w
+
+
 # World sizes arfuse's kernels are built for (arfuse_abi::WORLD_SIZES).
 KERNEL_WORLD_SIZES = (2, 4, 8, 16)
 
@@ -176,6 +204,7 @@ def _host_ranks(group_name: str, pg, dtype: str, hidden: int):
 @atexit.register
 def _free_workspaces() -> None:
     _HOST_RANKS.clear()
+    _CUDA_RANKS.clear()
 
 
 @torch.library.custom_op("arfuse::fused_allreduce_rms_norm", mutates_args=(), device_types="cpu")
@@ -201,24 +230,7 @@ def fused_allreduce_rms_norm(
     Returns (norm, residual_out, quant_out, scale): norm and residual_out like input;
     for quant `fp8_per_token`, e4m3 values like input and f32 scales `[..., 1]`, else
     two empty tensors."""
-    _check_quant(quant)
-    dtype = _dtype_name("input", input)
-    _check_cpu("input", input)
-    hidden = input.shape[-1] if input.dim() > 0 else 0
-    x = input.contiguous()
-    w = weight.contiguous()
-    _check_cpu("weight", w)
-    if w.numel() != hidden:
-        raise ValueError(f"arfuse: weight has {w.numel()} elements, the hidden size is {hidden}")
-    r = None
-    if residual is not None:
-        _check_cpu("residual", residual)
-        if residual.dtype != input.dtype or residual.numel() != input.numel():
-            raise ValueError(
-                f"arfuse: residual {residual.dtype}{list(residual.shape)} does not match "
-                f"input {input.dtype}{list(input.shape)}"
-            )
-        r = residual.contiguous()
+    dtype, hidden, x, r, w = _op_inputs(input, residual, weight, quant, "cpu")
     norm, res, q, s = _outputs_like(input, quant)
     pg = _process_group_of(group_name)
     if dist.get_world_size(pg) in KERNEL_WORLD_SIZES and x.numel() > 0:
@@ -263,14 +275,61 @@ def fused_allreduce_rms_norm(
     return norm, res, q, s
 
 
+# One CUDA workspace per (group name, dtype, hidden size, device), created on the
+# first call outside a capture and freed at exit.
+_CUDA_RANKS: Dict[Tuple[str, str, int, int], Any] = {}
+
+
 @fused_allreduce_rms_norm.register_kernel("cuda")
 def _fused_cuda(input, residual, weight, group_name, eps, weight_bias, norm_round_twice, norm_f32_sum, quant, call_tag=0):
-    raise NotImplementedError(
-        "arfuse.fused_allreduce_rms_norm: the CUDA kernel is not built into this package "
-        "(arfuse's CUDA kernels run through the Rust crate arfuse-runtime, which the "
-        "Python package does not link yet); run the model on the CPU, or compile without "
-        "arfuse.torch.FusionPass"
-    )
+    """The fused op on CUDA tensors: arfuse's kernels through the runtime's CUDA device
+    on torch's current stream, the ranks' workspaces mapped over CUDA IPC. The workspace
+    and the kernels are made on the first call, which must come before any CUDA graph
+    capture (an engine's warm-up run); a captured call only launches. NOT YET RUN ON A
+    GPU."""
+    dtype, hidden, x, r, w = _op_inputs(input, residual, weight, quant, "cuda")
+    norm, res, q, s = _outputs_like(input, quant)
+    pg = _process_group_of(group_name)
+    world = dist.get_world_size(pg)
+    if world not in KERNEL_WORLD_SIZES:
+        raise NotImplementedError(
+            f"arfuse.fused_allreduce_rms_norm: a group of {world} ranks on CUDA; the kernels "
+            f"are built for {KERNEL_WORLD_SIZES}"
+        )
+    stream = torch.cuda.current_stream(input.device).cuda_stream
+    key = (group_name, dtype, hidden, input.device.index)
+    ws = _CUDA_RANKS.get(key)
+    if ws is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "arfuse.fused_allreduce_rms_norm: the first call on a group must come before "
+                "CUDA graph capture (its workspace is created collectively, outside capture)"
+            )
+        timeout_ms = os.environ.get("ARFUSE_HOST_TIMEOUT_MS")
+        ws = _arfuse._CudaRanks(
+            _TorchGroup(pg), dtype, hidden, input.device.index, stream, None if not timeout_ms else int(timeout_ms)
+        )
+        _CUDA_RANKS[key] = ws
+    if x.numel() > 0:
+        ws.run(
+            x.data_ptr(),
+            0 if r is None else r.data_ptr(),
+            w.data_ptr(),
+            _dtype_name("weight", w),
+            x.numel(),
+            float(eps),
+            float(weight_bias),
+            bool(norm_round_twice),
+            bool(norm_f32_sum),
+            quant,
+            norm.data_ptr(),
+            res.data_ptr(),
+            q.data_ptr() if quant != "none" else 0,
+            s.data_ptr() if quant != "none" else 0,
+            int(call_tag),
+            stream,
+        )
+    return norm, res, q, s
 
 
 @fused_allreduce_rms_norm.register_fake

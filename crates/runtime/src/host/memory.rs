@@ -279,7 +279,6 @@ pub(crate) fn initialise_rank(
     layout: &ArfuseLayout,
     dtype: ActDtype,
 ) -> Result<()> {
-    let dtype = dtype;
     let bits = dtype.sentinel_bits().to_le_bytes();
     let word = &bits[..dtype.element_bytes() as usize];
     let size = |v: u64| usize::try_from(v).map_err(|_| Error::Overflow("workspace"));

@@ -403,36 +403,9 @@ impl RankWorkspace {
 
     fn take_error(&mut self, seq: u64) -> Result<()> {
         // SAFETY: the first word of the error buffer, between launches.
-        let mut word = unsafe { std::ptr::read_volatile(self.err.addr() as *const u32) };
-        let abort = protocol::abort_word_parts(self.state_word(protocol::STATE_WORD_ABORT));
-        let peer = match abort {
-            Some((r, code)) if r != self.rank => {
-                // A peer gave up on this call, possibly after this rank's CTAs had
-                // everything they needed: the call failed on that rank, so it fails
-                // here too, and the workspace is reset on every rank.
-                word |= protocol::ERR_PEER_ABORT;
-                format!(
-                    "; rank {r} gave up first: {}",
-                    protocol::describe_error_word(code)
-                )
-            }
-            Some(_) if word & !protocol::ERR_PEER_ABORT != 0 => {
-                // This rank's own abort, which its other CTAs read as a peer's.
-                word &= !protocol::ERR_PEER_ABORT;
-                String::new()
-            }
-            _ => String::new(),
-        };
-        if word == 0 {
-            return Ok(());
-        }
-        Err(Error::CallFailed {
-            rank: self.rank,
-            call: seq,
-            word,
-            what: protocol::describe_error_word(word),
-            peer,
-        })
+        let word = unsafe { std::ptr::read_volatile(self.err.addr() as *const u32) };
+        let abort = self.state_word(protocol::STATE_WORD_ABORT);
+        crate::group::call_result(self.rank, seq, word, abort)
     }
 
     /// Puts the workspace back in its created state on every rank (collective): a
