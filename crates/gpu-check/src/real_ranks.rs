@@ -1,5 +1,6 @@
 //! The real-rank case (issue 43): W = 2 processes on GPU 0, each one rank of a
-//! `SocketGroup`, create a workspace over CUDA IPC (`IpcWorkspace`) and run a one-shot
+//! `SocketGroup`, create a workspace (`IpcWorkspace`: fabric handles for mnnvl where
+//! the GPU has them, else CUDA IPC handles) and run a one-shot
 //! and a two-shot call (non-cooperative launches of one rank each, as on W GPUs), each
 //! rank's outputs against the contract. Two processes share one GPU here, so their
 //! kernels run time-sliced, not side by side: a correctness check of the IPC workspace
@@ -19,7 +20,9 @@ const WORLD: u32 = 2;
 
 /// The parent: W children meeting at a socket; prints each rank's lines.
 pub fn run(hidden: u32) -> anyhow::Result<usize> {
-    println!("\nreal ranks: {WORLD} processes on GPU 0 over CUDA IPC (H = {hidden}; time-sliced, correctness only)");
+    println!(
+        "\nreal ranks: {WORLD} processes on GPU 0 (H = {hidden}; time-sliced, correctness only)"
+    );
     let dir = std::env::temp_dir().join(format!("arfuse-gpu-check-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let sock = dir.join("group.sock");
@@ -66,7 +69,15 @@ pub fn run_child(spec: &str, hidden: u32) -> anyhow::Result<()> {
     let stream = gpu.stream() as usize as u64;
     let request =
         check::workspace_for(WORLD, arfuse_runtime::variants::ActDtype::Bf16, hidden, 64)?;
-    let mut ws = IpcWorkspace::create(&gpu, &group, &request, &[Backend::Trtllm], stream)?;
+    // mnnvl (fabric handles) where the GPU has multicast and fabric handles, else
+    // trtllm (IPC handles): the ranks vote, and the line says which.
+    let chain = [Backend::Mnnvl, Backend::Trtllm];
+    let mut ws = IpcWorkspace::create(&gpu, &group, &request, &chain, stream)?;
+    println!(
+        "REALRANK workspace over {:?} (fabric handles {}): ok",
+        ws.backend,
+        gpu.info().fabric_handles
+    );
     for (i, case) in cases(hidden).iter().enumerate() {
         let cell = match one_call(&mut gpu, &mut ws, case, rank, i as u32, stream) {
             Ok(v) if v.passed() => "ok".to_string(),

@@ -87,6 +87,9 @@ pub struct DeviceInfo {
     pub sm_count: u32,
     /// `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
     pub multicast: bool,
+    /// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED`: `cuMemCreate` allocations
+    /// can be exported as fabric handles (an NVLink fabric with its IMEX service).
+    pub fabric_handles: bool,
     /// Free device memory, bytes.
     pub free_bytes: u64,
     /// Total device memory, bytes.
@@ -172,6 +175,8 @@ impl Gpu {
             let minor = attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
             let sm_count = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
             let multicast = attr(A::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED).unwrap_or(0) != 0;
+            let fabric_handles =
+                attr(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED).unwrap_or(0) != 0;
             let (free, total) =
                 cudarc::driver::result::mem_get_info().map_err(|e| Error::Driver {
                     call: "cuMemGetInfo".into(),
@@ -198,6 +203,7 @@ impl Gpu {
                     sm,
                     sm_count: sm_count as u32,
                     multicast,
+                    fabric_handles,
                     free_bytes: free as u64,
                     total_bytes: total as u64,
                 },
@@ -219,6 +225,11 @@ impl Gpu {
     /// The raw stream every launch of this handle uses.
     pub fn stream(&self) -> sys::CUstream {
         self.stream
+    }
+
+    /// The device's ordinal (as given to [`Gpu::open`]).
+    pub fn ordinal(&self) -> usize {
+        self._ctx.ordinal()
     }
 
     /// Whether the stream is capturing (asks the driver, and our own flag).
@@ -293,12 +304,22 @@ impl Gpu {
         if end > src.bytes {
             return Err(Error::Invalid("download overruns the buffer".into()));
         }
-        // SAFETY: range checked above; `dst` outlives the copy (sync() below).
+        // SAFETY: range checked above.
+        unsafe { self.read_device(src.ptr + offset, dst) }
+    }
+
+    /// Copies `dst.len()` bytes at device address `addr` to the host, after everything
+    /// enqueued on the work stream, and waits for it.
+    ///
+    /// # Safety
+    /// `[addr, addr + dst.len())` is device memory mapped in this context.
+    pub(crate) unsafe fn read_device(&self, addr: u64, dst: &mut [u8]) -> Result<()> {
+        // SAFETY: the caller's range; `dst` outlives the copy (sync() below).
         check(
             unsafe {
                 sys::cuMemcpyDtoHAsync_v2(
                     dst.as_mut_ptr().cast::<c_void>(),
-                    src.ptr + offset,
+                    addr,
                     dst.len(),
                     self.stream,
                 )
