@@ -136,8 +136,14 @@ struct ArfParams {
   int norm_round_twice;    // 1: round h * r to T before the weight multiply (Llama order)
   int norm_f32_sum;        // 1: normalise the unrounded f32 sum a + residual (ARF_RESIDUAL)
   u32 call_tag;            // the caller's tag of this call (its fused site), in the call header
+  // scale_out holds the scales of `scale_rows` tokens (the caller's whole tensor, in
+  // its layout), and this call's token t is row scale_row0 + t of it: a T split into
+  // several calls writes one packed-UE8M0 or swizzled-NVFP4 tensor, whose layouts
+  // depend on the whole T. quant_out and the other outputs are offset by the caller.
+  int scale_row0;
+  int scale_rows;
 };
-static_assert(sizeof(ArfParams) == 320, "ArfParams layout changed: update KernelParams in crates/runtime/src/device.rs");
+static_assert(sizeof(ArfParams) == 328, "ArfParams layout changed: update KernelParams in crates/runtime/src/device.rs");
 
 // ---------------------------------------------------------------- conversions
 __device__ __forceinline__ float arf_bits_to_f32(u32 b) {
@@ -586,7 +592,7 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
   }
   amax = arf_block_max(amax, red);
   const float qscale = fmaxf(amax / 448.0f, 1.0f / (512.0f * 448.0f));
-  if (threadIdx.x == 0 && sout) *reinterpret_cast<float*>(sout + (u64)t * 4u) = qscale;
+  if (threadIdx.x == 0 && sout) *reinterpret_cast<float*>(sout + (u64)(p.scale_row0 + t) * 4u) = qscale;
 #endif
   if (qout) {
 #pragma unroll
@@ -641,14 +647,15 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
         const int g = idx / gw;
         if ((idx % gw) == 0 && sout) {
 #if ARF_QUANT == ARF_Q_FP8_GROUP_PACKED
-          // int32 words column-major over tokens padded to 4: word (g/4) * Tpad + t,
-          // byte g % 4. Unused bytes of the last word: arf_zero_scale_padding.
-          const u64 tpad = ((u64)p.T + 3u) & ~3ull;
-          const u64 word = (u64)(g / 4) * tpad + (u64)t;
+          // int32 words column-major over the layout's tokens padded to 4: word
+          // (g/4) * Tpad + row, byte g % 4. Unused bytes of the last word:
+          // arf_zero_scale_padding.
+          const u64 tpad = ((u64)p.scale_rows + 3u) & ~3ull;
+          const u64 word = (u64)(g / 4) * tpad + (u64)(p.scale_row0 + t);
           unsigned char* w8 = reinterpret_cast<unsigned char*>(sout + word * 4u);
           w8[g % 4] = (unsigned char)ex;
 #else
-          reinterpret_cast<float*>(sout)[(u64)t * groups + g] = gscale;
+          reinterpret_cast<float*>(sout)[(u64)(p.scale_row0 + t) * groups + g] = gscale;
 #endif
         }
         if (qout) {
@@ -686,9 +693,9 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
         const int c = idx / 2;
         if ((idx & 1) == 0 && sout) {
 #if ARF_QUANT == ARF_Q_NVFP4_SWIZZLED
-          reinterpret_cast<unsigned char*>(sout)[arf_nvfp4_sf_offset(t, c, sf_cols)] = (unsigned char)sf;
+          reinterpret_cast<unsigned char*>(sout)[arf_nvfp4_sf_offset(p.scale_row0 + t, c, sf_cols)] = (unsigned char)sf;
 #else
-          reinterpret_cast<unsigned char*>(sout)[(u64)t * sf_cols + c] = (unsigned char)sf;
+          reinterpret_cast<unsigned char*>(sout)[(u64)(p.scale_row0 + t) * sf_cols + c] = (unsigned char)sf;
 #endif
         }
         if (qout) {
@@ -708,48 +715,56 @@ __device__ __forceinline__ void arf_epilogue(const ArfParams& p, int rank, int t
 #endif
 }
 
-// Zeroes the padding of the scale layouts that have one. Packed ue8m0 group scales
-// (T + (C - 1) * round_up(T, 4) words, vLLM's allocation, C = ceil(H / 512)): tokens
-// [T, round_up(T, 4)) of every word column but the last (the last has T rows only;
-// writing its padding rows would pass the end of the caller's tensor), and the
-// unused bytes of the last column when (H/128) % 4 != 0. Swizzled NVFP4: rows
-// [T, round_up(T, 128)) and columns [H/16, round_up(H/16, 4)). Every CTA of the rank
+// Zeroes the padding of the scale layouts that have one, for a call that writes rows
+// [row0, row0 + T) of a layout of `rows` tokens (ArfParams::scale_row0, scale_rows).
+// Packed ue8m0 group scales (rows + (C - 1) * round_up(rows, 4) words, vLLM's
+// allocation, C = ceil(H / 512)): tokens [rows, round_up(rows, 4)) of every word column
+// but the last (the last has `rows` rows only; writing its padding rows would pass the
+// end of the caller's tensor), written by the call that ends the layout, and the
+// unused bytes of the last column in this call's rows when (H/128) % 4 != 0. Swizzled
+// NVFP4: rows [rows, round_up(rows, 128)) (by the call that ends the layout) and
+// columns [H/16, round_up(H/16, 4)) of this call's rows. Every CTA of the rank
 // calls it and writes its share (element k of the padding goes to global thread k of
 // the grid, strided by the grid's threads: about 130 KB at H = 16,384, T = 1 were one
 // CTA's work). Takes scalars (not the parameter struct) and is not inlined, so it adds
 // no stack or register pressure. The bytes are disjoint from the scales the epilogue
 // writes (a packed word's used bytes versus its unused ones), so no ordering is needed.
-__device__ __noinline__ void arf_zero_scale_padding(u64 sout, int T, int H) {
+__device__ __noinline__ void arf_zero_scale_padding(u64 sout, int row0, int T, int rows, int H) {
   if (sout == 0) return;
   const u32 first = blockIdx.x * blockDim.x + threadIdx.x;
   const u32 step = gridDim.x * blockDim.x;
+  const bool ends = row0 + T == rows;
 #if ARF_QUANT == ARF_Q_FP8_GROUP_PACKED
   const u32 groups = (u32)H / (u32)ARF_FP8_GROUP;
-  const u32 tpad = ((u32)T + 3u) & ~3u;
+  const u32 tpad = ((u32)rows + 3u) & ~3u;
   const u32 cols = (groups + 3u) / 4u;
-  const u32 pad = tpad - (u32)T;
+  const u32 pad = ends ? tpad - (u32)rows : 0u;
   u32* w = reinterpret_cast<u32*>(sout);
-  for (u32 k = first; k < (cols - 1u) * pad; k += step) w[(u64)(k / pad) * tpad + T + k % pad] = 0u;
+  for (u32 k = first; k < (cols - 1u) * pad; k += step) w[(u64)(k / pad) * tpad + rows + k % pad] = 0u;
   if (groups % 4u != 0u) {
     unsigned char* b = reinterpret_cast<unsigned char*>(sout);
     const u32 used = groups % 4u;
     for (u32 t = first; t < (u32)T; t += step)
-      for (u32 k = used; k < 4u; ++k) b[((u64)(cols - 1u) * tpad + t) * 4u + k] = 0;
+      for (u32 k = used; k < 4u; ++k) b[((u64)(cols - 1u) * tpad + (u32)row0 + t) * 4u + k] = 0;
   }
 #elif ARF_QUANT == ARF_Q_NVFP4_SWIZZLED
   const int sf_cols = H / ARF_NVFP4_BLOCK;
-  const int rows_pad = ((T + ARF_NVFP4_TILE_ROWS - 1) / ARF_NVFP4_TILE_ROWS) * ARF_NVFP4_TILE_ROWS;
+  const int rows_pad = ((rows + ARF_NVFP4_TILE_ROWS - 1) / ARF_NVFP4_TILE_ROWS) * ARF_NVFP4_TILE_ROWS;
   const int cols_pad = ((sf_cols + ARF_NVFP4_TILE_COLS - 1) / ARF_NVFP4_TILE_COLS) * ARF_NVFP4_TILE_COLS;
   unsigned char* s8 = reinterpret_cast<unsigned char*>(sout);
-  for (int k = (int)first; k < (rows_pad - T) * cols_pad; k += (int)step)
-    s8[arf_nvfp4_sf_offset(T + k / cols_pad, k % cols_pad, sf_cols)] = 0;
+  const int pad_rows = ends ? rows_pad - rows : 0;
+  for (int k = (int)first; k < pad_rows * cols_pad; k += (int)step)
+    s8[arf_nvfp4_sf_offset(rows + k / cols_pad, k % cols_pad, sf_cols)] = 0;
   const int extra = cols_pad - sf_cols;
   for (int k = (int)first; k < T * extra; k += (int)step)
-    s8[arf_nvfp4_sf_offset(k / extra, sf_cols + k % extra, sf_cols)] = 0;
+    s8[arf_nvfp4_sf_offset(row0 + k / extra, sf_cols + k % extra, sf_cols)] = 0;
 #else
+  (void)row0;
   (void)T;
+  (void)rows;
   (void)H;
   (void)first;
   (void)step;
+  (void)ends;
 #endif
 }

@@ -27,7 +27,7 @@ extern "C" __global__ void __launch_bounds__(ARF_MAX_BLOCK_THREADS) arf_local(co
     }
     arf_epilogue(p, rank, t, a, vpt, nvec, red);
   }
-  arf_zero_scale_padding(arf_rank_ptr(p.scale_out, rank), p.T, p.H);
+  arf_zero_scale_padding(arf_rank_ptr(p.scale_out, rank), p.scale_row0, p.T, p.scale_rows, p.H);
   __syncthreads();
   arf_trigger_dependents();
 }

@@ -88,6 +88,16 @@ pub enum Nvfp4ScaleLayout {
     Swizzled128x4,
 }
 
+impl Nvfp4ScaleLayout {
+    /// The JSON / text spelling (`linear`, `swizzled_128x4`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Nvfp4ScaleLayout::Linear => "linear",
+            Nvfp4ScaleLayout::Swizzled128x4 => "swizzled_128x4",
+        }
+    }
+}
+
 /// The quant epilogue a fused kernel runs after the RMSNorm (domain.md section 1): the
 /// kernels' `ARF_QUANT` ([`Quant::kernel_code`]). A per-token-group FP8 epilogue is
 /// always of [`FP8_GROUP_SIZE`] elements, NVFP4 always of [`NVFP4_BLOCK`]-element
@@ -188,6 +198,12 @@ impl Quant {
             Quant::Nvfp4(_) => NVFP4_BLOCK,
             _ => 1,
         }
+    }
+
+    /// Whether the quant reads a scale input (`scale_in`): the static FP8 dequant scale
+    /// or the NVFP4 global scale.
+    pub const fn takes_scale_input(self) -> bool {
+        matches!(self, Quant::Fp8Static | Quant::Nvfp4(_))
     }
 
     /// Whether a scale output exists (every quant but `None` and static FP8).

@@ -41,7 +41,7 @@ use arfuse_runtime::check::{self, Case, Inputs, Liveness, RankOutputs, FILL_BYTE
 use arfuse_runtime::cuda::Gpu;
 use arfuse_runtime::device::{self, Allocation, Device, FusedCall, KernelParams, RankTensor};
 use arfuse_runtime::host::{Compiler, HostDevice, HostOptions, LaunchOptions};
-use arfuse_runtime::variants::{ActDtype, Quant, Strategy, Variant};
+use arfuse_runtime::variants::{ActDtype, Strategy, Variant};
 use arfuse_runtime::workspace::Backend;
 use arfuse_runtime::Error;
 use clap::{Parser, ValueEnum};
@@ -237,7 +237,7 @@ fn params<B: Allocation>(io: &Io<B>, case: &Case, live: Liveness) -> anyhow::Res
         quant_out: out_tensor(&io.quant, b.quant, live.quant),
         scale_out: out_tensor(&io.scale, b.scale, live.scale),
         gamma: io.gamma.ptr(),
-        scale_in: if matches!(case.epilogue.quant, Quant::Fp8Static | Quant::Nvfp4(_)) {
+        scale_in: if case.epilogue.quant.takes_scale_input() {
             io.scale_in.ptr()
         } else {
             0

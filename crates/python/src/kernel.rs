@@ -1,7 +1,9 @@
-//! The CPU kernels of arfuse's torch custom ops (`arfuse.torch`): the fused all-reduce ->
-//! residual add -> RMSNorm (-> per-token FP8 quant) op and the standalone per-token FP8
-//! quant op, computed by `arfuse::advanced::reference::contract` (the rounding contract), so their
-//! bits are the contract's by construction.
+//! The contract's CPU computation of arfuse's torch custom ops (`arfuse.torch`): the
+//! fused all-reduce -> residual add -> RMSNorm (-> quant) op for a group whose world size
+//! the kernels are not built for, and the standalone per-token FP8 quant op, computed by
+//! `arfuse::advanced::reference::contract` (the rounding contract), so their bits are
+//! the contract's by construction. Groups of 2, 4, 8 or 16 ranks run arfuse's kernels
+//! instead (`ranks.rs`).
 //!
 //! They work on the memory of CPU tensors that `arfuse.torch` allocated or made
 //! contiguous and checked (dtype, device, element count) and keeps alive for the call; it
@@ -9,11 +11,12 @@
 //! (`_`-prefixed) for that reason: an address that is not such a tensor's is undefined
 //! behaviour.
 
+use crate::ranks::{check_quant_tensors, dtype_of, quant_of, OutBuf};
 use arfuse::advanced::ir::{NormInput, NormRounding};
-use arfuse::advanced::reference::contract::{self, Epilogue, FusedParams, QuantOut};
-use arfuse::advanced::reference::numerics::fp8::e4m3_satfinite;
-use arfuse::advanced::reference::numerics::quant::dynamic_per_token_fp8_quant;
+use arfuse::advanced::reference::contract::{self, Epilogue, FusedParams};
 use arfuse::advanced::reference::numerics::FloatFormat;
+use arfuse_runtime::check::quant_bytes_for;
+use arfuse_runtime::variants::Quant;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -115,13 +118,16 @@ fn reference_error(e: arfuse::advanced::reference::ReferenceError) -> PyErr {
 /// The fused op on one rank: `ranks` holds every rank's input in rank order
 /// (`[world, numel]` contiguous, all-gathered by the caller), `residual` this rank's
 /// residual (0: none), `weight` `[hidden]`. Writes `norm_out` and `residual_out`
-/// (`numel` elements of `dtype`) and, for `quant = "fp8_per_token"`, `quant_out`
-/// (`numel` e4m3 bytes) and `scale_out` (`numel / hidden` f32). Contract clauses 1-4;
-/// `norm_f32_sum` normalises the unrounded f32 sum of the all-reduce and the residual
-/// (`NormInput::F32Sum`).
+/// (`numel` elements of `dtype`) and, for a quant epilogue (`quant`, an op name of
+/// `ranks::op_quant_name`), `quant_out` and `scale_out` as (address, bytes) in the
+/// kernels' layouts (`arfuse_runtime::check::quant_bytes_of`); `scale_in` is the
+/// address of the f32 static FP8 or NVFP4 global scale (0: none). Contract clauses 1-4
+/// (the quant applied to the norm output, as the kernels do); `norm_f32_sum` normalises
+/// the unrounded f32 sum of the all-reduce and the residual (`NormInput::F32Sum`).
 #[pyfunction]
 #[pyo3(signature = (dtype, ranks, world, numel, hidden, residual, weight, weight_dtype, eps,
-    weight_bias, norm_round_twice, norm_f32_sum, quant, norm_out, residual_out, quant_out, scale_out))]
+    weight_bias, norm_round_twice, norm_f32_sum, quant, norm_out, residual_out, quant_out, scale_out,
+    scale_in))]
 #[allow(clippy::too_many_arguments)]
 pub fn _fused_allreduce_rms_norm_cpu(
     dtype: &str,
@@ -139,38 +145,43 @@ pub fn _fused_allreduce_rms_norm_cpu(
     quant: &str,
     norm_out: usize,
     residual_out: usize,
-    quant_out: usize,
-    scale_out: usize,
+    quant_out: OutBuf,
+    scale_out: OutBuf,
+    scale_in: usize,
 ) -> PyResult<()> {
     let e = Elem::parse("input", dtype)?;
     let we = Elem::parse("weight", weight_dtype)?;
-    let epilogue = match quant {
-        "none" => Epilogue::None,
-        "fp8_per_token" => Epilogue::Fp8PerToken,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "quant epilogue {other:?}: the CPU kernel computes none and fp8_per_token"
-            )))
-        }
-    };
-    let mut addrs = vec![
+    let q = quant_of(quant)?;
+    let addrs = [
         ("ranks", ranks),
         ("weight", weight),
         ("norm_out", norm_out),
         ("residual_out", residual_out),
     ];
-    if matches!(epilogue, Epilogue::Fp8PerToken) {
-        addrs.extend([("quant_out", quant_out), ("scale_out", scale_out)]);
-    }
     let tokens = check_shape(numel, hidden, &addrs)?;
+    let too_large = || PyValueError::new_err("input size overflows");
+    let (t32, h32) = (
+        u32::try_from(tokens).map_err(|_| too_large())?,
+        u32::try_from(hidden).map_err(|_| too_large())?,
+    );
+    check_quant_tensors(
+        q,
+        dtype_of(dtype)?,
+        t32,
+        h32,
+        quant_out,
+        scale_out,
+        scale_in,
+    )?;
     if world == 0 {
         return Err(PyValueError::new_err("an all-reduce over zero ranks"));
     }
     let step = numel
         .checked_mul(e.format().bytes() as usize)
-        .ok_or_else(|| PyValueError::new_err("input size overflows"))?;
+        .ok_or_else(too_large)?;
     // Safety (every read and write below): the caller passes the data of live,
-    // contiguous CPU tensors of the sizes stated above (`arfuse.torch._fused_cpu`).
+    // contiguous CPU tensors of the sizes stated above (`arfuse.torch`), checked by
+    // `check_quant_tensors` for the quant outputs.
     let inputs: Vec<Vec<f32>> = (0..world)
         .map(|r| unsafe { read(ranks + r * step, numel, e) })
         .collect();
@@ -191,7 +202,7 @@ pub fn _fused_allreduce_rms_norm_cpu(
         } else {
             NormInput::Residual
         },
-        epilogue,
+        epilogue: Epilogue::None,
     };
     let out = contract::fused_allreduce_norm(&slices, res.as_deref(), &gamma, params)
         .map_err(reference_error)?;
@@ -199,51 +210,64 @@ pub fn _fused_allreduce_rms_norm_cpu(
         write(norm_out, &out.norm_out, e);
         write(residual_out, &out.residual_out, e);
     }
-    match out.quant {
-        None => {}
-        Some(QuantOut::Fp8PerToken { values, scales }) if scales.len() == tokens => {
-            // The contract returns e4m3 values decoded to f32; encoding them again is
-            // exact (NaN is the contract's 0x7F).
-            let codes: Vec<u8> = values.iter().map(|&v| e4m3_satfinite(v)).collect();
-            unsafe {
-                write_bytes(quant_out, &codes);
-                write(scale_out, &scales, Elem::F32);
-            }
-        }
-        Some(_) => {
-            return Err(PyValueError::new_err(
-                "the contract returned another quant output than asked for",
-            ))
-        }
+    if q != Quant::None {
+        _quant_cpu(
+            quant, dtype, norm_out, numel, hidden, quant_out, scale_out, scale_in,
+        )?;
     }
     Ok(())
 }
 
-/// Dynamic per-token FP8 quant of `x` (`numel` elements of `dtype` in rows of `hidden`):
-/// writes `quant_out` (`numel` e4m3 bytes) and `scale_out` (`numel / hidden` f32),
-/// contract clause 4 (the fused op's epilogue, the same function).
+/// The contract's quant (clause 4) of `x` (`numel` elements of `dtype` in rows of
+/// `hidden`): `quant` an op name (`ranks::op_quant_name`), `quant_out` and `scale_out`
+/// as (address, bytes) in the kernels' layouts, `scale_in` the address of the f32
+/// static FP8 or NVFP4 global scale (0: none). The per-token FP8 op's CPU kernel, and
+/// the reference the tests hold the fused op's quant outputs to.
 #[pyfunction]
-pub fn _quant_fp8_per_token_cpu(
+#[allow(clippy::too_many_arguments)]
+pub fn _quant_cpu(
+    quant: &str,
     dtype: &str,
     x: usize,
     numel: usize,
     hidden: usize,
-    quant_out: usize,
-    scale_out: usize,
+    quant_out: OutBuf,
+    scale_out: OutBuf,
+    scale_in: usize,
 ) -> PyResult<()> {
     let e = Elem::parse("input", dtype)?;
-    let tokens = check_shape(
-        numel,
-        hidden,
-        &[("x", x), ("quant_out", quant_out), ("scale_out", scale_out)],
+    let q = quant_of(quant)?;
+    let tokens = check_shape(numel, hidden, &[("x", x)])?;
+    let too_large = || PyValueError::new_err("input size overflows");
+    let (t32, h32) = (
+        u32::try_from(tokens).map_err(|_| too_large())?,
+        u32::try_from(hidden).map_err(|_| too_large())?,
+    );
+    check_quant_tensors(
+        q,
+        dtype_of(dtype)?,
+        t32,
+        h32,
+        quant_out,
+        scale_out,
+        scale_in,
     )?;
-    // Safety: as in `_fused_allreduce_rms_norm_cpu` (`arfuse.torch._quant_cpu`).
+    // Safety: as in `_fused_allreduce_rms_norm_cpu`; the outputs' sizes were checked.
     let y = unsafe { read(x, numel, e) };
-    let (codes, scales) =
-        dynamic_per_token_fp8_quant(&y, tokens, hidden).map_err(reference_error)?;
+    let scale = if scale_in == 0 {
+        0.0
+    } else {
+        unsafe { read(scale_in, 1, Elem::F32)[0] }
+    };
+    let (data, scales) = quant_bytes_for(q, t32, h32, &y, scale)
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
     unsafe {
-        write_bytes(quant_out, &codes);
-        write(scale_out, &scales, Elem::F32);
+        if !data.is_empty() {
+            write_bytes(quant_out.0, &data);
+        }
+        if !scales.is_empty() {
+            write_bytes(scale_out.0, &scales);
+        }
     }
     Ok(())
 }

@@ -44,9 +44,18 @@ fn _arfuse(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(lowering::_fx_lower_graph, m)?)?;
     m.add_function(wrap_pyfunction!(lowering::_fx_graph_json, m)?)?;
     m.add_function(wrap_pyfunction!(kernel::_fused_allreduce_rms_norm_cpu, m)?)?;
-    m.add_function(wrap_pyfunction!(kernel::_quant_fp8_per_token_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel::_quant_cpu, m)?)?;
     m.add_class::<ranks::HostRanks>()?;
     m.add_class::<ranks::CudaRanks>()?;
     m.add("CALL_TOKENS", ranks::CALL_TOKENS)?;
+    m.add("OP_QUANTS", ranks::op_quant_names())?;
+    m.add("SCALE_INPUT_QUANTS", ranks::scale_input_quant_names())?;
+    {
+        use arfuse::advanced::abi;
+        m.add("FP8_GROUP_SIZE", abi::FP8_GROUP_SIZE)?;
+        m.add("NVFP4_BLOCK", abi::NVFP4_BLOCK)?;
+        m.add("NVFP4_TILE_ROWS", abi::NVFP4_TILE_ROWS)?;
+        m.add("NVFP4_TILE_COLS", abi::NVFP4_TILE_COLS)?;
+    }
     Ok(())
 }

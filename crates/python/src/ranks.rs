@@ -6,7 +6,8 @@
 //! allocation, mapping, all or nothing).
 //!
 //! CUDA tensors run through the CUDA device (`_CudaRanks`, over
-//! `arfuse_runtime::cuda::ipc::IpcWorkspace`: CUDA IPC between the ranks' processes) on
+//! `arfuse_runtime::cuda::ipc::IpcWorkspace`: CUDA IPC or fabric handles between the
+//! ranks' processes) on
 //! torch's current stream: the workspace and the kernels are made on the first call
 //! outside a capture; a captured call only launches. NOT YET RUN ON A GPU.
 //!
@@ -64,7 +65,7 @@ impl Group for PyGroup {
     }
 }
 
-fn dtype_of(name: &str) -> PyResult<ActDtype> {
+pub fn dtype_of(name: &str) -> PyResult<ActDtype> {
     match name {
         "bfloat16" => Ok(ActDtype::Bf16),
         "float16" => Ok(ActDtype::F16),
@@ -75,14 +76,96 @@ fn dtype_of(name: &str) -> PyResult<ActDtype> {
     }
 }
 
-fn quant_of(name: &str) -> PyResult<Quant> {
-    match name {
-        "none" => Ok(Quant::None),
-        "fp8_per_token" => Ok(Quant::Fp8PerToken),
-        other => Err(PyValueError::new_err(format!(
-            "quant epilogue {other:?}: the op runs none and fp8_per_token"
-        ))),
+/// A quant output tensor as `arfuse.torch` passes it: (address, bytes); (0, 0) when
+/// the epilogue has no such output.
+pub type OutBuf = (usize, usize);
+
+/// The op's name of a quant epilogue (the `quant` argument of
+/// `torch.ops.arfuse.fused_allreduce_rms_norm`): the IR's quant kind (`none`,
+/// `fp8_static`, `fp8_per_token`), and for the forms with a scale layout
+/// `kind:layout` (`fp8_per_token_group:packed_ue8m0`, `nvfp4:swizzled_128x4`, ...).
+pub fn op_quant_name(q: Quant) -> String {
+    match q {
+        Quant::None => "none".into(),
+        Quant::Fp8Static => "fp8_static".into(),
+        Quant::Fp8PerToken => "fp8_per_token".into(),
+        Quant::Fp8Group(l) => format!("fp8_per_token_group:{}", l.name()),
+        Quant::Nvfp4(l) => format!("nvfp4:{}", l.name()),
     }
+}
+
+/// The op's quant epilogue names, in the kernels' order (`_arfuse.OP_QUANTS`).
+pub fn op_quant_names() -> Vec<String> {
+    Quant::ALL.into_iter().map(op_quant_name).collect()
+}
+
+/// The op names of the quant epilogues that read a scale input
+/// (`_arfuse.SCALE_INPUT_QUANTS`).
+pub fn scale_input_quant_names() -> Vec<String> {
+    Quant::ALL
+        .into_iter()
+        .filter(|q| q.takes_scale_input())
+        .map(op_quant_name)
+        .collect()
+}
+
+/// The quant epilogue of an op name ([`op_quant_name`]).
+pub fn quant_of(name: &str) -> PyResult<Quant> {
+    Quant::ALL
+        .into_iter()
+        .find(|&q| op_quant_name(q) == name)
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "quant epilogue {name:?} is not one of {}",
+                op_quant_names().join(", ")
+            ))
+        })
+}
+
+/// Checks the quant tensors of a call of `quant` on `tokens` rows of `hidden` elements
+/// of `dtype`: the kernels run the quant on such rows, the data and scale outputs hold exactly the bytes the kernels' layouts take
+/// (`arfuse_runtime::check::quant_bytes_of`), and a static FP8 or NVFP4 call has its
+/// scale input.
+///
+/// # Errors
+/// `ValueError` naming the tensor.
+pub fn check_quant_tensors(
+    quant: Quant,
+    dtype: ActDtype,
+    tokens: u32,
+    hidden: u32,
+    quant_out: OutBuf,
+    scale_out: OutBuf,
+    scale_in: usize,
+) -> PyResult<()> {
+    if let Some(why) = quant.unsupported(u64::from(hidden), dtype) {
+        return Err(PyValueError::new_err(why));
+    }
+    let (qb, sb) =
+        arfuse_runtime::check::quant_bytes_of(quant, tokens, hidden).map_err(runtime_err)?;
+    for (what, (ptr, bytes), want) in [("quant_out", quant_out, qb), ("scale_out", scale_out, sb)] {
+        let ok = if want == 0 {
+            ptr == 0
+        } else {
+            ptr != 0 && bytes as u64 == want
+        };
+        if !ok {
+            return Err(PyValueError::new_err(format!(
+                "{what} holds {bytes} bytes; {quant} of {tokens} x {hidden} takes {want}"
+            )));
+        }
+    }
+    if quant.takes_scale_input() != (scale_in != 0) {
+        return Err(PyValueError::new_err(format!(
+            "{quant} {} a scale input",
+            if quant.takes_scale_input() {
+                "needs"
+            } else {
+                "takes no"
+            }
+        )));
+    }
+    Ok(())
 }
 
 /// The host compiler shared by every workspace of this process, caching its objects
@@ -214,7 +297,7 @@ impl HostRanks {
     /// disagree) resets the workspace on every rank and raises `RuntimeError`.
     #[pyo3(signature = (x, residual, weight, weight_dtype, numel, eps, weight_bias,
         norm_round_twice, norm_f32_sum, quant, norm_out, residual_out, quant_out, scale_out,
-        call_tag))]
+        scale_in, call_tag))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
@@ -230,8 +313,9 @@ impl HostRanks {
         quant: &str,
         norm_out: usize,
         residual_out: usize,
-        quant_out: usize,
-        scale_out: usize,
+        quant_out: OutBuf,
+        scale_out: OutBuf,
+        scale_in: usize,
         call_tag: u32,
     ) -> PyResult<()> {
         check_usable(&self.broken)?;
@@ -250,6 +334,7 @@ impl HostRanks {
             residual_out,
             quant_out,
             scale_out,
+            scale_in,
             call_tag,
         };
         for call in op.calls(self.dtype, self.hidden, self.group.world, self.timeout_ns)? {
@@ -305,8 +390,11 @@ impl CudaRanks {
         let gpu = Gpu::open(device).map_err(runtime_err)?;
         let request = arfuse_runtime::check::workspace_for(group.world, dtype, hidden, CALL_TOKENS)
             .map_err(runtime_err)?;
-        let ws = IpcWorkspace::create(&gpu, &group, &request, &[Backend::Trtllm], stream)
-            .map_err(runtime_err)?;
+        // mnnvl (fabric handles, across the nodes of an NVLink domain) where every
+        // rank's GPU has it, else trtllm (CUDA IPC, one node): voted by the ranks.
+        let chain = [Backend::Mnnvl, Backend::Trtllm];
+        let ws =
+            IpcWorkspace::create(&gpu, &group, &request, &chain, stream).map_err(runtime_err)?;
         Ok(CudaRanks {
             gpu,
             ws,
@@ -326,7 +414,7 @@ impl CudaRanks {
     /// call outside the capture.
     #[pyo3(signature = (x, residual, weight, weight_dtype, numel, eps, weight_bias,
         norm_round_twice, norm_f32_sum, quant, norm_out, residual_out, quant_out, scale_out,
-        call_tag, stream))]
+        scale_in, call_tag, stream))]
     #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
@@ -342,8 +430,9 @@ impl CudaRanks {
         quant: &str,
         norm_out: usize,
         residual_out: usize,
-        quant_out: usize,
-        scale_out: usize,
+        quant_out: OutBuf,
+        scale_out: OutBuf,
+        scale_in: usize,
         call_tag: u32,
         stream: u64,
     ) -> PyResult<()> {
@@ -363,6 +452,7 @@ impl CudaRanks {
             residual_out,
             quant_out,
             scale_out,
+            scale_in,
             call_tag,
         };
         let capturing = IpcWorkspace::capturing(&self.gpu, stream).map_err(runtime_err)?;
@@ -438,8 +528,9 @@ struct OpArgs<'a> {
     quant: &'a str,
     norm_out: usize,
     residual_out: usize,
-    quant_out: usize,
-    scale_out: usize,
+    quant_out: OutBuf,
+    scale_out: OutBuf,
+    scale_in: usize,
     call_tag: u32,
 }
 
@@ -471,12 +562,23 @@ impl OpArgs<'_> {
                 "{numel} elements do not form rows of hidden size {h}, or a null pointer"
             )));
         }
-        let fp8 = quant == Quant::Fp8PerToken;
-        if fp8 && (self.quant_out == 0 || self.scale_out == 0) {
-            return Err(PyValueError::new_err("fp8_per_token without its outputs"));
-        }
         let tokens =
             u32::try_from(numel / h).map_err(|_| PyValueError::new_err("more than 2^32 tokens"))?;
+        check_quant_tensors(
+            quant,
+            dtype,
+            tokens,
+            hidden,
+            self.quant_out,
+            self.scale_out,
+            self.scale_in,
+        )?;
+        let scale_rows = i32::try_from(tokens)
+            .map_err(|_| PyValueError::new_err("more than 2^31 tokens of scales"))?;
+        // Quant data bytes of one row (FP8: H; NVFP4: H / 2).
+        let quant_row = arfuse_runtime::check::quant_bytes_of(quant, 1, hidden)
+            .map_err(runtime_err)?
+            .0 as usize;
         let e = dtype.element_bytes() as usize;
         let base = KernelParams {
             gamma: self.weight as u64,
@@ -487,6 +589,12 @@ impl OpArgs<'_> {
             norm_f32_sum: i32::from(self.norm_f32_sum),
             timeout_ns,
             call_tag: self.call_tag,
+            scale_in: self.scale_in as u64,
+            scale_out: RankTensor {
+                ptr: self.scale_out.0 as u64,
+                rank_stride: 0,
+            },
+            scale_rows,
             ..KernelParams::default()
         };
         let epilogue = Epilogue {
@@ -498,33 +606,24 @@ impl OpArgs<'_> {
         let mut start = 0u32;
         while start < tokens {
             let t = (tokens - start).min(CALL_TOKENS);
-            let row = start as usize * h;
-            let at = |ptr: usize, bytes: usize| RankTensor {
+            // Row `start` of a tensor of `row_bytes` per token.
+            let at = |ptr: usize, row_bytes: usize| RankTensor {
                 ptr: if ptr == 0 {
                     0
                 } else {
-                    (ptr + row * bytes) as u64
+                    (ptr + start as usize * row_bytes) as u64
                 },
                 rank_stride: 0,
             };
             let params = KernelParams {
-                x: at(self.x, e),
-                residual_in: at(self.residual, e),
-                residual_out: at(self.residual_out, e),
-                out: at(self.norm_out, e),
-                quant_out: if fp8 {
-                    at(self.quant_out, 1)
-                } else {
-                    RankTensor::default()
-                },
-                scale_out: if fp8 {
-                    RankTensor {
-                        ptr: (self.scale_out + start as usize * 4) as u64,
-                        rank_stride: 0,
-                    }
-                } else {
-                    RankTensor::default()
-                },
+                x: at(self.x, h * e),
+                residual_in: at(self.residual, h * e),
+                residual_out: at(self.residual_out, h * e),
+                out: at(self.norm_out, h * e),
+                quant_out: at(self.quant_out.0, quant_row),
+                // The scales of the whole T, of which this call writes rows
+                // `start..start + t` (packed and swizzled layouts depend on the whole T).
+                scale_row0: start as i32,
                 ..base
             };
             let strategy = if t <= ONE_SHOT_TOKENS || t < world {

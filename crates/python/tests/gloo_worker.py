@@ -212,6 +212,52 @@ def check_reference(rank: int, world: int, group: str) -> dict:
     }
 
 
+# The epilogue check's rows: 10 groups of 128 (3 packed UE8M0 words per token, the last
+# partial) and 80 NVFP4 blocks; T = 150 runs as three calls of the op's kernels (64, 64
+# and 22 tokens), crosses a 128-row NVFP4 scale tile and is not a multiple of 4, so every
+# scale layout has padding.
+EPILOGUE_HIDDEN = 1280
+EPILOGUE_TOKENS = 150
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Every byte of `t`'s storage (a strided layout's padding included)."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+def check_epilogues(rank: int, world: int, group: str) -> dict:
+    """Every quant epilogue of the fused op (arfuse's kernels across the group's
+    processes): residual and norm bit for bit against the contract, the quant data and
+    scales (every byte, padding included) equal to the contract's quant of the op's own
+    norm output (`arfuse.torch._quant_reference`), in the layouts vLLM allocates."""
+    t0 = time.perf_counter()
+    h, t = EPILOGUE_HIDDEN, EPILOGUE_TOKENS
+    g = torch.Generator().manual_seed(10 + rank)
+    x = (torch.randn(t, h, generator=g) * 3).to(torch.bfloat16)
+    res = torch.randn(t, h, generator=torch.Generator().manual_seed(20 + rank)).to(torch.bfloat16)
+    w = (1 + 0.25 * torch.randn(h, generator=torch.Generator().manual_seed(7))).to(torch.bfloat16)
+    want_h = (contract_all_reduce(x, group).float() + res.float()).to(torch.bfloat16)
+    want_norm = contract_rms_norm(want_h, w, 1e-5)
+    # Static FP8 dequant scale 2^-7 (|y| above 3.5 saturates); NVFP4 global scale 64.
+    scales = {"fp8_static": torch.tensor([0.0078125]), "nvfp4": torch.tensor([64.0])}
+    layouts = {}
+    for tag, quant in enumerate(arfuse.torch.OP_QUANTS):
+        scale_in = scales.get(quant.split(":")[0])
+        norm, h_out, q, s = torch.ops.arfuse.fused_allreduce_rms_norm(
+            x, res, w, group, 1e-5, 0.0, True, False, quant, tag, scale_in
+        )
+        assert mismatches(h_out, want_h) == 0, quant
+        assert mismatches(norm, want_norm) == 0, quant
+        q2, s2 = arfuse.torch._quant_reference(norm, quant, scale_in)
+        for got, want in ((q, q2), (s, s2)):
+            assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride()), quant
+            assert torch.equal(storage_bytes(got), storage_bytes(want)), quant
+        layouts[quant] = [str(q.dtype), list(q.shape), str(s.dtype), list(s.shape), list(s.stride())]
+    assert layouts["fp8_per_token_group:packed_ue8m0"][3:] == [[t, 3], [1, 152]]
+    assert layouts["nvfp4:swizzled_128x4"][1:4] == [[t, h // 2], "torch.float8_e4m3fn", [256, 80]]
+    return {"layouts": layouts, "seconds": round(time.perf_counter() - t0, 1)}
+
+
 def site_names(prefix: str, fp8: bool) -> list:
     """`<all-reduce module> -> <norm module>` of every site, in graph order. (The
     rewrite's report names a site whose norm output is only quantised by its all-reduce
@@ -340,6 +386,9 @@ def worker(rank: int, world: int, port: int, out_dir: str, models: tuple) -> Non
         torch._inductor.config.compile_threads = 1
         group = dist.group.WORLD.group_name
         summary = {"world": world, "reference": check_reference(rank, world, group)}
+        if world == 2:
+            # Every epilogue at one W (each compiles two kernels on the host).
+            summary["epilogues"] = check_epilogues(rank, world, group)
         for name in models:
             summary[name] = run_model(rank, world, group, fp8=(name == "fp8"))
         if rank == 0:

@@ -1,7 +1,10 @@
 """arfuse.torch in one process: the custom ops' kernels and the pass's uuid."""
 
+import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -59,6 +62,22 @@ def test_fake_kernel_gives_the_output_types():
         assert q.shape == s.shape == (0,)
         q, s = torch.ops.arfuse.quant_fp8_per_token(x)
         assert q.shape == x.shape and s.shape == (3, 5, 1)
+        # Every epilogue's layouts (T = 15 tokens, H = 256: 2 groups, 16 NVFP4 blocks).
+        one = torch.empty(1)
+        want = {
+            "fp8_static": ((3, 5, 256), torch.float8_e4m3fn, (0,), torch.float32, None),
+            "fp8_per_token_group:f32_row_major": ((3, 5, 256), torch.float8_e4m3fn, (3, 5, 2), torch.float32, None),
+            "fp8_per_token_group:f32_row_major_ue8m0": ((3, 5, 256), torch.float8_e4m3fn, (3, 5, 2), torch.float32, None),
+            "fp8_per_token_group:packed_ue8m0": ((3, 5, 256), torch.float8_e4m3fn, (15, 1), torch.int32, (1, 16)),
+            "nvfp4:linear": ((3, 5, 128), torch.uint8, (3, 5, 16), torch.float8_e4m3fn, None),
+            "nvfp4:swizzled_128x4": ((3, 5, 128), torch.uint8, (128, 16), torch.float8_e4m3fn, None),
+        }
+        assert set(want) | {"none", "fp8_per_token"} == set(at.OP_QUANTS)
+        for quant, (qs, qd, ss, sd, st) in want.items():
+            scale_in = one if quant in arfuse._arfuse.SCALE_INPUT_QUANTS else None
+            _, _, q, s = OP(x, x, w, "0", 1e-6, 0.0, False, False, quant, 0, scale_in)
+            assert (q.shape, q.dtype, s.shape, s.dtype) == (qs, qd, ss, sd), quant
+            assert st is None or s.stride() == st, quant
 
 
 def test_cuda_entry_refuses_tensors_that_are_not_on_cuda():
@@ -127,8 +146,16 @@ def test_fused_op_refuses_bad_inputs(one_rank_group):
         OP(x, torch.zeros(4, 256), w, one_rank_group, 1e-6, 0.0, False, False, "none")
     with pytest.raises(ValueError, match="float64"):
         OP(x.double(), None, w, one_rank_group, 1e-6, 0.0, False, False, "none")
-    with pytest.raises(ValueError, match="nvfp4"):
+    with pytest.raises(ValueError, match="'nvfp4' is not one of"):
         OP(x, None, w, one_rank_group, 1e-6, 0.0, False, False, "nvfp4")
+    with pytest.raises(ValueError, match="needs scale_in"):
+        OP(x, None, w, one_rank_group, 1e-6, 0.0, False, False, "fp8_static")
+    with pytest.raises(ValueError, match="takes no scale_in"):
+        OP(x, None, w, one_rank_group, 1e-6, 0.0, False, False, "none", 0, torch.ones(1))
+    with pytest.raises(ValueError, match="one float32 element"):
+        OP(x, None, w, one_rank_group, 1e-6, 0.0, False, False, "fp8_static", 0, torch.ones(2))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        OP(x[:, :200].contiguous(), None, w[:200], one_rank_group, 1e-6, 0.0, False, False, "fp8_per_token_group:f32_row_major")
     with pytest.raises(ValueError, match="eps"):
         OP(x, None, w, one_rank_group, 0.0, 0.0, False, False, "none")
 
@@ -155,3 +182,20 @@ def test_fx_json_leaves_unread_metadata_out_and_the_graph_unchanged():
     assert low.report["all_reduces_fused"] == 1
     # The all-reduce has no module (the root's forward): the site is named by its node.
     assert low.report["sites"][0]["name"] == "all_reduce -> norm"
+
+
+def test_pass_fuses_a_static_fp8_quant():
+    # In a process of its own: it defines vLLM's `_C.static_scaled_fp8_quant` (a stand-in
+    # with vLLM's schema; see static_fp8_worker.py), which an imported vLLM would own.
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run(
+        [sys.executable, os.path.join(here, "static_fp8_worker.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["patterns"] == {"allreduce+residual+rms_norm(round_twice)+fp8_static": 1}, seen
+    assert seen["h_equal"] and seen["q_equal"] and seen["q_is_contract"], seen
+    assert seen["scale_out"] == [0] and seen["saturated"] > 0, seen

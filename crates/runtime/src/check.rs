@@ -564,8 +564,24 @@ pub struct RankOutputs {
 /// # Errors
 /// Reference errors (bad shapes or scales) as [`Error::Invalid`].
 pub fn quant_bytes(case: &Case, y: &[f32], scale_in: f32) -> Result<(Vec<u8>, Vec<u8>)> {
-    let (t, h) = (case.tokens as usize, case.hidden as usize);
-    Ok(match case.epilogue.quant {
+    quant_bytes_for(case.epilogue.quant, case.tokens, case.hidden, y, scale_in)
+}
+
+/// [`quant_bytes`] for a quant epilogue and a shape: `y` is `[tokens, hidden]`;
+/// `scale_in` is the static FP8 dequant scale or the NVFP4 global scale (unused by the
+/// other forms). The sizes are [`quant_bytes_of`]'s.
+///
+/// # Errors
+/// Reference errors (bad shapes or scales) as [`Error::Invalid`].
+pub fn quant_bytes_for(
+    quant: Quant,
+    tokens: u32,
+    hidden: u32,
+    y: &[f32],
+    scale_in: f32,
+) -> Result<(Vec<u8>, Vec<u8>)> {
+    let (t, h) = (tokens as usize, hidden as usize);
+    Ok(match quant {
         Quant::None => (Vec::new(), Vec::new()),
         Quant::Fp8Static => (
             rq::static_fp8_quant(y, scale_in).map_err(reference)?,

@@ -246,9 +246,18 @@ pub struct KernelParams {
     /// the call header every rank checks (`arfuse_abi::protocol`): ranks that run
     /// different sites in the same call stop with `ERR_CALL_MISMATCH`.
     pub call_tag: u32,
+    /// The row of the scale layout that this call's token 0 is: `scale_out` holds the
+    /// scales of [`KernelParams::scale_rows`] tokens, and a T split into several calls
+    /// writes one tensor (packed UE8M0 and swizzled NVFP4 scales depend on the whole
+    /// T). `ArfParams::scale_row0`; 0 for a call that is the whole tensor.
+    pub scale_row0: i32,
+    /// Tokens of the scale layout `scale_out` points at (at least `scale_row0 + T`);
+    /// 0 means the call's own T ([`KernelParams::for_call`] fills it in).
+    /// `ArfParams::scale_rows`.
+    pub scale_rows: i32,
 }
 
-const _: () = assert!(std::mem::size_of::<KernelParams>() == 320);
+const _: () = assert!(std::mem::size_of::<KernelParams>() == 328);
 
 impl KernelParams {
     /// Fills the workspace fields from a layout and the base of rank 0's slice
@@ -282,17 +291,30 @@ impl KernelParams {
         Ok(self)
     }
 
-    /// These parameters with the call's shape: `tokens`, `hidden`, `rank_base` 0, and
-    /// the default timeout when none is set.
+    /// These parameters with the call's shape: `tokens`, `hidden`, `rank_base` 0, the
+    /// default timeout when none is set, and a scale layout of the call's own T when
+    /// `scale_rows` is 0.
     ///
     /// # Errors
-    /// [`Error::Overflow`] for T or H above `i32::MAX`.
+    /// [`Error::Overflow`] for T or H above `i32::MAX`; [`Error::Invalid`] for a scale
+    /// layout that does not hold this call's rows (`scale_row0 + T > scale_rows`, or a
+    /// negative row).
     pub fn for_call(mut self, call: &FusedCall) -> Result<Self> {
         self.tokens = i32::try_from(call.tokens).map_err(|_| Error::Overflow("T"))?;
         self.hidden = i32::try_from(call.hidden).map_err(|_| Error::Overflow("H"))?;
         self.rank_base = 0;
         if self.timeout_ns == 0 {
             self.timeout_ns = DEFAULT_TIMEOUT_NS;
+        }
+        if self.scale_rows == 0 {
+            self.scale_rows = self.tokens;
+        }
+        let end = i64::from(self.scale_row0) + i64::from(self.tokens);
+        if self.scale_row0 < 0 || end > i64::from(self.scale_rows) {
+            return Err(Error::Invalid(format!(
+                "the call's scale rows {}..{end} lie outside a layout of {} tokens",
+                self.scale_row0, self.scale_rows
+            )));
         }
         Ok(self)
     }
@@ -500,8 +522,9 @@ pub struct TensorUse {
     /// `scale_in`).
     pub tensor: RankTensor,
     /// Bytes of one rank's tensor the kernel may touch for the call's T and H: the
-    /// contiguous `[T, H]` rows, the quant data, the scales with their padding
-    /// ([`crate::check::quant_bytes_of`]), H weights, one f32 scale.
+    /// contiguous `[T, H]` rows, the quant data, the scales of the whole layout
+    /// (`scale_rows` tokens) with their padding ([`crate::check::quant_bytes_of`]), H
+    /// weights, one f32 scale.
     pub bytes: u64,
     /// Alignment (bytes) of the kernel's accesses: 16 for activations and the weight
     /// (16-byte vectors), one vector's quant bytes for the quant data (16 / element
@@ -526,7 +549,13 @@ pub fn tensor_uses(call: &FusedCall) -> Result<Vec<TensorUse>> {
         .and_then(|n| n.checked_mul(e))
         .ok_or(Error::Overflow("activation bytes"))?;
     let quant = call.variant.epilogue.quant;
-    let (quant_bytes, scale_bytes) = crate::check::quant_bytes_of(quant, call.tokens, call.hidden)?;
+    let (quant_bytes, _) = crate::check::quant_bytes_of(quant, call.tokens, call.hidden)?;
+    // The scales are of the whole layout the call writes into (`scale_rows`; 0: T).
+    let scale_rows = u32::try_from(p.scale_rows)
+        .ok()
+        .filter(|&r| r > 0)
+        .unwrap_or(call.tokens);
+    let (_, scale_bytes) = crate::check::quant_bytes_of(quant, scale_rows, call.hidden)?;
     let vector_elems = arfuse_abi::VECTOR_BYTES / e;
     let (quant_align, scale_align) = match quant {
         Quant::Nvfp4(_) => (vector_elems / 2, 1),

@@ -406,8 +406,7 @@ fn launch_call<D: Device>(
 /// The inputs every call reads must be present (a null pointer would fault the kernel
 /// and lose the CUDA context).
 fn check_tensors(k: &NodeKernels, t: &NodeTensors) -> Result<()> {
-    use crate::variants::Quant;
-    let needs_scale = matches!(k.epilogue.quant, Quant::Fp8Static | Quant::Nvfp4(_));
+    let needs_scale = k.epilogue.quant.takes_scale_input();
     for (missing, what) in [
         (t.x.ptr == 0, "x"),
         (k.epilogue.residual && t.residual_in.ptr == 0, "residual_in"),

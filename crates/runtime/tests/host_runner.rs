@@ -141,10 +141,20 @@ struct Io {
 
 impl Io {
     fn new(dev: &mut HostDevice, world: u32, dtype: ActDtype, max_t: u32) -> Io {
-        let act = u64::from(max_t) * u64::from(HIDDEN) * dtype.element_bytes();
+        Io::with_hidden(dev, world, dtype, max_t, HIDDEN)
+    }
+
+    fn with_hidden(
+        dev: &mut HostDevice,
+        world: u32,
+        dtype: ActDtype,
+        max_t: u32,
+        hidden: u32,
+    ) -> Io {
+        let act = u64::from(max_t) * u64::from(hidden) * dtype.element_bytes();
         let (mut q, mut s) = (0, 0);
         for quant in Quant::ALL {
-            if let Ok((a, b)) = check::quant_bytes_of(quant, max_t, HIDDEN) {
+            if let Ok((a, b)) = check::quant_bytes_of(quant, max_t, hidden) {
                 q = q.max(a);
                 s = s.max(b);
             }
@@ -157,7 +167,7 @@ impl Io {
             residual_out: Strided::new(dev, world, act),
             quant: Strided::new(dev, world, q),
             scale: Strided::new(dev, world, s),
-            gamma: dev.alloc(u64::from(HIDDEN) * 4).expect("alloc"),
+            gamma: dev.alloc(u64::from(hidden) * 4).expect("alloc"),
             scale_in: dev.alloc(4).expect("alloc"),
         }
     }
@@ -798,5 +808,107 @@ fn unfused_route() {
         }
     }
     println!("unfused route: {} nodes x 2 T", cases.len());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// One T written as several fused calls, as the torch op splits a T larger than its
+/// workspace holds: each call offsets its rows of the activations and the quant data,
+/// and writes rows `scale_row0..scale_row0 + T` of ONE scale tensor of the whole T
+/// (`scale_rows`). Every quant with scales at T = 150 in calls of 64, 64 and 22 tokens
+/// (W = 2, bf16, H = 1,280; 150 crosses a 128-row NVFP4 tile and is not a multiple of
+/// 4, and H gives 10 groups, 3 packed-UE8M0 word columns with a partial last one, and
+/// 80 NVFP4 scale columns, so every layout has padding and more than one column),
+/// against the contract for the whole T in one call.
+#[test]
+fn split_calls_write_one_scale_layout() {
+    const T: u32 = 150;
+    const CHUNK: u32 = 64;
+    const H: u32 = 1280;
+    let (world, dtype) = (2, ActDtype::Bf16);
+    let mut dev = HostDevice::new(compiler(), skewed(150));
+    let request = check::workspace_for(world, dtype, H, CHUNK).expect("workspace sizes");
+    let ws = dev
+        .create_workspace(arfuse_runtime::workspace::Backend::Trtllm, &request)
+        .expect("workspace");
+    let io = Io::with_hidden(&mut dev, world, dtype, T, H);
+    let e = dtype.element_bytes();
+    let mut failures = Vec::new();
+    for quant in Quant::ALL.into_iter().filter(|q| q.has_scales()) {
+        let epilogue = Epilogue {
+            residual: true,
+            norm: true,
+            quant,
+        };
+        let case = Case {
+            hidden: H,
+            ..case_of(world, dtype, epilogue, Strategy::OneShot, T)
+        };
+        let inputs = check::make_inputs(&case, 0x5ca1e).expect("inputs");
+        let want = check::expected(&case, &inputs).expect("expected");
+        io.upload(&mut dev, &inputs);
+        io.fill_outputs(&mut dev);
+        let quant_row = check::quant_bytes_of(quant, 1, H).expect("sizes").0;
+        let whole = io.tensors(&case, Liveness::all(&case).expect("liveness"));
+        let mut start = 0;
+        while start < T {
+            let t = (T - start).min(CHUNK);
+            let at = |r: RankTensor, row_bytes: u64| RankTensor {
+                ptr: r.ptr + u64::from(start) * row_bytes,
+                ..r
+            };
+            let act = u64::from(H) * e;
+            let strategy = if t <= 16 {
+                Strategy::OneShot
+            } else {
+                Strategy::TwoShot
+            };
+            let params = arfuse_runtime::device::KernelParams {
+                x: at(whole.x, act),
+                residual_in: at(whole.residual_in, act),
+                residual_out: at(whole.residual_out, act),
+                out: at(whole.out, act),
+                quant_out: at(whole.quant_out, quant_row),
+                scale_out: whole.scale_out,
+                scale_row0: start as i32,
+                scale_rows: T as i32,
+                gamma: whole.gamma,
+                scale_in: whole.scale_in,
+                eps: check::EPS as f32,
+                weight_bias: case.weight_bias as f32,
+                gamma_f32: i32::from(case.gamma_f32),
+                norm_round_twice: i32::from(case.norm_round_twice),
+                norm_f32_sum: i32::from(case.norm_f32_sum),
+                ..Default::default()
+            };
+            let variant = variants::find(
+                variants::KernelKind::Fused { strategy, world },
+                dtype,
+                epilogue,
+            )
+            .expect("a variant");
+            let call = arfuse_runtime::device::FusedCall {
+                variant,
+                tokens: t,
+                hidden: H,
+                ranks: world,
+                params,
+            };
+            dev.load(&[variant]).expect("load");
+            dev.launch_fused(&ws, &call).expect("launch");
+            start += t;
+        }
+        dev.take_error(&ws).expect("no kernel error");
+        let got = match io.outputs(&mut dev, &case) {
+            Ok(got) => got,
+            Err(e) => {
+                failures.push(format!("{quant}: {e}"));
+                continue;
+            }
+        };
+        let v = check::compare(&case, &inputs, &want, &got).expect("compare");
+        if !v.passed() {
+            failures.push(format!("{quant}: {}", v.summary()));
+        }
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

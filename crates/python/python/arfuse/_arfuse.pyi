@@ -185,14 +185,28 @@ def _fused_allreduce_rms_norm_cpu(
     quant: str,
     norm_out: int,
     residual_out: int,
-    quant_out: int,
-    scale_out: int,
+    quant_out: Tuple[int, int],
+    scale_out: Tuple[int, int],
+    scale_in: int,
 ) -> None: ...
-def _quant_fp8_per_token_cpu(
-    dtype: str, x: int, numel: int, hidden: int, quant_out: int, scale_out: int
+def _quant_cpu(
+    quant: str,
+    dtype: str,
+    x: int,
+    numel: int,
+    hidden: int,
+    quant_out: Tuple[int, int],
+    scale_out: Tuple[int, int],
+    scale_in: int,
 ) -> None: ...
 
 CALL_TOKENS: int
+OP_QUANTS: List[str]
+SCALE_INPUT_QUANTS: List[str]
+FP8_GROUP_SIZE: int
+NVFP4_BLOCK: int
+NVFP4_TILE_ROWS: int
+NVFP4_TILE_COLS: int
 
 class _HostRanks:
     """One rank's workspace of the fused op on the host device, shared with the other
@@ -222,8 +236,9 @@ class _HostRanks:
         quant: str,
         norm_out: int,
         residual_out: int,
-        quant_out: int,
-        scale_out: int,
+        quant_out: Tuple[int, int],
+        scale_out: Tuple[int, int],
+        scale_in: int,
         call_tag: int,
     ) -> None: ...
 
@@ -254,8 +269,9 @@ class _CudaRanks:
         quant: str,
         norm_out: int,
         residual_out: int,
-        quant_out: int,
-        scale_out: int,
+        quant_out: Tuple[int, int],
+        scale_out: Tuple[int, int],
+        scale_in: int,
         call_tag: int,
         stream: int,
     ) -> None: ...

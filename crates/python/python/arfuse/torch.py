@@ -51,8 +51,10 @@ __all__ = ["FusionPass", "fused_allreduce_rms_norm", "quant_fp8_per_token", "reg
 
 # The fused op's outputs, in order (the IR's output names).
 OUTPUTS = ("norm", "residual", "quant", "scale")
-# Quant epilogues the CPU kernel computes (the IR's `quant.kind`).
-CPU_QUANT_KINDS = ("none", "fp8_per_token")
+# The fused op's quant epilogues (its `quant` argument): the IR's quant kind, and
+# `kind:scale_layout` for the forms with a scale layout (`fp8_per_token_group:packed_ue8m0`,
+# `nvfp4:swizzled_128x4`, ...). Every epilogue the kernels have.
+OP_QUANTS = tuple(_arfuse.OP_QUANTS)
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -72,21 +74,96 @@ def _check_cpu(what: str, t: torch.Tensor) -> None:
         raise ValueError(f"arfuse: {what} is on {t.device}; this kernel runs on the CPU")
 
 
+# The dtypes of the empty quant data and scale outputs of a quant without them.
+_ABSENT_DTYPES = (torch.float8_e4m3fn, torch.float32)
+
+
+def _quant_specs(quant: str, shape: Sequence[Any]):
+    """(sizes, dtype, strides or None for contiguous) of the quant data and the scale
+    outputs of `quant` for an input of `shape` `[..., H]` (sizes may be symbolic), in
+    the kernels' layouts (`arfuse_runtime::check::quant_bytes_of`):
+    - FP8 data: e4m3 like the input; NVFP4 data: uint8 `[..., H/2]` (two e2m1 values
+      per byte, the first in the low nibble);
+    - `fp8_per_token` scales: f32 `[..., 1]`; `fp8_static`: none (the scale is an input);
+    - per-token-group scales (groups of `FP8_GROUP_SIZE`): f32 `[..., H/128]` for
+      `f32_row_major` and `f32_row_major_ue8m0`; for `packed_ue8m0` int32 `[T, ceil(G/4)]`
+      column-major with a column stride of `round_up(T, 4)` (vLLM's and DeepGEMM's);
+    - NVFP4 block scales (blocks of `NVFP4_BLOCK`): e4m3 `[..., H/16]` for `linear`,
+      `[round_up(T, 128), round_up(H/16, 4)]` for `swizzled_128x4` (128x4 tiles).
+    None for an output the quant does not write (the op returns an empty e4m3 data or
+    f32 scale tensor there)."""
+    lead, h = tuple(shape[:-1]), shape[-1]
+    kind, _, layout = quant.partition(":")
+    fp8 = (tuple(shape), torch.float8_e4m3fn, None)
+    if kind == "none":
+        return None, None
+    if kind == "fp8_static":
+        return fp8, None
+    if kind == "fp8_per_token":
+        return fp8, (lead + (1,), torch.float32, None)
+    tokens: Any = 1
+    for d in lead:
+        tokens = tokens * d
+    if kind == "fp8_per_token_group":
+        groups = h // _arfuse.FP8_GROUP_SIZE
+        if layout == "packed_ue8m0":
+            words = (groups + 3) // 4
+            return fp8, ((tokens, words), torch.int32, (1, (tokens + 3) // 4 * 4))
+        return fp8, (lead + (groups,), torch.float32, None)
+    data = (lead + (h // 2,), torch.uint8, None)
+    cols = h // _arfuse.NVFP4_BLOCK
+    if layout == "linear":
+        return data, (lead + (cols,), torch.float8_e4m3fn, None)
+    rows_tile, cols_tile = _arfuse.NVFP4_TILE_ROWS, _arfuse.NVFP4_TILE_COLS
+    rows = (tokens + rows_tile - 1) // rows_tile * rows_tile
+    return data, ((rows, (cols + cols_tile - 1) // cols_tile * cols_tile), torch.float8_e4m3fn, None)
+
+
 def _outputs_like(input: torch.Tensor, quant: str) -> Tuple[torch.Tensor, ...]:
     norm = torch.empty_like(input, memory_format=torch.contiguous_format)
     res = torch.empty_like(input, memory_format=torch.contiguous_format)
-    if quant == "fp8_per_token":
-        q = torch.empty(input.shape, dtype=torch.float8_e4m3fn, device=input.device)
-        s = torch.empty(tuple(input.shape[:-1]) + (1,), dtype=torch.float32, device=input.device)
-    else:
-        q = torch.empty((0,), dtype=torch.float8_e4m3fn, device=input.device)
-        s = torch.empty((0,), dtype=torch.float32, device=input.device)
+    q, s = (_empty_of(spec, absent, input.device) for spec, absent in zip(_quant_specs(quant, input.shape), _ABSENT_DTYPES))
     return norm, res, q, s
 
 
+def _empty_of(spec, absent: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor of a `_quant_specs` entry (an empty one of `absent` for None)."""
+    if spec is None:
+        return torch.empty((0,), dtype=absent, device=device)
+    sizes, dtype, strides = spec
+    if strides is None:
+        return torch.empty(sizes, dtype=dtype, device=device)
+    return torch.empty_strided(sizes, strides, dtype=dtype, device=device)
+
+
+def _buffer(t: torch.Tensor) -> Tuple[int, int]:
+    """(address, bytes spanned) of an output the kernels write; (0, 0) when empty."""
+    if t.numel() == 0:
+        return (0, 0)
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return (t.data_ptr(), span * t.element_size())
+
+
 def _check_quant(quant: str) -> None:
-    if quant not in CPU_QUANT_KINDS:
-        raise ValueError(f"arfuse: quant {quant!r} is not one of {CPU_QUANT_KINDS}")
+    if quant not in OP_QUANTS:
+        raise ValueError(f"arfuse: quant {quant!r} is not one of {OP_QUANTS}")
+
+
+def _scale_input(quant: str, scale_in: Optional[torch.Tensor], input: torch.Tensor) -> int:
+    """The address of the checked f32 scale input (static FP8 dequant scale, NVFP4
+    global scale), 0 for a quant without one."""
+    if quant not in _arfuse.SCALE_INPUT_QUANTS:
+        if scale_in is not None:
+            raise ValueError(f"arfuse: quant {quant!r} takes no scale_in")
+        return 0
+    if scale_in is None:
+        raise ValueError(f"arfuse: quant {quant!r} needs scale_in (an f32 tensor of one element)")
+    if scale_in.dtype != torch.float32 or scale_in.numel() != 1 or scale_in.device != input.device:
+        raise ValueError(
+            f"arfuse: scale_in is {scale_in.dtype}{list(scale_in.shape)} on {scale_in.device}; "
+            f"one float32 element on {input.device} expected"
+        )
+    return scale_in.data_ptr()
 
 
 _GROUP_RESOLVERS: List[Any] = []
@@ -219,18 +296,22 @@ def fused_allreduce_rms_norm(
     norm_f32_sum: bool,
     quant: str,
     call_tag: int = 0,
+    scale_in: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused op on this rank (see the module documentation). `input` `[..., H]`,
     `residual` like `input` (or None), `weight` `[H]` (the activation dtype, or f32).
     `norm_round_twice`: the norm rounds `h * r` to the activation dtype before the
     weight multiply; `norm_f32_sum`: it normalises the unrounded f32 sum of the
     all-reduce output and the residual (vLLM's native `fused_add_rms_norm`).
+    `quant`: one of `OP_QUANTS`; `scale_in`: for `fp8_static` the f32 dequant scale,
+    for NVFP4 the f32 global scale (one element, on the input's device), else None.
     `call_tag`: the site of this call (the pass numbers its sites); every rank's call
     carries it, and ranks that run different sites in one call stop with an error.
     Returns (norm, residual_out, quant_out, scale): norm and residual_out like input;
-    for quant `fp8_per_token`, e4m3 values like input and f32 scales `[..., 1]`, else
-    two empty tensors."""
+    the quant data and scales in the layouts `_quant_specs` gives (two empty tensors
+    without a quant)."""
     dtype, hidden, x, r, w = _op_inputs(input, residual, weight, quant, "cpu")
+    scale = _scale_input(quant, scale_in, input)
     norm, res, q, s = _outputs_like(input, quant)
     pg = _process_group_of(group_name)
     if dist.get_world_size(pg) in KERNEL_WORLD_SIZES and x.numel() > 0:
@@ -247,12 +328,15 @@ def fused_allreduce_rms_norm(
             quant,
             norm.data_ptr(),
             res.data_ptr(),
-            q.data_ptr() if quant != "none" else 0,
-            s.data_ptr() if quant != "none" else 0,
+            _buffer(q),
+            _buffer(s),
+            scale,
             int(call_tag),
         )
         return norm, res, q, s
     ranks = _gather_ranks(x, group_name)
+    if x.numel() == 0:
+        return norm, res, q, s
     _arfuse._fused_allreduce_rms_norm_cpu(
         dtype,
         ranks.data_ptr(),
@@ -269,8 +353,9 @@ def fused_allreduce_rms_norm(
         quant,
         norm.data_ptr(),
         res.data_ptr(),
-        q.data_ptr() if quant != "none" else 0,
-        s.data_ptr() if quant != "none" else 0,
+        _buffer(q),
+        _buffer(s),
+        scale,
     )
     return norm, res, q, s
 
@@ -281,13 +366,17 @@ _CUDA_RANKS: Dict[Tuple[str, str, int, int], Any] = {}
 
 
 @fused_allreduce_rms_norm.register_kernel("cuda")
-def _fused_cuda(input, residual, weight, group_name, eps, weight_bias, norm_round_twice, norm_f32_sum, quant, call_tag=0):
+def _fused_cuda(
+    input, residual, weight, group_name, eps, weight_bias, norm_round_twice, norm_f32_sum, quant, call_tag=0, scale_in=None
+):
     """The fused op on CUDA tensors: arfuse's kernels through the runtime's CUDA device
-    on torch's current stream, the ranks' workspaces mapped over CUDA IPC. The workspace
+    on torch's current stream, the ranks' workspaces mapped over CUDA IPC (or fabric
+    handles across an NVLink domain). The workspace
     and the kernels are made on the first call, which must come before any CUDA graph
     capture (an engine's warm-up run); a captured call only launches. NOT YET RUN ON A
     GPU."""
     dtype, hidden, x, r, w = _op_inputs(input, residual, weight, quant, "cuda")
+    scale = _scale_input(quant, scale_in, input)
     norm, res, q, s = _outputs_like(input, quant)
     pg = _process_group_of(group_name)
     world = dist.get_world_size(pg)
@@ -324,8 +413,9 @@ def _fused_cuda(input, residual, weight, group_name, eps, weight_bias, norm_roun
             quant,
             norm.data_ptr(),
             res.data_ptr(),
-            q.data_ptr() if quant != "none" else 0,
-            s.data_ptr() if quant != "none" else 0,
+            _buffer(q),
+            _buffer(s),
+            scale,
             int(call_tag),
             stream,
         )
@@ -333,7 +423,9 @@ def _fused_cuda(input, residual, weight, group_name, eps, weight_bias, norm_roun
 
 
 @fused_allreduce_rms_norm.register_fake
-def _fused_fake(input, residual, weight, group_name, eps, weight_bias, norm_round_twice, norm_f32_sum, quant, call_tag=0):
+def _fused_fake(
+    input, residual, weight, group_name, eps, weight_bias, norm_round_twice, norm_f32_sum, quant, call_tag=0, scale_in=None
+):
     _check_quant(quant)
     return _outputs_like(input, quant)
 
@@ -342,15 +434,21 @@ def _fused_fake(input, residual, weight, group_name, eps, weight_bias, norm_roun
 def quant_fp8_per_token(input: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token FP8 quant (contract clause 4): `input` `[..., H]` (bf16, f16 or
     f32) -> (e4m3 values like input, f32 scales `[..., 1]`)."""
-    dtype = _dtype_name("input", input)
     _check_cpu("input", input)
-    x = input.contiguous()
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
-    s = torch.empty(tuple(x.shape[:-1]) + (1,), dtype=torch.float32)
-    if x.numel() > 0:
-        _arfuse._quant_fp8_per_token_cpu(
-            dtype, x.data_ptr(), x.numel(), x.shape[-1], q.data_ptr(), s.data_ptr()
-        )
+    return _quant_reference(input, "fp8_per_token")
+
+
+def _quant_reference(x: torch.Tensor, quant: str, scale_in: Optional[torch.Tensor] = None):
+    """(quant data, scales) of the rounding contract's quant (clause 4) of the CPU
+    tensor `x` `[..., H]`, in the fused op's layouts (`_quant_specs`): what the fused
+    op's kernels write for `quant` after an RMSNorm whose output is `x`."""
+    _check_quant(quant)
+    x = x.contiguous()
+    dtype = _dtype_name("input", x)
+    scale = _scale_input(quant, scale_in, x)
+    _, _, q, s = _outputs_like(x, quant)
+    if x.numel() > 0 and quant != "none":
+        _arfuse._quant_cpu(quant, dtype, x.data_ptr(), x.numel(), x.shape[-1], _buffer(q), _buffer(s), scale)
     return q, s
 
 
@@ -390,8 +488,8 @@ class FusionPass(CustomGraphPass):
     leaves that graph unchanged whatever goes wrong (an `ArfuseError` or any other
     exception), records the error in `errors` and warns once per pass.
 
-    Sites whose epilogue the CPU kernel does not compute (static FP8, per-token-group
-    FP8, NVFP4) are left unfused, with a warning in the report. The model must be
+    Every quant epilogue the kernels have is fused (static FP8 reads the quant's scale
+    tensor as the op's `scale_in`). The model must be
     compiled with `torch._dynamo.config.specialize_float = True` (an RMSNorm eps is
     otherwise an f64 graph input, which arfuse's IR has no type for;
     docs/fx-graph-format.md).
@@ -569,23 +667,25 @@ def _sizes_key(t: torch.Tensor) -> Tuple[Any, ...]:
     return tuple(d if type(d) is int else d.node.expr for d in t.shape)
 
 
-def _fake_empty(mode, shape, dtype, device) -> torch.Tensor:
-    """A contiguous FakeTensor of `mode`: a meta tensor wrapped directly (about a tenth
-    of the time of `torch.empty` under the mode with symbolic sizes), or, should the
-    wrapper refuse, the same made under the mode."""
+def _fake_empty(mode, shape, dtype, device, strides=None) -> torch.Tensor:
+    """A FakeTensor of `mode`, contiguous unless `strides` are given: a meta tensor
+    wrapped directly (about a tenth of the time of `torch.empty` under the mode with
+    symbolic sizes), or, should the wrapper refuse, the same made under the mode."""
+    if strides is None:
+        contiguous = []
+        step: Any = 1
+        for d in reversed(shape):
+            contiguous.append(step)
+            step = step * d
+        strides = tuple(reversed(contiguous))
     try:
         from torch._subclasses.fake_tensor import FakeTensor
 
-        stride = []
-        step: Any = 1
-        for d in reversed(shape):
-            stride.append(step)
-            step = step * d
-        meta = torch.empty_strided(shape, tuple(reversed(stride)), dtype=dtype, device="meta")
+        meta = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
         return FakeTensor(mode, meta, device)
     except Exception:  # noqa: BLE001 (a torch without that constructor: the slow way)
         with mode:
-            return torch.empty(shape, dtype=dtype, device=device)
+            return torch.empty_strided(shape, strides, dtype=dtype, device=device)
 
 
 class _Vals:
@@ -650,17 +750,12 @@ class _Vals:
             if name not in got:
                 v = spare.pop() if spare else self._lend(xv)
                 got[name] = v if v is not None else _fake_empty(self.mode, shape, dtype, device)
-        if quant == "none":
-            if device not in self._empty:
-                self._empty[device] = (
-                    _fake_empty(self.mode, (0,), torch.float8_e4m3fn, device),
-                    _fake_empty(self.mode, (0,), torch.float32, device),
-                )
-            got.setdefault("quant", self._empty[device][0])
-            got.setdefault("scale", self._empty[device][1])
-        else:
-            got.setdefault("quant", _fake_empty(self.mode, shape, torch.float8_e4m3fn, device))
-            got.setdefault("scale", _fake_empty(self.mode, shape[:-1] + (1,), torch.float32, device))
+        if device not in self._empty:
+            self._empty[device] = tuple(_fake_empty(self.mode, (0,), d, device) for d in _ABSENT_DTYPES)
+        specs = _quant_specs(quant, shape)
+        for name, spec, empty in zip(("quant", "scale"), specs, self._empty[device]):
+            if name not in got:
+                got[name] = empty if spec is None else _fake_empty(self.mode, spec[0], spec[1], device, spec[2])
         return tuple(got[name] for name in OUTPUTS)
 
 
@@ -672,6 +767,19 @@ def _fake_mode(graph: torch.fx.Graph):
     return mode
 
 
+def _op_quant(q: Dict[str, Any]) -> str:
+    """The op's name (`OP_QUANTS`) of a fused node's quant attribute (the IR's
+    `FusedQuant`: `kind`, and `group_size` and `scale_layout` where it has them)."""
+    kind = q["kind"]
+    group = q.get("group_size")
+    if group is not None and group != _arfuse.FP8_GROUP_SIZE:
+        raise ValueError(f"the kernels quantise groups of {_arfuse.FP8_GROUP_SIZE} elements, not {group}")
+    name = kind if "scale_layout" not in q else f"{kind}:{q['scale_layout']}"
+    if name not in OP_QUANTS:
+        raise ValueError(f"the fused op has no {name} epilogue")
+    return name
+
+
 def _plan_site(
     site: Dict[str, Any],
     nodes: Dict[str, torch.fx.Node],
@@ -680,9 +788,7 @@ def _plan_site(
 ) -> _Planned:
     """Resolves one site's inputs, outputs and views; raises if any is missing."""
     attrs = site["attrs"]
-    quant = attrs["quant"]["kind"]
-    if quant not in CPU_QUANT_KINDS:
-        raise ValueError(f"the CPU kernel does not compute the {quant} epilogue")
+    quant = _op_quant(attrs["quant"])
     args: List[Any] = []
     anchor: Optional[torch.fx.Node] = None
     for inp in site["inputs"]:
@@ -742,11 +848,15 @@ def _insert_site(
             assert prev is not None  # planned only when the site it reads was
             ins.append(prev[a[1]])
     residual = p.site["attrs"]["residual"]
+    # The fused node's inputs: x, the residual (when it has one), the weight, then the
+    # scale input of a quant that takes one.
     x, rest = ins[0], ins[1:]
-    res = rest[0] if residual else None
-    weight = rest[1] if residual else rest[0]
+    res = rest.pop(0) if residual else None
+    weight = rest.pop(0)
     group, eps, weight_bias, twice, f32_sum, quant = p.call_args
-    call_args = (x, res, weight, group, eps, weight_bias, twice, f32_sum, quant, call_tag)
+    call_args: Tuple[Any, ...] = (x, res, weight, group, eps, weight_bias, twice, f32_sum, quant, call_tag)
+    if rest:
+        call_args += (rest[0],)
     op = torch.ops.arfuse.fused_allreduce_rms_norm.default
     vals = site_vals.for_site(p, quant)
     after = tail.get(p.anchor, p.anchor)

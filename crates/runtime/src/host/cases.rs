@@ -7,7 +7,7 @@ use super::memory::{HostWorkspace, Slots};
 use crate::check::{self, Case, Inputs, Liveness, RankOutputs, FILL_BYTE};
 use crate::device::{self, KernelParams, RankTensor};
 use crate::error::{Error, Result};
-use crate::variants::{self, Epilogue, KernelKind, Quant, Variant};
+use crate::variants::{self, Epilogue, KernelKind, Variant};
 
 /// Default most CTAs per rank of a host launch (every rank uses the same grid, as the
 /// protocols require; the kernels take any grid size). Small, because every CTA is an
@@ -166,7 +166,7 @@ impl CaseIo {
             quant_out: Self::tensor(&self.quant, live.quant),
             scale_out: Self::tensor(&self.scale, live.scale),
             gamma: self.gamma.addr(0),
-            scale_in: if matches!(c.epilogue.quant, Quant::Fp8Static | Quant::Nvfp4(_)) {
+            scale_in: if c.epilogue.quant.takes_scale_input() {
                 self.scale_in.addr(0)
             } else {
                 0
@@ -179,6 +179,7 @@ impl CaseIo {
             timeout_ns: device::DEFAULT_TIMEOUT_NS,
             tokens: c.tokens as i32,
             hidden: c.hidden as i32,
+            scale_rows: c.tokens as i32,
             ..KernelParams::default()
         }
     }
