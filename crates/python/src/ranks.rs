@@ -291,8 +291,11 @@ impl HostRanks {
     }
 
     /// The fused op on this rank for `numel` elements at `x` (rows of H; the tensors'
-    /// addresses as in `arfuse.torch`): writes `norm_out`, `residual_out` and, for
-    /// `fp8_per_token`, `quant_out` and `scale_out`. Every rank makes the same call
+    /// addresses as in `arfuse.torch`): writes `norm_out`, `residual_out` and, for a
+    /// quant epilogue ([`op_quant_name`]), `quant_out` and `scale_out`, given as
+    /// (address, bytes) and checked against the kernels' layouts
+    /// ([`check_quant_tensors`]); `scale_in` is the address of the f32 static FP8 or
+    /// NVFP4 global scale (0: none). Every rank makes the same call
     /// (same T, same `call_tag`). A failed call (a timeout, a peer's abort, ranks that
     /// disagree) resets the workspace on every rank and raises `RuntimeError`.
     #[pyo3(signature = (x, residual, weight, weight_dtype, numel, eps, weight_bias,

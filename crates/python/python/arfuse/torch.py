@@ -8,9 +8,9 @@
   rewrites the graph so that each fused site is one call of
   `torch.ops.arfuse.fused_allreduce_rms_norm` (`arfuse::splice` says what to change).
 - `torch.ops.arfuse.fused_allreduce_rms_norm(input, residual, weight, group_name, eps,
-  weight_bias, norm_round_twice, norm_f32_sum, quant, call_tag=0) -> (norm, residual_out,
-  quant_out, scale)`: the
-  fused all-reduce -> (residual add ->) RMSNorm (-> per-token FP8 quant) op. CPU
+  weight_bias, norm_round_twice, norm_f32_sum, quant, call_tag=0, scale_in=None) ->
+  (norm, residual_out, quant_out, scale)`: the fused all-reduce -> (residual add ->)
+  RMSNorm (-> quant) op, with every quant epilogue the kernels have (`OP_QUANTS`). CPU
   kernel: arfuse's own fused kernels (kernels/, compiled for the CPU: the runtime's
   host device) run on every rank of the process group `group_name`
   (torch.distributed) over a workspace in shared memory that the ranks create together
@@ -122,7 +122,8 @@ def _quant_specs(quant: str, shape: Sequence[Any]):
 def _outputs_like(input: torch.Tensor, quant: str) -> Tuple[torch.Tensor, ...]:
     norm = torch.empty_like(input, memory_format=torch.contiguous_format)
     res = torch.empty_like(input, memory_format=torch.contiguous_format)
-    q, s = (_empty_of(spec, absent, input.device) for spec, absent in zip(_quant_specs(quant, input.shape), _ABSENT_DTYPES))
+    specs = _quant_specs(quant, input.shape)
+    q, s = (_empty_of(spec, absent, input.device) for spec, absent in zip(specs, _ABSENT_DTYPES))
     return norm, res, q, s
 
 
