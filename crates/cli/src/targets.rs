@@ -95,7 +95,13 @@ pub(crate) fn given_target(default_graph: bool, args: &LowerArgs) -> Result<Opti
         (None, None) if default_graph => Some(DEFAULT_TARGET.to_string()),
         (None, t) => t.clone(),
     };
-    target.as_deref().map(check_target).transpose()?;
+    if let Some(t) = &target {
+        // The user's --target is named; a preset --world-size or the default chose is not.
+        match &args.target {
+            Some(_) => check_target(t).with_context(|| format!("--target {t}"))?,
+            None => check_target(t)?,
+        }
+    }
     Ok(target)
 }
 

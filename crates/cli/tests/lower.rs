@@ -630,6 +630,14 @@ fn a_graph_without_a_tp_size_needs_a_target_or_a_world_size() {
     let o = lower(&[EXPORTED, "--world-size", "8", "--target", "b200-x8"]);
     assert!(!o.status.success());
     assert_says(&o, "cannot be used with");
+
+    // A misspelled preset: the error names the flag, then lists the presets.
+    let o = lower(&[EXPORTED, "--target", "h100-sxm4", "--out", &out]);
+    assert!(!o.status.success());
+    assert_says(
+        &o,
+        "error: --target h100-sxm4: unknown preset `h100-sxm4`; known presets: ",
+    );
 }
 
 #[test]

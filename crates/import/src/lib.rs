@@ -314,8 +314,8 @@ pub(crate) fn check_size(what: &str, size: usize) -> Result<(), ImportError> {
 /// What bytes of no known format (`what`: "the file", or a gzip stream's "decompressed
 /// content") look like instead: UTF-16 or UTF-32 text; nothing but whitespace; text
 /// that begins like a JSON value but is malformed or not UTF-8 (and where); JSON of
-/// another kind (an object that is no graph, or a value that is no object); or anything
-/// else, by its first bytes.
+/// another kind (an object that is no graph, or a value that is no object); torch.fx's
+/// printed text of a graph; or anything else, by its first bytes.
 fn unknown_hint(bytes: &[u8], what: &str) -> String {
     if let Some(encoding) = utf16_or_32_encoding(bytes) {
         return format!("{what} is {encoding} text; arfuse reads JSON in UTF-8 (save it as UTF-8)");
@@ -329,6 +329,14 @@ fn unknown_hint(bytes: &[u8], what: &str) -> String {
         };
     };
     let Some(kind) = json_kind(first) else {
+        // `print(gm.graph)` / `gm.print_readable()` text: readable, but no serialized graph.
+        if body.starts_with(b"graph(") || body.starts_with(b"class ") {
+            return format!(
+                "{what} is the text torch.fx prints for a graph, which holds no tensor types; \
+                 save the model with torch.export (`torch.export.save`, or the program's \
+                 JSON: docs/torch-export.md)"
+            );
+        }
         let head: Vec<String> = bytes.iter().take(8).map(|b| format!("{b:02x}")).collect();
         return format!(
             "expected arfuse graph JSON or torch.export JSON (either may be gzip-compressed), or a .pt2 zip archive; {what} starts with bytes {}",

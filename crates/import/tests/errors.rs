@@ -233,6 +233,15 @@ fn garbage_and_other_formats() {
         ),
         (b"\x0c[1]", "the file starts with bytes 0c 5b 31 5d"),
         (
+            b"graph():\n    %x : [num_users=1] = placeholder[target=x]\n",
+            "the file is the text torch.fx prints for a graph, which holds no tensor types; \
+             save the model with torch.export",
+        ),
+        (
+            b"class GraphModule(torch.nn.Module):\n    def forward(self, x):\n",
+            "the file is the text torch.fx prints for a graph",
+        ),
+        (
             b"{\"hello\": 1}",
             "unknown file format: the file is a JSON object that is neither an arfuse graph \
              (no \"format\": \"arfuse-graph\" key) nor a torch.export ExportedProgram (no \

@@ -123,7 +123,8 @@ pub fn quant_of(name: &str) -> PyResult<Quant> {
 }
 
 /// Checks the quant tensors of a call of `quant` on `tokens` rows of `hidden` elements
-/// of `dtype`: the kernels run the quant on such rows, the data and scale outputs hold exactly the bytes the kernels' layouts take
+/// of `dtype`: the kernels run the quant on such rows, the data and scale outputs hold
+/// exactly the bytes the kernels' layouts take
 /// (`arfuse_runtime::check::quant_bytes_of`), and a static FP8 or NVFP4 call has its
 /// scale input.
 ///
