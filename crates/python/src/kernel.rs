@@ -111,6 +111,23 @@ fn check_shape(numel: usize, hidden: usize, addrs: &[(&str, usize)]) -> PyResult
     Ok(numel / hidden)
 }
 
+/// `tokens` and `hidden` as u32, after [`check_quant_tensors`] of the quant tensors.
+fn checked_quant(
+    q: Quant,
+    dtype: &str,
+    tokens: usize,
+    hidden: usize,
+    quant_out: OutBuf,
+    scale_out: OutBuf,
+    scale_in: usize,
+) -> PyResult<(u32, u32)> {
+    let too_large = || PyValueError::new_err("input size overflows");
+    let t = u32::try_from(tokens).map_err(|_| too_large())?;
+    let h = u32::try_from(hidden).map_err(|_| too_large())?;
+    check_quant_tensors(q, dtype_of(dtype)?, t, h, quant_out, scale_out, scale_in)?;
+    Ok((t, h))
+}
+
 fn reference_error(e: arfuse::advanced::reference::ReferenceError) -> PyErr {
     PyValueError::new_err(format!("{}: {e}", contract::CONTRACT_NAME))
 }
@@ -159,26 +176,13 @@ pub fn _fused_allreduce_rms_norm_cpu(
         ("residual_out", residual_out),
     ];
     let tokens = check_shape(numel, hidden, &addrs)?;
-    let too_large = || PyValueError::new_err("input size overflows");
-    let (t32, h32) = (
-        u32::try_from(tokens).map_err(|_| too_large())?,
-        u32::try_from(hidden).map_err(|_| too_large())?,
-    );
-    check_quant_tensors(
-        q,
-        dtype_of(dtype)?,
-        t32,
-        h32,
-        quant_out,
-        scale_out,
-        scale_in,
-    )?;
+    checked_quant(q, dtype, tokens, hidden, quant_out, scale_out, scale_in)?;
     if world == 0 {
         return Err(PyValueError::new_err("an all-reduce over zero ranks"));
     }
     let step = numel
         .checked_mul(e.format().bytes() as usize)
-        .ok_or_else(too_large)?;
+        .ok_or_else(|| PyValueError::new_err("input size overflows"))?;
     // Safety (every read and write below): the caller passes the data of live,
     // contiguous CPU tensors of the sizes stated above (`arfuse.torch`), checked by
     // `check_quant_tensors` for the quant outputs.
@@ -238,20 +242,7 @@ pub fn _quant_cpu(
     let e = Elem::parse("input", dtype)?;
     let q = quant_of(quant)?;
     let tokens = check_shape(numel, hidden, &[("x", x)])?;
-    let too_large = || PyValueError::new_err("input size overflows");
-    let (t32, h32) = (
-        u32::try_from(tokens).map_err(|_| too_large())?,
-        u32::try_from(hidden).map_err(|_| too_large())?,
-    );
-    check_quant_tensors(
-        q,
-        dtype_of(dtype)?,
-        t32,
-        h32,
-        quant_out,
-        scale_out,
-        scale_in,
-    )?;
+    let (t32, h32) = checked_quant(q, dtype, tokens, hidden, quant_out, scale_out, scale_in)?;
     // Safety: as in `_fused_allreduce_rms_norm_cpu`; the outputs' sizes were checked.
     let y = unsafe { read(x, numel, e) };
     let scale = if scale_in == 0 {

@@ -238,6 +238,29 @@ def _op_inputs(input, residual, weight, quant: str, device: str):
     return dtype, hidden, x, r, w
 
 
+def _run_args(x, r, w, eps, weight_bias, norm_round_twice, norm_f32_sum, quant, outs, scale: int) -> Tuple[Any, ...]:
+    """The arguments of `_HostRanks.run` and `_CudaRanks.run` up to the call tag: the
+    checked inputs' and the outputs' (norm, residual, quant, scale) addresses."""
+    norm, res, q, s = outs
+    return (
+        x.data_ptr(),
+        0 if r is None else r.data_ptr(),
+        w.data_ptr(),
+        _dtype_name("weight", w),
+        x.numel(),
+        float(eps),
+        float(weight_bias),
+        bool(norm_round_twice),
+        bool(norm_f32_sum),
+        quant,
+        norm.data_ptr(),
+        res.data_ptr(),
+        _buffer(q),
+        _buffer(s),
+        scale,
+    )
+
+
 # World sizes arfuse's kernels are built for (arfuse_abi::WORLD_SIZES).
 KERNEL_WORLD_SIZES = (2, 4, 8, 16)
 
@@ -316,24 +339,8 @@ def fused_allreduce_rms_norm(
     norm, res, q, s = _outputs_like(input, quant)
     pg = _process_group_of(group_name)
     if dist.get_world_size(pg) in KERNEL_WORLD_SIZES and x.numel() > 0:
-        _host_ranks(group_name, pg, dtype, hidden).run(
-            x.data_ptr(),
-            0 if r is None else r.data_ptr(),
-            w.data_ptr(),
-            _dtype_name("weight", w),
-            x.numel(),
-            float(eps),
-            float(weight_bias),
-            bool(norm_round_twice),
-            bool(norm_f32_sum),
-            quant,
-            norm.data_ptr(),
-            res.data_ptr(),
-            _buffer(q),
-            _buffer(s),
-            scale,
-            int(call_tag),
-        )
+        run = _run_args(x, r, w, eps, weight_bias, norm_round_twice, norm_f32_sum, quant, (norm, res, q, s), scale)
+        _host_ranks(group_name, pg, dtype, hidden).run(*run, int(call_tag))
         return norm, res, q, s
     ranks = _gather_ranks(x, group_name)
     if x.numel() == 0:
@@ -401,25 +408,8 @@ def _fused_cuda(
         )
         _CUDA_RANKS[key] = ws
     if x.numel() > 0:
-        ws.run(
-            x.data_ptr(),
-            0 if r is None else r.data_ptr(),
-            w.data_ptr(),
-            _dtype_name("weight", w),
-            x.numel(),
-            float(eps),
-            float(weight_bias),
-            bool(norm_round_twice),
-            bool(norm_f32_sum),
-            quant,
-            norm.data_ptr(),
-            res.data_ptr(),
-            _buffer(q),
-            _buffer(s),
-            scale,
-            int(call_tag),
-            stream,
-        )
+        run = _run_args(x, r, w, eps, weight_bias, norm_round_twice, norm_f32_sum, quant, (norm, res, q, s), scale)
+        ws.run(*run, int(call_tag), stream)
     return norm, res, q, s
 
 
