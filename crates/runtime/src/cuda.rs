@@ -234,13 +234,7 @@ impl Gpu {
 
     /// Whether the stream is capturing (asks the driver, and our own flag).
     pub fn capturing(&self) -> Result<bool> {
-        let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: valid stream and out-pointer.
-        check(
-            unsafe { sys::cuStreamIsCapturing(self.stream, &mut st) },
-            "cuStreamIsCapturing",
-        )?;
-        Ok(self.capturing.get() || st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        Ok(self.capturing.get() || self.stream_capturing(self.stream)?)
     }
 
     /// Allocates `bytes` of device memory, zeroed. Refused during capture.
@@ -331,11 +325,7 @@ impl Gpu {
 
     /// Waits for the stream.
     pub fn sync(&self) -> Result<()> {
-        // SAFETY: valid stream.
-        check(
-            unsafe { sys::cuStreamSynchronize(self.stream) },
-            "cuStreamSynchronize",
-        )
+        self.sync_stream(self.stream)
     }
 
     /// Compiles (NVRTC, cubin for this device's `sm_XXa`) and loads a variant once.

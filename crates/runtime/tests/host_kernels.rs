@@ -335,6 +335,56 @@ fn run_sequence(
     (bad, lead)
 }
 
+/// Runs `attempts` skewed one-shot sequences of `steps` calls with chaos on (short
+/// delays between launches, frequent pauses; seeds from `seed`) through the real kernel
+/// of `variant` (W = 4, bf16, residual + RMSNorm), which must pass each one (the
+/// control: a failure of `patched` is then the patch, not the schedule or a timeout too
+/// short for the pauses), and through `patched`: the first attempt `patched` fails, with
+/// what failed.
+fn first_failing_attempt(
+    patched: HostKernel,
+    variant: Variant,
+    attempts: u64,
+    steps: usize,
+    seed: u64,
+) -> Option<(u64, Vec<String>)> {
+    let (world, dtype, e) = (4, ActDtype::Bf16, Epilogue::RES_NORM);
+    let patched: HashMap<Variant, Arc<HostKernel>> =
+        [(variant, Arc::new(patched))].into_iter().collect();
+    let real = kernels(&[variant]);
+    for attempt in 0..attempts {
+        let calls: Vec<(Strategy, u32)> = random_steps(steps, seed + attempt)
+            .into_iter()
+            .map(|(_, t)| (Strategy::OneShot, t))
+            .collect();
+        let opts = LaunchOptions::skewed(seed + attempt, Duration::from_micros(100)).with_chaos(20);
+        let run = |ks| {
+            run_sequence(
+                ks,
+                world,
+                dtype,
+                e,
+                &calls,
+                &opts,
+                2_000_000_000,
+                &check_inputs,
+            )
+            .0
+        };
+        let bad = run(&real);
+        assert!(
+            bad.is_empty(),
+            "the real kernel failed attempt {attempt}: {}",
+            bad.join("; ")
+        );
+        let bad = run(&patched);
+        if !bad.is_empty() {
+            return Some((attempt, bad));
+        }
+    }
+    None
+}
+
 /// The harness finds the race the one-shot kernel's own comment warns about: clearing
 /// the Lamport buffer of call n - 2 ((n + 1) % 3) instead of call n - 1 wipes what a
 /// peer that is already one call ahead wrote there, and that call then never completes.
@@ -369,49 +419,9 @@ fn harness_finds_the_lamport_clearing_race() {
     let k = compiler()
         .kernel_from_source(&variant, Build::Plain, patched)
         .expect("patched kernel builds");
-    let racy: HashMap<Variant, Arc<HostKernel>> = [(variant, Arc::new(k))].into_iter().collect();
-    let real = kernels(&[variant]);
-    let mut caught = None;
-    for attempt in 0..ATTEMPTS {
-        let steps: Vec<(Strategy, u32)> = random_steps(24, 40 + attempt)
-            .into_iter()
-            .map(|(_, t)| (Strategy::OneShot, t))
-            .collect();
-        // Short delays between launches (a rank that finished a call starts the next one
-        // soon) and frequent pauses (a CTA stalls in the middle of its clearing).
-        let opts = LaunchOptions::skewed(40 + attempt, Duration::from_micros(100)).with_chaos(20);
-        // The control: the real kernel passes this very sequence (so a failure below is
-        // the patch, not the schedule or a timeout too short for the pauses).
-        let (bad, _) = run_sequence(
-            &real,
-            world,
-            dtype,
-            e,
-            &steps,
-            &opts,
-            2_000_000_000,
-            &check_inputs,
-        );
-        assert!(
-            bad.is_empty(),
-            "the real kernel failed attempt {attempt}: {}",
-            bad.join("; ")
-        );
-        let (bad, _) = run_sequence(
-            &racy,
-            world,
-            dtype,
-            e,
-            &steps,
-            &opts,
-            2_000_000_000,
-            &check_inputs,
-        );
-        if !bad.is_empty() {
-            caught = Some((attempt, bad));
-            break;
-        }
-    }
+    // Short delays between launches (a rank that finished a call starts the next one
+    // soon) and frequent pauses (a CTA stalls in the middle of its clearing).
+    let caught = first_failing_attempt(k, variant, ATTEMPTS, 24, 40);
     let (attempt, bad) = caught.expect("the patched (racy) kernel passed every skewed sequence");
     println!("race found in attempt {attempt}: {}", bad[0]);
 }
@@ -439,45 +449,7 @@ fn harness_finds_a_readiness_test_of_one_word() {
     let k = compiler()
         .kernel_from_source(&variant, Build::Plain, patched)
         .expect("patched kernel builds");
-    let weak: HashMap<Variant, Arc<HostKernel>> = [(variant, Arc::new(k))].into_iter().collect();
-    let real = kernels(&[variant]);
-    let mut caught = None;
-    for attempt in 0..ATTEMPTS {
-        let steps: Vec<(Strategy, u32)> = random_steps(12, 70 + attempt)
-            .into_iter()
-            .map(|(_, t)| (Strategy::OneShot, t))
-            .collect();
-        let opts = LaunchOptions::skewed(70 + attempt, Duration::from_micros(100)).with_chaos(20);
-        let (bad, _) = run_sequence(
-            &real,
-            world,
-            dtype,
-            e,
-            &steps,
-            &opts,
-            2_000_000_000,
-            &check_inputs,
-        );
-        assert!(
-            bad.is_empty(),
-            "the real kernel failed attempt {attempt}: {}",
-            bad.join("; ")
-        );
-        let (bad, _) = run_sequence(
-            &weak,
-            world,
-            dtype,
-            e,
-            &steps,
-            &opts,
-            2_000_000_000,
-            &check_inputs,
-        );
-        if !bad.is_empty() {
-            caught = Some((attempt, bad));
-            break;
-        }
-    }
+    let caught = first_failing_attempt(k, variant, ATTEMPTS, 12, 70);
     let (attempt, bad) = caught.expect("the one-word readiness test passed every torn sequence");
     println!("one-word readiness caught in attempt {attempt}: {}", bad[0]);
 }
